@@ -1,0 +1,97 @@
+"""The interface every transport backend implements, and how a backend declares what it can do.
+
+A backend moves bytes between registered ranges. It knows nothing of tensors, ranks' stores or
+validation: the communicator hands it checked ``Segment`` lists and a peer it has already loaded.
+Adding a backend is one file implementing ``Backend``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..descriptors import MemoryKind
+
+__all__ = ["Op", "Status", "Segment", "Capabilities", "BackendInfo", "Backend"]
+
+
+class Op(enum.Enum):
+    """READ pulls remote -> local; WRITE pushes local -> remote."""
+
+    READ = "READ"
+    WRITE = "WRITE"
+
+
+class Status(enum.Enum):
+    """State of a posted transfer."""
+
+    DONE = "DONE"
+    IN_PROGRESS = "IN_PROGRESS"
+    ERROR = "ERROR"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A byte range on one device of one process: ``[addr, addr + nbytes)``."""
+
+    addr: int
+    nbytes: int
+    kind: MemoryKind
+    device_index: int
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend supports, as data (the engine picks a backend from these)."""
+
+    memory_kinds: frozenset[MemoryKind]
+    remote: bool  # reaches other processes / hosts
+    stream_ordered: bool  # completion can be ordered on a CUDA stream without the CPU
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """Whether a backend works here; ``reason`` says why not in plain words, ``fix`` what to do."""
+
+    name: str
+    available: bool
+    reason: str
+    fix: str = ""
+    version: str = ""
+
+
+class Backend(Protocol):
+    """A transport. Calls are non-blocking unless said otherwise; none takes a lock of the caller's."""
+
+    name: str
+    capabilities: Capabilities
+
+    def register(self, segment: Segment) -> Any:
+        """Make ``segment`` usable by this backend; returns an opaque handle for ``deregister``."""
+
+    def deregister(self, handle: Any) -> None: ...
+
+    def metadata(self) -> bytes:
+        """What a peer needs to reach this process and its registered memory (changes on register)."""
+
+    def load_peer(self, rank: int, metadata: bytes) -> None:
+        """Add or refresh a peer from its ``metadata()``."""
+
+    def prepare(
+        self, op: Op, local: list[Segment], remote: list[Segment], peer: int, notify: bytes | None
+    ) -> Any:
+        """Build a reusable request; the expensive step. Item i of ``local`` pairs with item i of ``remote``."""
+
+    def post(self, request: Any, notify: bytes | None) -> Status:
+        """Start (or restart) a prepared request; may complete inside the call."""
+
+    def status(self, request: Any) -> Status:
+        """Poll a posted request; drives the backend's progress."""
+
+    def release(self, request: Any) -> None: ...
+
+    def notifications(self) -> list[tuple[int, bytes]]:
+        """Notifications that arrived since the last call, as ``(sender rank, message)``, in order."""
+
+    def close(self) -> None: ...

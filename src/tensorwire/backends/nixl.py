@@ -1,0 +1,230 @@
+"""NIXL backend: one-sided READ/WRITE through the ``nixl`` package (UCX underneath).
+
+One NIXL agent per communicator, named ``tensorwire-rank<r>``. Scope: DRAM and VRAM on the UCX
+backend; metadata exchange is the communicator's job (``metadata`` / ``load_peer``).
+
+Progress. NIXL's Python wrapper builds its agent with ``pthrDelay = 0``, which makes UCX's progress
+thread ``poll()`` with a zero timeout: a whole core per agent, idle. We rebuild the bindings agent with a
+wake-up period instead: the thread then sleeps in ``poll()`` on the UCX worker's event fd, wakes on
+traffic (so a busy or idle rank still answers a peer's connection handshake) and costs ~0 when idle.
+Waiters in tensorwire poll ``status`` themselves, which also progresses the worker.
+
+Thread safety. The agent is created with NIXL's ``NONE`` sync mode (the mode NIXL's own progress thread
+is built for); every call from tensorwire goes through ``self._lock`` so user threads never race.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from typing import Any
+
+from ..descriptors import MemoryKind
+from ..errors import BackendUnavailableError, PeerLostError, TransferError
+from .base import BackendInfo, Capabilities, Op, Segment, Status
+
+__all__ = ["NixlBackend", "info", "agent_name"]
+
+_MEM_TYPE = {MemoryKind.CPU: "DRAM", MemoryKind.CUDA: "VRAM"}
+_AGENT_PREFIX = "tensorwire-rank"
+
+
+def agent_name(rank: int) -> str:
+    return f"{_AGENT_PREFIX}{rank}"
+
+
+def _rank_of(name: str | bytes) -> int:
+    name = name.decode() if isinstance(name, bytes) else name
+    return int(name[len(_AGENT_PREFIX):])
+
+
+def _import_nixl() -> tuple[Any, Any]:
+    """``(nixl._api, nixl._bindings)``, or ``BackendUnavailableError`` saying why not."""
+    try:
+        api = importlib.import_module("nixl._api")
+        bindings = importlib.import_module("nixl._bindings")
+    except ModuleNotFoundError as e:
+        if e.name in ("nixl", "nixl._api", "nixl._bindings"):
+            raise BackendUnavailableError(
+                "nixl: the 'nixl' package is not installed; pip install nixl (pulls nixl-cu12/nixl-cu13)"
+            ) from e
+        raise BackendUnavailableError(
+            f"nixl: importing nixl failed because its dependency {e.name!r} is missing; install it"
+        ) from e
+    except ImportError as e:
+        raise BackendUnavailableError(
+            f"nixl: importing nixl failed ({e}); reinstall nixl matching your CUDA major version "
+            "(nixl-cu12 or nixl-cu13)"
+        ) from e
+    return api, bindings
+
+
+def info() -> BackendInfo:
+    """Whether NIXL with its UCX plugin can be used here (no agent is left behind)."""
+    try:
+        api, _ = _import_nixl()
+    except BackendUnavailableError as e:
+        return BackendInfo("nixl", False, str(e), fix="pip install nixl")
+    version = _version()
+    try:
+        probe = api.nixl_agent("tensorwire-probe", api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+        plugins = probe.get_plugin_list()
+    except Exception as e:  # noqa: BLE001 - any failure here means "unavailable", reported with its text
+        return BackendInfo("nixl", False, f"creating a NIXL agent failed: {e}", fix="check the nixl install", version=version)
+    if "UCX" not in plugins:
+        return BackendInfo(
+            "nixl", False, f"NIXL has no UCX plugin (found {plugins})",
+            fix="reinstall nixl; set NIXL_PLUGIN_DIR if plugins live elsewhere", version=version,
+        )
+    return BackendInfo("nixl", True, "UCX plugin loaded", version=version)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("nixl", "nixl-cu13", "nixl-cu12"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+class NixlBackend:
+    """The ``Backend`` protocol over one NIXL agent."""
+
+    name = "nixl"
+    capabilities = Capabilities(
+        memory_kinds=frozenset({MemoryKind.CPU, MemoryKind.CUDA}), remote=True, stream_ordered=False
+    )
+
+    def __init__(self, rank: int, *, progress_wakeup_ms: float = 10.0) -> None:
+        api, bindings = _import_nixl()
+        self._errors = _error_classes(bindings)
+        self._lock = threading.Lock()
+        self.rank = rank
+        self.agent_name = agent_name(rank)
+        try:
+            self.agent = _make_agent(api, bindings, self.agent_name, progress_wakeup_ms)
+        except Exception as e:  # noqa: BLE001 - NIXL raises plain RuntimeError/its own classes
+            raise BackendUnavailableError(
+                f"nixl: creating agent {self.agent_name!r} with the UCX backend failed: {e}; "
+                "run 'tensorwire doctor' to see what works here"
+            ) from e
+        self._loaded_peers: set[int] = set()
+
+    # --- memory -------------------------------------------------------------------------------
+    def register(self, segment: Segment) -> Any:
+        entry = [(segment.addr, segment.nbytes, max(segment.device_index, 0), "")]
+        with self._lock:
+            try:
+                return self.agent.register_memory(entry, _MEM_TYPE[segment.kind])
+            except Exception as e:  # noqa: BLE001
+                raise self._translate(e, f"registering {segment.nbytes} bytes of {_MEM_TYPE[segment.kind]} at 0x{segment.addr:x}") from e
+
+    def deregister(self, handle: Any) -> None:
+        with self._lock:
+            try:
+                self.agent.deregister_memory(handle)
+            except Exception as e:  # noqa: BLE001
+                raise self._translate(e, "deregistering memory") from e
+
+    # --- peers --------------------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        with self._lock:
+            return self.agent.get_agent_metadata()
+
+    def load_peer(self, rank: int, metadata: bytes) -> None:
+        with self._lock:
+            try:
+                self.agent.add_remote_agent(metadata)
+            except Exception as e:  # noqa: BLE001
+                raise self._translate(e, f"loading the metadata of rank {rank}", peer=rank) from e
+        self._loaded_peers.add(rank)
+
+    # --- transfers ----------------------------------------------------------------------------
+    def prepare(self, op: Op, local: list[Segment], remote: list[Segment], peer: int, notify: bytes | None) -> Any:
+        local_kind, remote_kind = local[0].kind, remote[0].kind
+        with self._lock:
+            try:
+                local_descs = self.agent.get_xfer_descs(
+                    [(s.addr, s.nbytes, max(s.device_index, 0)) for s in local], _MEM_TYPE[local_kind]
+                )
+                remote_descs = self.agent.get_xfer_descs(
+                    [(s.addr, s.nbytes, max(s.device_index, 0)) for s in remote], _MEM_TYPE[remote_kind]
+                )
+                return self.agent.initialize_xfer(
+                    op.value, local_descs, remote_descs, agent_name(peer), notify or b""
+                )
+            except Exception as e:  # noqa: BLE001
+                raise self._translate(e, f"preparing a {op.value} with rank {peer}", peer=peer) from e
+
+    def post(self, request: Any, notify: bytes | None) -> Status:
+        with self._lock:
+            try:
+                state = self.agent.transfer(request, notify or b"")
+            except Exception as e:  # noqa: BLE001
+                raise self._translate(e, "posting a transfer") from e
+        return _STATUS[state]
+
+    def status(self, request: Any) -> Status:
+        with self._lock:
+            try:
+                state = self.agent.check_xfer_state(request)
+            except Exception as e:  # noqa: BLE001
+                raise self._translate(e, "checking a transfer") from e
+        return _STATUS[state]
+
+    def release(self, request: Any) -> None:
+        with self._lock:
+            try:
+                request.release()
+            except Exception as e:  # noqa: BLE001
+                raise self._translate(e, "releasing a transfer") from e
+
+    def notifications(self) -> list[tuple[int, bytes]]:
+        with self._lock:
+            try:
+                new = self.agent.get_new_notifs()
+            except Exception as e:  # noqa: BLE001
+                raise self._translate(e, "reading notifications") from e
+        return [(_rank_of(name), bytes(msg)) for name, msgs in new.items() for msg in msgs]
+
+    def close(self) -> None:
+        # Dropping the agent joins NIXL's progress thread and closes UCX endpoints.
+        with self._lock:
+            self.agent = None
+
+    # --- errors -------------------------------------------------------------------------------
+    def _translate(self, error: Exception, what: str, peer: int | None = None) -> Exception:
+        """A NIXL exception as the tensorwire error that says which peer and what failed."""
+        kind = type(error).__name__
+        where = f" (peer rank {peer})" if peer is not None else ""
+        if kind == "nixlRemoteDisconnectError":
+            return PeerLostError(f"nixl: {what}{where}: the remote agent disconnected ({error}); the peer process exited or its network broke")
+        if kind in self._errors:
+            return TransferError(f"nixl: {what}{where} failed with {kind}: {error}")
+        return TransferError(f"nixl: {what}{where} failed: {kind}: {error}")
+
+
+_STATUS = {"DONE": Status.DONE, "PROC": Status.IN_PROGRESS, "ERR": Status.ERROR}
+
+
+def _error_classes(bindings: Any) -> frozenset[str]:
+    return frozenset(n for n in dir(bindings) if n.startswith("nixl") and n.endswith("Error"))
+
+
+def _make_agent(api: Any, bindings: Any, name: str, progress_wakeup_ms: float) -> Any:
+    """A ``nixl_agent`` whose UCX progress thread sleeps between events instead of spinning."""
+    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, backends=[]))
+    config = bindings.nixlAgentConfig()
+    config.useProgThread = True
+    config.useListenThread = False
+    config.syncMode = bindings.NIXL_THREAD_SYNC_NONE
+    config.pthrDelay = int(max(progress_wakeup_ms, 1.0) * 1000)  # microseconds
+    config.captureTelemetry = False
+    # Swap in the bindings agent before any backend exists, so that the UCX engine and its progress
+    # thread are created with our config; every nixl_agent method goes through ``agent.agent``.
+    agent.agent = bindings.nixlAgent(name, config)
+    agent.create_backend("UCX", {"ucx_error_handling_mode": "peer", "num_workers": "1"})
+    return agent

@@ -1,0 +1,342 @@
+"""``init()`` and the ``Communicator``: the public surface of point-to-point tensorwire.
+
+A communicator owns one backend agent, the local memory map, this process's view of each peer's
+memory map, and the notification inbox. Memory maps travel through the store lazily: a rank publishes
+its map (backend metadata + registered ranges, stamped with an epoch) whenever it registers or
+deregisters, and a rank loads a peer's map the first time it addresses a descriptor newer than the
+view it holds. No collective is needed to add a peer.
+"""
+
+from __future__ import annotations
+
+import struct
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import config as config_module
+from .backends.base import Backend, Op, Segment
+from .backends.nixl import NixlBackend
+from .bootstrap import Rendezvous, resolve_environment
+from .descriptors import TensorDesc
+from .errors import ClosedError, InvalidArgumentError
+from .progress import Inbox, wait_until
+from .registration import LocalMemoryMap, Registration, as_tensor_list, segment_of
+from .transfer import Transfer
+
+__all__ = ["Communicator", "init"]
+
+_MEMORY_MAP_HEADER = struct.Struct("<II")  # epoch, backend metadata length
+
+
+@dataclass
+class _PeerView:
+    epoch: int
+    regions: list[TensorDesc]
+
+
+def init(
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    device: "torch.device | str | None" = None,
+    timeout: float | None = None,
+    store: dist.Store | None = None,
+) -> "Communicator":
+    """Join the job described by the launcher's environment (torchrun, mpirun, SLURM) or the keywords.
+
+    Blocks until rank 0's store is reachable (at most ``timeout`` seconds). Not collective beyond that:
+    peers are connected lazily. ``store=`` reuses an existing torch.distributed store (keys are prefixed).
+    """
+    cfg = config_module.load()
+    timeout_s = cfg.timeout_s if timeout is None else float(timeout)
+    if timeout_s <= 0:
+        raise InvalidArgumentError(f"init: timeout={timeout!r}; give a positive number of seconds")
+    env = resolve_environment(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
+    if device is None:
+        if torch.cuda.is_available():
+            device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        else:
+            device = torch.device("cpu")
+    return Communicator(env, torch.device(device), cfg, timeout_s, store)
+
+
+class Communicator:
+    """One rank's endpoint. Context manager; ``close()`` is idempotent.
+
+    ``rank``, ``world_size``, ``local_rank``, ``local_world_size``, ``device`` (``cuda:LOCAL_RANK % gpus``
+    with CUDA, else ``cpu``; tensorwire never calls ``torch.cuda.set_device`` for you).
+    """
+
+    def __init__(self, env, device: torch.device, cfg: config_module.Config, timeout_s: float,
+                 store: dist.Store | None) -> None:
+        self.rank = env.rank
+        self.world_size = env.world_size
+        self.local_rank = env.local_rank
+        self.local_world_size = env.local_world_size
+        self.device = device
+        self.config = cfg
+        self.timeout_s = timeout_s
+        self.closed = False
+        self._rendezvous = Rendezvous(env, timeout_s, store)
+        self._backend: Backend = NixlBackend(env.rank, progress_wakeup_ms=cfg.progress_wakeup_ms)
+        self._inbox = Inbox(self._backend.notifications)
+        self._local_map = LocalMemoryMap()
+        self._epoch = 0
+        self._peers: dict[int, _PeerView] = {}
+        self._registrations: weakref.WeakSet[Registration] = weakref.WeakSet()
+        self._transfers: weakref.WeakSet[Transfer] = weakref.WeakSet()
+        self._publish_memory_map()
+
+    # --- memory ---------------------------------------------------------------------------------
+    def register(self, tensors: "torch.Tensor | Sequence[torch.Tensor]") -> Registration:
+        """Register contiguous, non-empty CPU or CUDA tensors for one-sided access. Local, not collective;
+        blocks while the backend pins the memory. Returns a ``Registration`` whose ``descs`` peers may use."""
+        self._check_open("register")
+        tensors = as_tensor_list(tensors, "register")
+        segments = [segment_of(t, i, "register") for i, t in enumerate(tensors)]
+        for i, (t, s) in enumerate(zip(tensors, segments)):
+            if s.nbytes == 0:
+                raise InvalidArgumentError(
+                    f"register: tensor {i} has zero bytes (shape {tuple(t.shape)}); register only non-empty tensors"
+                )
+            clash = self._local_map.overlapping(s)
+            if clash is None:
+                clash = next((o for o in segments[:i] if o.kind == s.kind and o.device_index == s.device_index
+                              and o.addr < s.addr + s.nbytes and s.addr < o.addr + o.nbytes), None)
+            if clash is not None:
+                raise InvalidArgumentError(
+                    f"register: tensor {i} [0x{s.addr:x}, +{s.nbytes}) overlaps registered range "
+                    f"[0x{clash.addr:x}, +{clash.nbytes}); register each byte range once and transfer views of it"
+                )
+        handles: list = []
+        try:
+            for s in segments:
+                handles.append(self._backend.register(s))
+        except Exception:
+            for h in handles:
+                self._backend.deregister(h)
+            raise
+        epoch = self._epoch + 1
+        descs = [TensorDesc(self.rank, s.addr, s.nbytes, s.kind, s.device_index, epoch) for s in segments]
+        registration = Registration(self, tensors, segments, handles, descs)
+        for s in segments:
+            self._local_map.add(s, registration)
+        self._registrations.add(registration)
+        self._publish_memory_map()
+        return registration
+
+    def _deregister(self, registration: Registration, handles: list) -> None:
+        for s in registration.segments:
+            self._local_map.remove(s)
+        if self.closed:
+            return  # the agent is gone and took the registrations with it
+        for h in handles:
+            self._backend.deregister(h)
+        self._publish_memory_map()
+
+    def _publish_memory_map(self) -> None:
+        self._epoch += 1
+        regions = [TensorDesc(self.rank, s.addr, s.nbytes, s.kind, s.device_index, self._epoch)
+                   for s in self._local_map.segments()]
+        metadata = self._backend.metadata()
+        blob = _MEMORY_MAP_HEADER.pack(self._epoch, len(metadata)) + metadata + TensorDesc.pack(regions)
+        self._rendezvous.set(f"memmap/{self.rank}", blob)
+
+    def _peer_view(self, rank: int, min_epoch: int, timeout_s: float) -> _PeerView:
+        """This process's view of ``rank``'s memory map, refreshed from the store if older than ``min_epoch``."""
+        view = self._peers.get(rank)
+        if view is not None and view.epoch >= min_epoch:
+            return view
+
+        def fetch() -> bool:
+            blob = self._rendezvous.get(f"memmap/{rank}", timeout_s, f"prepare: loading the memory map of rank {rank}")
+            epoch, md_len = _MEMORY_MAP_HEADER.unpack_from(blob)
+            if epoch < min_epoch:
+                return False
+            metadata = blob[_MEMORY_MAP_HEADER.size:_MEMORY_MAP_HEADER.size + md_len]
+            regions = TensorDesc.unpack(blob[_MEMORY_MAP_HEADER.size + md_len:])
+            self._backend.load_peer(rank, metadata)
+            self._peers[rank] = _PeerView(epoch, regions)
+            return True
+
+        wait_until(fetch, timeout_s, lambda: f"prepare: memory map of rank {rank} at epoch >= {min_epoch}", self.config)
+        return self._peers[rank]
+
+    # --- descriptors through the store ----------------------------------------------------------
+    def publish(self, key: str, descs: "Sequence[TensorDesc] | TensorDesc") -> None:
+        """Make ``descs`` visible to every rank under ``(key, self.rank)``. Non-blocking, not collective."""
+        self._check_open("publish")
+        self._check_key(key, "publish")
+        self._rendezvous.set(f"user/{self.rank}/{key}", TensorDesc.pack(descs))
+
+    def lookup(self, key: str, rank: int, timeout: float | None = None) -> list[TensorDesc]:
+        """The descriptors ``rank`` published under ``key``; blocks until they exist (``WaitTimeoutError``)."""
+        self._check_open("lookup")
+        self._check_key(key, "lookup")
+        self._check_rank(rank, "lookup")
+        blob = self._rendezvous.get(
+            f"user/{rank}/{key}", self._timeout(timeout), f"lookup: rank {rank} has not published {key!r}"
+        )
+        return TensorDesc.unpack(blob)
+
+    # --- transfers ------------------------------------------------------------------------------
+    def prepare(self, op: Op, local: "torch.Tensor | Sequence[torch.Tensor]",
+                remote: "TensorDesc | Sequence[TensorDesc]", notify: bytes | None = None) -> Transfer:
+        """Build a reusable transfer: item i of ``local`` (registered tensors or views inside them) pairs with
+        item i of ``remote`` (descriptors of ONE rank). May block on first contact with a peer while its
+        memory map is fetched (bounded by the timeout). Zero-byte items are skipped."""
+        self._check_open("prepare")
+        if not isinstance(op, Op):
+            raise InvalidArgumentError(f"prepare: op={op!r}; pass tw.READ or tw.WRITE")
+        local_tensors = as_tensor_list(local, "prepare")
+        remote_descs = [remote] if isinstance(remote, TensorDesc) else list(remote) if isinstance(remote, (list, tuple)) else None
+        if not remote_descs:
+            raise InvalidArgumentError(f"prepare: remote must be a TensorDesc or a non-empty list of them, got {remote!r}")
+        for i, d in enumerate(remote_descs):
+            if not isinstance(d, TensorDesc):
+                raise InvalidArgumentError(f"prepare: remote item {i} is a {type(d).__name__}; pass TensorDesc values from lookup()")
+        if len(local_tensors) != len(remote_descs):
+            raise InvalidArgumentError(
+                f"prepare: {len(local_tensors)} local tensors but {len(remote_descs)} remote descriptors; item i of each list pairs up"
+            )
+        peers = sorted({d.rank for d in remote_descs})
+        if len(peers) > 1:
+            raise InvalidArgumentError(f"prepare: remote descriptors belong to ranks {peers}; one transfer reaches one rank, prepare one per rank")
+        peer = peers[0]
+        self._check_rank(peer, "prepare")
+        if peer == self.rank:
+            raise InvalidArgumentError(
+                f"prepare: the remote descriptors belong to this rank ({peer}); copy locally with dst.copy_(src)"
+            )
+        if notify is not None and not isinstance(notify, (bytes, bytearray)):
+            raise InvalidArgumentError(f"prepare: notify must be bytes, got {type(notify).__name__}")
+
+        pairs: list[tuple[Segment, Segment]] = []
+        for i, (t, d) in enumerate(zip(local_tensors, remote_descs)):
+            s = segment_of(t, i, "prepare")
+            if s.nbytes != d.nbytes:
+                raise InvalidArgumentError(
+                    f"prepare: item {i}: local tensor has {s.nbytes} bytes, remote descriptor {d.nbytes}; sizes must match"
+                )
+            if s.nbytes == 0:
+                continue
+            registration = self._local_map.find(s)
+            if registration is None:
+                raise InvalidArgumentError(
+                    f"prepare: local tensor {i} ({s.nbytes} bytes at 0x{s.addr:x} on {t.device}) is not inside any "
+                    "registered tensor; call comm.register(...) on it (or on the tensor it views) first"
+                )
+            pairs.append((s, Segment(d.addr, d.nbytes, d.kind, d.device_index)))
+
+        timeout_s = self.timeout_s
+        if pairs:
+            view = self._peer_view(peer, max(d.epoch for d in remote_descs), timeout_s)
+            for i, d in enumerate(remote_descs):
+                if d.nbytes and not any(region.contains(d) for region in view.regions):
+                    raise InvalidArgumentError(
+                        f"prepare: remote item {i} [0x{d.addr:x}, +{d.nbytes}) on {d.device} is outside what rank {peer} "
+                        f"has registered (epoch {view.epoch}); use descriptors from lookup() or narrow() inside them"
+                    )
+            kinds = {(s.kind, r.kind) for s, r in pairs}
+            if len(kinds) > 1:
+                raise InvalidArgumentError(
+                    f"prepare: items mix memory kinds {sorted((a.name, b.name) for a, b in kinds)}; "
+                    "prepare one transfer per (local, remote) memory kind"
+                )
+        nbytes = sum(s.nbytes for s, _ in pairs)
+        request = None
+        if pairs:
+            request = self._backend.prepare(op, [s for s, _ in pairs], [r for _, r in pairs], peer, notify)
+        transfer = Transfer(self, op, peer, nbytes, self._backend, request, notify)
+        self._transfers.add(transfer)
+        return transfer
+
+    def read(self, local, remote, timeout: float | None = None) -> None:
+        """READ remote -> local and wait for it (prepare + post + wait + close). Blocks."""
+        with self.prepare(Op.READ, local, remote) as transfer:
+            transfer.post()
+            transfer.wait(timeout)
+
+    def write(self, local, remote, notify: bytes | None = None, timeout: float | None = None) -> None:
+        """WRITE local -> remote and wait for it; ``notify`` reaches the peer after the data. Blocks."""
+        with self.prepare(Op.WRITE, local, remote, notify=notify) as transfer:
+            transfer.post()
+            transfer.wait(timeout)
+
+    def wait_notification(self, from_rank: int, timeout: float | None = None) -> bytes:
+        """The next message a WRITE's ``notify=`` from ``from_rank`` delivered, in order. Blocks (sleeping)
+        until one arrives; ``WaitTimeoutError`` after ``timeout`` seconds."""
+        self._check_open("wait_notification")
+        self._check_rank(from_rank, "wait_notification")
+        message: list[bytes] = []
+
+        def arrived() -> bool:
+            m = self._inbox.try_pop(from_rank)
+            if m is not None:
+                message.append(m)
+            return bool(message)
+
+        wait_until(arrived, self._timeout(timeout), lambda: f"wait_notification: nothing from rank {from_rank}", self.config)
+        return message[0]
+
+    # --- collective helpers & lifetime ------------------------------------------------------------
+    def barrier(self, timeout: float | None = None) -> None:
+        """Return when every rank has called ``barrier``. Collective, blocking (on the store)."""
+        self._check_open("barrier")
+        self._rendezvous.barrier(self._timeout(timeout))
+
+    def close(self) -> None:
+        """Release transfers, registrations and the backend agent. Not collective; rank 0 keeps the store
+        up until every rank has closed (at most the communicator's timeout). Idempotent."""
+        if self.closed:
+            return
+        for transfer in list(self._transfers):
+            transfer.close()
+        for registration in list(self._registrations):
+            registration.close()
+        self.closed = True
+        self._backend.close()
+        try:
+            self._rendezvous.depart(self.timeout_s)
+        except Exception:  # noqa: BLE001 - peers may be gone already; closing must not fail for that
+            pass
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, backend={self._backend.name})"
+
+    # --- internals ------------------------------------------------------------------------------
+    def _timeout(self, timeout: float | None) -> float:
+        if timeout is None:
+            return self.timeout_s
+        if not isinstance(timeout, (int, float)) or timeout < 0:
+            raise InvalidArgumentError(f"timeout={timeout!r}; give seconds >= 0 or None for the default")
+        return float(timeout)
+
+    def _check_open(self, fn: str) -> None:
+        if self.closed:
+            raise ClosedError(f"{fn}: the communicator is closed; create a new one with tw.init()")
+
+    def _check_rank(self, rank: int, fn: str) -> None:
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise InvalidArgumentError(f"{fn}: rank {rank!r} is outside [0, {self.world_size})")
+
+    @staticmethod
+    def _check_key(key: str, fn: str) -> None:
+        if not isinstance(key, str) or not key:
+            raise InvalidArgumentError(f"{fn}: key must be a non-empty str, got {key!r}")
+
+    def _forget_transfer(self, transfer: Transfer) -> None:
+        self._transfers.discard(transfer)
+

@@ -1,0 +1,46 @@
+"""The one error hierarchy of tensorwire.
+
+Every error raised at the public API is a ``TensorwireError`` and also subclasses the builtin that a
+caller would naturally catch (``ValueError``, ``RuntimeError``, ``TimeoutError``, ``ConnectionError``).
+Messages name the function, the observed values and the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TensorwireError",
+    "InvalidArgumentError",
+    "BackendUnavailableError",
+    "TransferError",
+    "WaitTimeoutError",
+    "PeerLostError",
+    "ClosedError",
+]
+
+
+class TensorwireError(Exception):
+    """Base class of every tensorwire error."""
+
+
+class InvalidArgumentError(TensorwireError, ValueError):
+    """The caller passed something tensorwire cannot use; nothing was changed."""
+
+
+class ClosedError(InvalidArgumentError):
+    """A closed communicator, registration or transfer was used."""
+
+
+class BackendUnavailableError(TensorwireError, RuntimeError):
+    """A backend (or the memory kind asked of it) does not work on this machine."""
+
+
+class TransferError(TensorwireError, RuntimeError):
+    """A backend reported a failure while preparing, posting or completing a transfer."""
+
+
+class WaitTimeoutError(TensorwireError, TimeoutError):
+    """A bounded wait ran out of time."""
+
+
+class PeerLostError(TensorwireError, ConnectionError):
+    """A peer rank stopped answering: it exited, crashed or its connection broke."""

@@ -1,0 +1,148 @@
+"""Registered local memory: the ``Registration`` handle and the map that resolves tensors to it.
+
+A ``Registration`` owns its byte ranges for the backend (and keeps the tensors alive); its ``descs``
+are what other ranks may address. ``LocalMemoryMap`` answers "which registration holds these bytes?"
+so that views inside a registered tensor can be transferred without registering them again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import warnings
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from .backends.base import Segment
+from .descriptors import MemoryKind, TensorDesc
+from .errors import ClosedError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+__all__ = ["Registration", "LocalMemoryMap", "as_tensor_list", "segment_of"]
+
+
+def as_tensor_list(tensors: "torch.Tensor | Sequence[torch.Tensor]", fn: str) -> list[torch.Tensor]:
+    """One tensor or a non-empty list of tensors, else ``InvalidArgumentError`` naming ``fn``."""
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    if not isinstance(tensors, (list, tuple)):
+        raise InvalidArgumentError(f"{fn}: expected a tensor or a list of tensors, got {type(tensors).__name__}")
+    if len(tensors) == 0:
+        raise InvalidArgumentError(f"{fn}: the tensor list is empty; pass at least one tensor")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"{fn}: item {i} is a {type(t).__name__}, not a torch.Tensor")
+    return list(tensors)
+
+
+def segment_of(tensor: torch.Tensor, index: int, fn: str) -> Segment:
+    """The bytes of a contiguous CPU or CUDA tensor."""
+    if not tensor.is_contiguous():
+        raise InvalidArgumentError(
+            f"{fn}: tensor {index} is not contiguous (shape {tuple(tensor.shape)}, strides {tensor.stride()}); "
+            "call .contiguous() first"
+        )
+    if tensor.device.type == "cpu":
+        kind, device_index = MemoryKind.CPU, -1
+    elif tensor.device.type == "cuda":
+        kind, device_index = MemoryKind.CUDA, tensor.device.index
+    else:
+        raise InvalidArgumentError(f"{fn}: tensor {index} is on {tensor.device}; only cpu and cuda tensors are supported")
+    return Segment(tensor.data_ptr(), tensor.numel() * tensor.element_size(), kind, device_index)
+
+
+class Registration:
+    """Memory registered with a communicator's backend. Context manager; ``close()`` is idempotent."""
+
+    def __init__(self, comm: "Communicator", tensors: list[torch.Tensor], segments: list[Segment],
+                 handles: list[Any], descs: list[TensorDesc]) -> None:
+        self._comm = comm
+        self._tensors = tensors  # keeps the memory alive while registered
+        self.segments = segments
+        self._handles = handles
+        self.descs: list[TensorDesc] = descs
+        self.closed = False
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self._tensors)
+
+    def close(self) -> None:
+        """Deregister the memory. Local, non-collective; a peer must not address it afterwards."""
+        if self.closed:
+            return
+        self.closed = True
+        self._comm._deregister(self, self._handles)
+        self._tensors = []
+
+    def check_open(self, fn: str) -> None:
+        if self.closed:
+            raise ClosedError(f"{fn}: the registration is closed; register the tensors again")
+
+    def __enter__(self) -> "Registration":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "closed", True):
+            warnings.warn(
+                f"tensorwire: a Registration of {len(self.segments)} tensor(s) was garbage-collected "
+                "without close(); call reg.close() or use 'with comm.register(...)'",
+                ResourceWarning, stacklevel=2,
+            )
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - never raise from a finalizer
+                pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"Registration({len(self.segments)} tensors, {sum(s.nbytes for s in self.segments)} bytes, {state})"
+
+
+class LocalMemoryMap:
+    """Sorted, non-overlapping registered ranges of one process, keyed by (memory kind, device)."""
+
+    def __init__(self) -> None:
+        self._starts: list[tuple[int, int, int]] = []  # (kind, device, addr) sorted
+        self._entries: list[tuple[Segment, Registration]] = []
+
+    def _key(self, s: Segment) -> tuple[int, int, int]:
+        return (int(s.kind), s.device_index, s.addr)
+
+    def find(self, s: Segment) -> Registration | None:
+        """The registration whose range contains ``s``, if any."""
+        i = bisect.bisect_right(self._starts, self._key(s)) - 1
+        if i < 0:
+            return None
+        seg, reg = self._entries[i]
+        if seg.kind == s.kind and seg.device_index == s.device_index and seg.addr <= s.addr and s.addr + s.nbytes <= seg.addr + seg.nbytes:
+            return reg
+        return None
+
+    def overlapping(self, s: Segment) -> Segment | None:
+        i = bisect.bisect_right(self._starts, (int(s.kind), s.device_index, s.addr + s.nbytes - 1)) - 1
+        if i < 0:
+            return None
+        seg, _ = self._entries[i]
+        if seg.kind == s.kind and seg.device_index == s.device_index and seg.addr < s.addr + s.nbytes and s.addr < seg.addr + seg.nbytes:
+            return seg
+        return None
+
+    def add(self, s: Segment, reg: Registration) -> None:
+        i = bisect.bisect_right(self._starts, self._key(s))
+        self._starts.insert(i, self._key(s))
+        self._entries.insert(i, (s, reg))
+
+    def remove(self, s: Segment) -> None:
+        i = bisect.bisect_left(self._starts, self._key(s))
+        if i < len(self._starts) and self._starts[i] == self._key(s):
+            del self._starts[i]
+            del self._entries[i]
+
+    def segments(self) -> list[Segment]:
+        return [s for s, _ in self._entries]

@@ -1,0 +1,104 @@
+"""Run ``fn(*args)`` in ``world_size`` fresh local processes, the way torchrun would.
+
+Each child gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and a free
+``MASTER_PORT`` in its own environment before ``fn`` runs, so ``tw.init()`` works unchanged. The first
+rank to fail (exception or non-zero exit) stops every rank, and its traceback is raised here.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+from ..errors import TensorwireError, WaitTimeoutError
+
+__all__ = ["launch", "free_port", "RankFailedError"]
+
+
+class RankFailedError(TensorwireError, RuntimeError):
+    """A rank launched by ``launch`` raised or exited with a non-zero code."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, env: dict[str, str],
+           args: tuple, conn: Any) -> None:
+    os.environ.update(env)
+    os.environ.update({
+        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    })
+    try:
+        result = fn(*args)
+        conn.send(("ok", result))
+    except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        conn.close()
+        os._exit(1)
+    conn.close()
+    # Skip interpreter teardown: backend threads must not be able to hang a finished rank.
+    os._exit(0)
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+           env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(*args)`` on ranks ``0..world_size-1``; returns their results in rank order.
+
+    ``fn`` must be importable (module level). A rank that exits with code 0 without returning (e.g. a test
+    simulating a crash with ``os._exit(0)``) yields ``None``. Raises ``RankFailedError`` for the first
+    failing rank and ``WaitTimeoutError`` after ``timeout`` seconds, killing every rank in both cases.
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(fn, rank, world_size, port, dict(env or {}), args, child_conn),
+                        name=f"tensorwire-rank{rank}", daemon=True)
+        p.start()
+        child_conn.close()
+        procs.append(p)
+        conns.append(parent_conn)
+
+    results: list[Any] = [None] * world_size
+    pending = set(range(world_size))
+    deadline = time.monotonic() + timeout
+    try:
+        while pending:
+            for rank in sorted(pending):
+                conn, proc = conns[rank], procs[rank]
+                if conn.poll():
+                    try:
+                        kind, payload = conn.recv()
+                    except EOFError:
+                        kind, payload = "eof", None
+                    if kind == "error":
+                        raise RankFailedError(f"rank {rank} of {world_size} failed:\n{payload}")
+                    if kind == "ok":
+                        results[rank] = payload
+                        pending.discard(rank)
+                        continue
+                if not proc.is_alive() and not conn.poll():
+                    if proc.exitcode != 0:
+                        raise RankFailedError(f"rank {rank} of {world_size} exited with code {proc.exitcode}")
+                    pending.discard(rank)
+            if time.monotonic() > deadline:
+                raise WaitTimeoutError(
+                    f"launch: ranks {sorted(pending)} of {world_size} still running after {timeout:.0f}s; killed them all"
+                )
+            time.sleep(0.01)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+    return results
