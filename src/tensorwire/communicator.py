@@ -1,15 +1,21 @@
 """``init()`` and the ``Communicator``: the public surface of point-to-point tensorwire.
 
-A communicator owns one backend agent, the local memory map, this process's view of each peer's
-memory map, and the notification inbox. Memory maps travel through the store lazily: a rank publishes
-its map (backend metadata + registered ranges, stamped with an epoch) whenever it registers or
-deregisters, and a rank loads a peer's map the first time it addresses a descriptor newer than the
-view it holds. No collective is needed to add a peer.
+A communicator owns its backends (NIXL always; CUDA IPC where CUDA and cuda-python are present; the
+same-process copy), the local memory map, this process's view of each peer's memory map, the
+notification inbox and the progress thread. Memory maps travel through the store lazily: a rank
+publishes its map (host identity, every backend's metadata, registered ranges, stamped with an epoch)
+whenever it registers or deregisters, and a rank loads a peer's map the first time it addresses a
+descriptor newer than the view it holds. No collective is needed to add a peer.
+
+Transport selection, per transfer (``Transfer.transport`` tells, ``prepare(transport=)`` overrides):
+the peer is this rank -> ``local``; same host and GPU memory on both sides, exported through IPC ->
+``cuda_ipc``; otherwise -> ``nixl``.
 """
 
 from __future__ import annotations
 
 import struct
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -18,24 +24,58 @@ import torch
 import torch.distributed as dist
 
 from . import config as config_module
+from . import cuda
 from .backends.base import Backend, Op, Segment
+from .backends.local import LocalBackend
 from .backends.nixl import NixlBackend
-from .bootstrap import Rendezvous, resolve_environment
-from .descriptors import TensorDesc
+from .bootstrap import Rendezvous, hostname, resolve_environment
+from .descriptors import MemoryKind, TensorDesc
 from .errors import ClosedError, InvalidArgumentError
-from .progress import Inbox, wait_until
+from .progress import Inbox, ProgressEngine, wait_until
 from .registration import LocalMemoryMap, Registration, as_tensor_list, segment_of
 from .transfer import Transfer
 
 __all__ = ["Communicator", "init"]
 
-_MEMORY_MAP_HEADER = struct.Struct("<II")  # epoch, backend metadata length
+_MEMORY_MAP_HEADER = struct.Struct("<IH")  # epoch, number of sections
+_SECTION_HEADER = struct.Struct("<HI")  # name length, data length
 
 
 @dataclass
 class _PeerView:
     epoch: int
+    host: str
     regions: list[TensorDesc]
+    backends: frozenset[str]
+
+
+def _host_identity() -> str:
+    """Same value for every process of one machine (hostname + boot id), different across machines."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{hostname()}/{f.read().strip()}"
+    except OSError:
+        return hostname()
+
+
+def _pack_sections(sections: dict[str, bytes]) -> bytes:
+    parts = []
+    for name, data in sections.items():
+        encoded = name.encode()
+        parts += [_SECTION_HEADER.pack(len(encoded), len(data)), encoded, data]
+    return b"".join(parts)
+
+
+def _unpack_sections(blob: bytes, offset: int, count: int) -> tuple[dict[str, bytes], int]:
+    sections = {}
+    for _ in range(count):
+        name_length, data_length = _SECTION_HEADER.unpack_from(blob, offset)
+        offset += _SECTION_HEADER.size
+        name = blob[offset:offset + name_length].decode()
+        offset += name_length
+        sections[name] = blob[offset:offset + data_length]
+        offset += data_length
+    return sections, offset
 
 
 def init(
@@ -84,9 +124,17 @@ class Communicator:
         self.timeout_s = timeout_s
         self.closed = False
         self._rendezvous = Rendezvous(env, timeout_s, store)
-        self._backend: Backend = NixlBackend(env.rank, progress_wakeup_ms=cfg.progress_wakeup_ms)
-        self._inbox = Inbox(self._backend.notifications)
+        self._host = _host_identity()
         self._local_map = LocalMemoryMap()
+        self._nixl = NixlBackend(env.rank, progress_wakeup_ms=cfg.progress_wakeup_ms)
+        self._backends: dict[str, Backend] = {"nixl": self._nixl, "local": LocalBackend(self._local_map.view)}
+        if cuda.availability()[0]:
+            from .backends.cuda_ipc import CudaIpcBackend
+
+            self._backends["cuda_ipc"] = CudaIpcBackend()
+        self._inbox = Inbox(self._nixl.notifications)
+        self._engine = ProgressEngine(cfg)
+        self._warned: set[str] = set()
         self._epoch = 0
         self._peers: dict[int, _PeerView] = {}
         self._registrations: weakref.WeakSet[Registration] = weakref.WeakSet()
@@ -114,19 +162,21 @@ class Communicator:
                     f"register: tensor {i} [0x{s.addr:x}, +{s.nbytes}) overlaps registered range "
                     f"[0x{clash.addr:x}, +{clash.nbytes}); register each byte range once and transfer views of it"
                 )
-        handles: list = []
+        handles: list[dict] = []
         try:
             for s in segments:
-                handles.append(self._backend.register(s))
+                handles.append({})
+                for name, backend in self._backends.items():
+                    if s.kind in backend.capabilities.memory_kinds:
+                        handles[-1][name] = backend.register(s)
         except Exception:
-            for h in handles:
-                self._backend.deregister(h)
+            self._release_handles(handles)
             raise
         epoch = self._epoch + 1
         descs = [TensorDesc(self.rank, s.addr, s.nbytes, s.kind, s.device_index, epoch) for s in segments]
         registration = Registration(self, tensors, segments, handles, descs)
-        for s in segments:
-            self._local_map.add(s, registration)
+        for s, t in zip(segments, tensors):
+            self._local_map.add(s, registration, t)
         self._registrations.add(registration)
         self._publish_memory_map()
         return registration
@@ -135,17 +185,22 @@ class Communicator:
         for s in registration.segments:
             self._local_map.remove(s)
         if self.closed:
-            return  # the agent is gone and took the registrations with it
-        for h in handles:
-            self._backend.deregister(h)
+            return  # the backends are gone and took the registrations with them
+        self._release_handles(handles)
         self._publish_memory_map()
+
+    def _release_handles(self, handles: list[dict]) -> None:
+        for per_backend in handles:
+            for name, handle in per_backend.items():
+                self._backends[name].deregister(handle)
 
     def _publish_memory_map(self) -> None:
         self._epoch += 1
         regions = [TensorDesc(self.rank, s.addr, s.nbytes, s.kind, s.device_index, self._epoch)
                    for s in self._local_map.segments()]
-        metadata = self._backend.metadata()
-        blob = _MEMORY_MAP_HEADER.pack(self._epoch, len(metadata)) + metadata + TensorDesc.pack(regions)
+        sections = {"host": self._host.encode()}
+        sections.update({name: backend.metadata() for name, backend in self._backends.items() if name != "local"})
+        blob = _MEMORY_MAP_HEADER.pack(self._epoch, len(sections)) + _pack_sections(sections) + TensorDesc.pack(regions)
         self._rendezvous.set(f"memmap/{self.rank}", blob)
 
     def _peer_view(self, rank: int, min_epoch: int, timeout_s: float) -> _PeerView:
@@ -156,13 +211,15 @@ class Communicator:
 
         def fetch() -> bool:
             blob = self._rendezvous.get(f"memmap/{rank}", timeout_s, f"prepare: loading the memory map of rank {rank}")
-            epoch, md_len = _MEMORY_MAP_HEADER.unpack_from(blob)
+            epoch, count = _MEMORY_MAP_HEADER.unpack_from(blob)
             if epoch < min_epoch:
                 return False
-            metadata = blob[_MEMORY_MAP_HEADER.size:_MEMORY_MAP_HEADER.size + md_len]
-            regions = TensorDesc.unpack(blob[_MEMORY_MAP_HEADER.size + md_len:])
-            self._backend.load_peer(rank, metadata)
-            self._peers[rank] = _PeerView(epoch, regions)
+            sections, offset = _unpack_sections(blob, _MEMORY_MAP_HEADER.size, count)
+            host = sections.pop("host").decode()
+            for name, metadata in sections.items():
+                if name in self._backends and (name != "cuda_ipc" or host == self._host):
+                    self._backends[name].load_peer(rank, metadata)
+            self._peers[rank] = _PeerView(epoch, host, TensorDesc.unpack(blob[offset:]), frozenset(sections))
             return True
 
         wait_until(fetch, timeout_s, lambda: f"prepare: memory map of rank {rank} at epoch >= {min_epoch}", self.config)
@@ -187,10 +244,14 @@ class Communicator:
 
     # --- transfers ------------------------------------------------------------------------------
     def prepare(self, op: Op, local: "torch.Tensor | Sequence[torch.Tensor]",
-                remote: "TensorDesc | Sequence[TensorDesc]", notify: bytes | None = None) -> Transfer:
+                remote: "TensorDesc | Sequence[TensorDesc]", notify: bytes | None = None,
+                transport: str | None = None) -> Transfer:
         """Build a reusable transfer: item i of ``local`` (registered tensors or views inside them) pairs with
-        item i of ``remote`` (descriptors of ONE rank). May block on first contact with a peer while its
-        memory map is fetched (bounded by the timeout). Zero-byte items are skipped."""
+        item i of ``remote`` (descriptors of ONE rank, possibly this one). May block on first contact with a
+        peer while its memory map is fetched (bounded by the timeout). Zero-byte items are skipped.
+
+        ``transport`` forces ``"nixl"``, ``"cuda_ipc"`` or ``"local"``; by default the fastest that reaches
+        the peer is chosen (see the module docstring) and ``Transfer.transport`` says which."""
         self._check_open("prepare")
         if not isinstance(op, Op):
             raise InvalidArgumentError(f"prepare: op={op!r}; pass tw.READ or tw.WRITE")
@@ -210,10 +271,8 @@ class Communicator:
             raise InvalidArgumentError(f"prepare: remote descriptors belong to ranks {peers}; one transfer reaches one rank, prepare one per rank")
         peer = peers[0]
         self._check_rank(peer, "prepare")
-        if peer == self.rank:
-            raise InvalidArgumentError(
-                f"prepare: the remote descriptors belong to this rank ({peer}); copy locally with dst.copy_(src)"
-            )
+        if transport is not None and transport not in ("nixl", "cuda_ipc", "local"):
+            raise InvalidArgumentError(f"prepare: transport={transport!r}; pass 'nixl', 'cuda_ipc', 'local' or None")
         if notify is not None and not isinstance(notify, (bytes, bytearray)):
             raise InvalidArgumentError(f"prepare: notify must be bytes, got {type(notify).__name__}")
 
@@ -234,28 +293,81 @@ class Communicator:
                 )
             pairs.append((s, Segment(d.addr, d.nbytes, d.kind, d.device_index)))
 
-        timeout_s = self.timeout_s
+        backend, request = None, None
         if pairs:
-            view = self._peer_view(peer, max(d.epoch for d in remote_descs), timeout_s)
-            for i, d in enumerate(remote_descs):
-                if d.nbytes and not any(region.contains(d) for region in view.regions):
-                    raise InvalidArgumentError(
-                        f"prepare: remote item {i} [0x{d.addr:x}, +{d.nbytes}) on {d.device} is outside what rank {peer} "
-                        f"has registered (epoch {view.epoch}); use descriptors from lookup() or narrow() inside them"
-                    )
+            self._check_remote_ranges(peer, remote_descs)
             kinds = {(s.kind, r.kind) for s, r in pairs}
             if len(kinds) > 1:
                 raise InvalidArgumentError(
                     f"prepare: items mix memory kinds {sorted((a.name, b.name) for a, b in kinds)}; "
                     "prepare one transfer per (local, remote) memory kind"
                 )
-        nbytes = sum(s.nbytes for s, _ in pairs)
-        request = None
-        if pairs:
-            request = self._backend.prepare(op, [s for s, _ in pairs], [r for _, r in pairs], peer, notify)
-        transfer = Transfer(self, op, peer, nbytes, self._backend, request, notify)
+            backend = self._backends[self._choose_transport(peer, pairs, transport)]
+            request = backend.prepare(op, [s for s, _ in pairs], [r for _, r in pairs], peer, notify)
+        transfer = Transfer(self, op, peer, sum(s.nbytes for s, _ in pairs), backend, request, notify)
         self._transfers.add(transfer)
         return transfer
+
+    def _check_remote_ranges(self, peer: int, remote_descs: list[TensorDesc]) -> None:
+        """Every non-empty remote range must lie inside memory ``peer`` registered (refreshing our view)."""
+        if peer == self.rank:
+            regions, epoch = [TensorDesc(self.rank, s.addr, s.nbytes, s.kind, s.device_index, self._epoch)
+                              for s in self._local_map.segments()], self._epoch
+        else:
+            view = self._peer_view(peer, max(d.epoch for d in remote_descs), self.timeout_s)
+            regions, epoch = view.regions, view.epoch
+        for i, d in enumerate(remote_descs):
+            if d.nbytes and not any(region.contains(d) for region in regions):
+                raise InvalidArgumentError(
+                    f"prepare: remote item {i} [0x{d.addr:x}, +{d.nbytes}) on {d.device} is outside what rank {peer} "
+                    f"has registered (epoch {epoch}); use descriptors from lookup() or narrow() inside them"
+                )
+
+    def _choose_transport(self, peer: int, pairs: list[tuple[Segment, Segment]], requested: str | None) -> str:
+        """The fastest backend that reaches ``peer`` for these segments (or the requested one, checked)."""
+        local_kind, remote_kind = pairs[0][0].kind, pairs[0][1].kind
+        if peer == self.rank:
+            reachable = ["local"]
+        else:
+            reachable = []
+            ipc = self._backends.get("cuda_ipc")
+            if (ipc is not None and local_kind is MemoryKind.CUDA and remote_kind is MemoryKind.CUDA
+                    and self._peers[peer].host == self._host and ipc.reaches(peer, [r for _, r in pairs])):
+                reachable.append("cuda_ipc")
+            reachable.append("nixl")
+        if requested is None:
+            chosen = reachable[0]
+            if chosen == "nixl" and local_kind is MemoryKind.CUDA and self._peers[peer].host == self._host:
+                self._warn_once(
+                    f"cuda_ipc-unavailable-{peer}",
+                    f"tensorwire: GPU transfers with rank {peer} on this host take NIXL, not CUDA IPC "
+                    f"({self._ipc_reason(peer, pairs)}); expect lower bandwidth",
+                )
+            return chosen
+        if requested not in reachable:
+            raise InvalidArgumentError(
+                f"prepare: transport={requested!r} cannot reach rank {peer} for {local_kind.name}->{remote_kind.name} "
+                f"memory here; usable: {reachable}"
+            )
+        return requested
+
+    def _ipc_reason(self, peer: int, pairs: list[tuple[Segment, Segment]]) -> str:
+        if "cuda_ipc" not in self._backends:
+            return cuda.availability()[1]
+        return "the peer's memory could not be exported through cudaIpc (expandable_segments/VMM memory?)"
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def _send_notification(self, peer: int, message: bytes) -> bool:
+        """Deliver ``message`` to ``peer``'s inbox (used by transports without a message channel)."""
+        if peer == self.rank:
+            self._inbox.push(self.rank, message)
+        else:
+            self._nixl.send_notification(peer, message)
+        return True
 
     def read(self, local, remote, timeout: float | None = None) -> None:
         """READ remote -> local and wait for it (prepare + post + wait + close). Blocks."""
@@ -301,7 +413,9 @@ class Communicator:
         for registration in list(self._registrations):
             registration.close()
         self.closed = True
-        self._backend.close()
+        self._engine.close()
+        for backend in self._backends.values():
+            backend.close()
         try:
             self._rendezvous.depart(self.timeout_s)
         except Exception:  # noqa: BLE001 - peers may be gone already; closing must not fail for that
@@ -314,7 +428,7 @@ class Communicator:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, backend={self._backend.name})"
+        return f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, backends={sorted(self._backends)})"
 
     # --- internals ------------------------------------------------------------------------------
     def _timeout(self, timeout: float | None) -> float:

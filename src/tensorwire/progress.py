@@ -55,6 +55,10 @@ class Inbox:
             for sender, message in self._poll():
                 self._queues[sender].append(message)
 
+    def push(self, sender: int, message: bytes) -> None:
+        with self._lock:
+            self._queues[sender].append(message)
+
     def try_pop(self, sender: int) -> bytes | None:
         with self._lock:
             queue = self._queues.get(sender)
@@ -64,3 +68,74 @@ class Inbox:
         with self._lock:
             queue = self._queues.get(sender)
             return queue.popleft() if queue else None
+
+
+class ProgressEngine:
+    """A background thread for completions nobody waits on with the CPU.
+
+    Work is a ``watch``: a callable polled until it returns True (it performs its own completion action,
+    e.g. storing a flag the GPU waits on, or sending a notification once a copy's event fired). The
+    thread sleeps on a condition variable while no watch exists, so an idle communicator costs nothing;
+    with watches it polls back to back after a completion and backs off to ``max_sleep`` while nothing
+    moves. It never calls CUDA APIs that a captured stream could block (only event queries and host
+    memory stores).
+    """
+
+    def __init__(self, config: Config) -> None:
+        self._max_sleep = config.max_sleep_us * 1e-6
+        self._watches: list[Callable[[], bool]] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self.error: BaseException | None = None
+
+    def watch(self, poll: Callable[[], bool]) -> None:
+        """Poll ``poll()`` from the progress thread until it returns True."""
+        with self._cond:
+            if self.error is not None:
+                raise self.error
+            self._watches.append(poll)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tensorwire-progress", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def unwatch(self, poll: Callable[[], bool]) -> None:
+        with self._cond:
+            if poll in self._watches:
+                self._watches.remove(poll)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._watches.clear()
+            self._cond.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        idle_since = time.perf_counter()
+        while True:
+            with self._cond:
+                while not self._watches and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                watches = list(self._watches)
+            finished = []
+            for poll in watches:
+                try:
+                    if poll():
+                        finished.append(poll)
+                except BaseException as e:  # noqa: BLE001 - surfaced to the next caller of watch()
+                    self.error = e
+                    finished.append(poll)
+            now = time.perf_counter()
+            if finished:
+                with self._cond:
+                    for poll in finished:
+                        if poll in self._watches:
+                            self._watches.remove(poll)
+                idle_since = now
+                continue
+            time.sleep(min(self._max_sleep, max(2e-5, (now - idle_since) / 32)))

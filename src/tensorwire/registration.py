@@ -57,7 +57,7 @@ class Registration:
     """Memory registered with a communicator's backend. Context manager; ``close()`` is idempotent."""
 
     def __init__(self, comm: "Communicator", tensors: list[torch.Tensor], segments: list[Segment],
-                 handles: list[Any], descs: list[TensorDesc]) -> None:
+                 handles: list[dict[str, Any]], descs: list[TensorDesc]) -> None:
         self._comm = comm
         self._tensors = tensors  # keeps the memory alive while registered
         self.segments = segments
@@ -109,7 +109,7 @@ class LocalMemoryMap:
 
     def __init__(self) -> None:
         self._starts: list[tuple[int, int, int]] = []  # (kind, device, addr) sorted
-        self._entries: list[tuple[Segment, Registration]] = []
+        self._entries: list[tuple[Segment, Registration, torch.Tensor]] = []
 
     def _key(self, s: Segment) -> tuple[int, int, int]:
         return (int(s.kind), s.device_index, s.addr)
@@ -119,24 +119,31 @@ class LocalMemoryMap:
         i = bisect.bisect_right(self._starts, self._key(s)) - 1
         if i < 0:
             return None
-        seg, reg = self._entries[i]
+        seg, reg, _ = self._entries[i]
         if seg.kind == s.kind and seg.device_index == s.device_index and seg.addr <= s.addr and s.addr + s.nbytes <= seg.addr + seg.nbytes:
             return reg
         return None
+
+    def view(self, s: Segment) -> torch.Tensor:
+        """A flat uint8 tensor over ``s``, which must lie inside a registered range."""
+        i = bisect.bisect_right(self._starts, self._key(s)) - 1
+        seg, _, tensor = self._entries[i]
+        offset = s.addr - seg.addr
+        return tensor.view(-1).view(torch.uint8)[offset:offset + s.nbytes]
 
     def overlapping(self, s: Segment) -> Segment | None:
         i = bisect.bisect_right(self._starts, (int(s.kind), s.device_index, s.addr + s.nbytes - 1)) - 1
         if i < 0:
             return None
-        seg, _ = self._entries[i]
+        seg, _, _ = self._entries[i]
         if seg.kind == s.kind and seg.device_index == s.device_index and seg.addr < s.addr + s.nbytes and s.addr < seg.addr + seg.nbytes:
             return seg
         return None
 
-    def add(self, s: Segment, reg: Registration) -> None:
+    def add(self, s: Segment, reg: Registration, tensor: torch.Tensor) -> None:
         i = bisect.bisect_right(self._starts, self._key(s))
         self._starts.insert(i, self._key(s))
-        self._entries.insert(i, (s, reg))
+        self._entries.insert(i, (s, reg, tensor))
 
     def remove(self, s: Segment) -> None:
         i = bisect.bisect_left(self._starts, self._key(s))
@@ -145,4 +152,4 @@ class LocalMemoryMap:
             del self._entries[i]
 
     def segments(self) -> list[Segment]:
-        return [s for s, _ in self._entries]
+        return [s for s, _, _ in self._entries]

@@ -2,12 +2,29 @@
 
 Lifecycle: ``comm.prepare(...)`` (expensive, once) -> ``post()`` -> ``status()`` / ``wait()`` ->
 ``post()`` again ... -> ``close()``. A transfer whose items are all zero bytes completes at once.
+
+Completion without the CPU
+--------------------------
+``wait(stream=s)`` returns at once and makes ``s`` wait for the transfer; ``post(stream=s)`` starts it
+when ``s`` reaches that point. How depends on the transport:
+
+* stream-ordered transports (``local``, ``cuda_ipc``) enqueue their copies on the stream and record an
+  event: plain stream order, CUDA-graph capturable.
+* ``nixl`` is driven by the CPU, so the stream and the progress thread meet in pinned host words:
+  - CPU post, stream wait: the progress thread stores the post's sequence number into ``done_seq`` when
+    the transfer completes; the stream waits for ``done_seq >= k`` (``cuStreamWaitValue32``).
+  - stream post (the "doorbell"): the stream stores 1 into ``doorbell``; the progress thread sees it,
+    clears it, posts, and stores 1 into ``done_flag`` on completion; ``wait(stream=)`` waits for
+    ``done_flag >= 1`` and stores 0 back. The values never change between calls, so the sequence can be
+    captured in a CUDA graph and replayed; every replay moves the bytes that are in the buffers then.
 """
 
 from __future__ import annotations
 
 import warnings
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from .backends.base import Backend, Op, Status
 from .errors import ClosedError, InvalidArgumentError, TransferError
@@ -18,12 +35,14 @@ if TYPE_CHECKING:
 
 __all__ = ["Transfer"]
 
+_DOORBELL, _DONE_FLAG, _DONE_SEQ = 0, 1, 2
+
 
 class Transfer:
     """A reusable transfer handle. Not thread-safe: drive one handle from one thread.
 
     Attributes: ``op`` (READ/WRITE), ``peer`` (remote rank), ``nbytes`` (total), ``transport`` (the backend
-    that carries it, e.g. ``"nixl"``).
+    that carries it: ``"nixl"``, ``"cuda_ipc"`` or ``"local"``; ``"none"`` when there is nothing to move).
     """
 
     def __init__(self, comm: "Communicator", op: Op, peer: int, nbytes: int, backend: Backend | None,
@@ -32,22 +51,44 @@ class Transfer:
         self.op = op
         self.peer = peer
         self.nbytes = nbytes
-        self.transport = backend.name if backend is not None else "none"
+        self.transport = backend.name if backend is not None and request is not None else "none"
         self._backend = backend
         self._request = request  # None when there is nothing to move
         self._notify = notify
         self._state: Status | None = None  # None: never posted
+        self._posted_on_stream = False
+        self._posts = 0  # CPU posts so far; the sequence number stream waits compare against
+        self._words = None  # HostWords for stream completion of CPU-driven transports
+        self._doorbell_watch = None
         self.closed = False
 
-    def post(self) -> None:
+    @property
+    def _stream_ordered(self) -> bool:
+        return self._backend is not None and self._backend.capabilities.stream_ordered
+
+    # --- posting --------------------------------------------------------------------------------
+    def post(self, stream: "torch.cuda.Stream | None" = None) -> None:
         """Start the transfer. Non-blocking (a small or same-host transfer may finish inside the call).
-        Raises ``InvalidArgumentError`` if it is still in flight; ``TransferError``/``PeerLostError`` if the
-        backend refuses it."""
+
+        With ``stream``, the transfer starts when ``stream`` reaches this point (after the kernels that
+        produce the data) and the CPU does not wait; CUDA-graph capturable. Raises ``InvalidArgumentError``
+        if a CPU-posted transfer is still in flight; ``TransferError``/``PeerLostError`` if the backend
+        refuses it.
+        """
         self._check_open("post")
+        if stream is not None:
+            return self._post_on_stream(stream)
+        if self._state is Status.IN_PROGRESS and self._posted_on_stream:
+            raise InvalidArgumentError(
+                f"post: the {self.op.value} to rank {self.peer} was posted on a stream; complete it with "
+                "wait(stream=...) before posting it from the CPU"
+            )
         if self._state is Status.IN_PROGRESS and self.status() is Status.IN_PROGRESS:
             raise InvalidArgumentError(
                 f"post: the {self.op.value} to rank {self.peer} is still in flight; call wait() before posting it again"
             )
+        self._posted_on_stream = False
+        self._posts += 1
         if self._request is None:
             self._state = Status.DONE
             return
@@ -55,25 +96,83 @@ class Transfer:
         self._state = self._backend.post(self._request, self._notify)
         if self._state is Status.ERROR:
             raise TransferError(f"post: the backend {self.transport} rejected the {self.op.value} to rank {self.peer}")
+        self._notify_after_copy()
 
+    def _post_on_stream(self, stream: "torch.cuda.Stream") -> None:
+        self._posted_on_stream = True
+        self._state = Status.IN_PROGRESS
+        if self._request is None:
+            return
+        if self._stream_ordered:
+            self._backend.post(self._request, self._notify, stream)
+            self._notify_after_copy()
+            return
+        from . import cuda
+
+        self._ensure_doorbell()
+        cuda.stream_write_value(stream, self._words.addr(_DOORBELL), 1)
+
+    def _ensure_doorbell(self) -> None:
+        """Start watching this transfer's doorbell word from the progress thread (once)."""
+        if self._doorbell_watch is not None:
+            return
+        words = self._host_words()
+        backend, request, notify = self._backend, self._request, self._notify
+        in_flight = [False]
+
+        def serve() -> bool:
+            if not in_flight[0]:
+                if words.values[_DOORBELL] == 0:
+                    return False
+                words.values[_DOORBELL] = 0
+                in_flight[0] = True
+                try:
+                    state = backend.post(request, notify)
+                except BaseException:
+                    words.values[_DONE_FLAG] = 1  # release the stream: an error must not hang the GPU
+                    raise
+            else:
+                state = backend.status(request)
+            if state is Status.IN_PROGRESS:
+                return False
+            in_flight[0] = False
+            words.values[_DONE_FLAG] = 1
+            if state is Status.ERROR:
+                raise TransferError(f"post(stream=): the {self.op.value} to rank {self.peer} over nixl failed")
+            return False  # keep serving future doorbells (graph replays)
+
+        self._doorbell_watch = serve
+        self._comm._engine.watch(serve)
+
+    # --- completion -----------------------------------------------------------------------------
     def status(self) -> Status:
-        """DONE, IN_PROGRESS or ERROR; polls the backend (never blocks)."""
+        """DONE, IN_PROGRESS or ERROR; polls the backend (never blocks). For a transfer posted on a stream
+        the CPU cannot know: it reports IN_PROGRESS until ``wait(stream=)`` completes on the GPU."""
         self._check_open("status")
         if self._state is None:
             raise InvalidArgumentError("status: the transfer was never posted; call post() first")
-        if self._state is Status.IN_PROGRESS:
+        if self._state is Status.IN_PROGRESS and not self._posted_on_stream:
             self._state = self._backend.status(self._request)
         return self._state
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Block the calling thread (sleeping, not spinning) until the transfer is done.
+    def wait(self, timeout: float | None = None, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Complete the transfer.
 
-        Raises ``WaitTimeoutError`` after ``timeout`` seconds (default: the communicator's),
-        ``TransferError`` or ``PeerLostError`` if it failed.
+        Without ``stream``: block the calling thread (sleeping, not spinning) until done; raises
+        ``WaitTimeoutError`` after ``timeout`` seconds (default: the communicator's), ``TransferError`` or
+        ``PeerLostError`` if it failed.
+        With ``stream``: return at once; work enqueued on ``stream`` afterwards runs after the transfer.
+        CUDA-graph capturable together with ``post(stream=)``.
         """
         self._check_open("wait")
         if self._state is None:
             raise InvalidArgumentError("wait: the transfer was never posted; call post() first")
+        if stream is not None:
+            return self._wait_on_stream(stream)
+        if self._posted_on_stream:
+            raise InvalidArgumentError(
+                f"wait: the {self.op.value} to rank {self.peer} was posted on a stream; pass wait(stream=...)"
+            )
         wait_until(
             lambda: self.status() is not Status.IN_PROGRESS,
             self._comm._timeout(timeout),
@@ -86,11 +185,65 @@ class Transfer:
                 "the peer may have exited or deregistered the memory"
             )
 
+    def _wait_on_stream(self, stream: "torch.cuda.Stream") -> None:
+        if self._request is None:
+            return
+        if self._stream_ordered:
+            event = self._backend.completion_event(self._request)
+            if event is not None:
+                stream.wait_event(event)
+            return
+        from . import cuda
+
+        words = self._host_words()
+        if self._posted_on_stream:
+            cuda.stream_wait_value(stream, words.addr(_DONE_FLAG), 1)
+            cuda.stream_write_value(stream, words.addr(_DONE_FLAG), 0)
+            return
+        sequence = self._posts & 0x7FFFFFFF
+        backend, request = self._backend, self._request
+
+        def publish_completion() -> bool:
+            state = backend.status(request)
+            if state is Status.IN_PROGRESS:
+                return False
+            words.values[_DONE_SEQ] = sequence  # also on error: the stream must not hang
+            if state is Status.ERROR:
+                raise TransferError(f"wait(stream=): the {self.op.value} to rank {self.peer} over nixl failed")
+            return True
+
+        self._comm._engine.watch(publish_completion)
+        cuda.stream_wait_value(stream, words.addr(_DONE_SEQ), sequence)
+
+    def _host_words(self):
+        if self._words is None:
+            from . import cuda
+
+            self._words = cuda.HostWords(4)
+        return self._words
+
+    def _notify_after_copy(self) -> None:
+        """Transports without a message channel deliver ``notify`` once their copy has completed."""
+        if self._notify is None or self._backend.name == "nixl":
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise InvalidArgumentError(
+                f"post: notify= on the {self.transport} transport cannot be captured in a CUDA graph; "
+                "signal the peer from the graph with a nixl transfer instead"
+            )
+        backend, request, peer, message = self._backend, self._request, self.peer, self._notify
+        self._comm._engine.watch(
+            lambda: backend.status(request) is Status.DONE and self._comm._send_notification(peer, message)
+        )
+
+    # --- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
         """Release the backend request (a transfer in flight is cancelled). Idempotent."""
         if self.closed:
             return
         self.closed = True
+        if self._doorbell_watch is not None:
+            self._comm._engine.unwatch(self._doorbell_watch)
         request, self._request = self._request, None
         if request is not None:
             self._backend.release(request)

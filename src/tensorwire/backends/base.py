@@ -83,13 +83,17 @@ class Backend(Protocol):
     ) -> Any:
         """Build a reusable request; the expensive step. Item i of ``local`` pairs with item i of ``remote``."""
 
-    def post(self, request: Any, notify: bytes | None) -> Status:
-        """Start (or restart) a prepared request; may complete inside the call."""
+    def post(self, request: Any, notify: bytes | None, stream: Any = None) -> Status:
+        """Start (or restart) a prepared request; may complete inside the call. ``stream`` (a
+        ``torch.cuda.Stream``) is honoured by stream-ordered backends only: they enqueue the copies on it."""
 
     def status(self, request: Any) -> Status:
         """Poll a posted request; drives the backend's progress."""
 
     def release(self, request: Any) -> None: ...
+
+    # Stream-ordered backends also offer ``completion_event(request) -> torch.cuda.Event | None``: the
+    # event recorded after the request's copies, which ``Transfer.wait(stream=)`` makes a stream wait on.
 
     def notifications(self) -> list[tuple[int, bytes]]:
         """Notifications that arrived since the last call, as ``(sender rank, message)``, in order."""

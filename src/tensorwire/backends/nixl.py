@@ -159,7 +159,7 @@ class NixlBackend:
             except Exception as e:  # noqa: BLE001
                 raise self._translate(e, f"preparing a {op.value} with rank {peer}", peer=peer) from e
 
-    def post(self, request: Any, notify: bytes | None) -> Status:
+    def post(self, request: Any, notify: bytes | None, stream: Any = None) -> Status:
         with self._lock:
             try:
                 state = self.agent.transfer(request, notify or b"")
@@ -189,6 +189,14 @@ class NixlBackend:
             except Exception as e:  # noqa: BLE001
                 raise self._translate(e, "reading notifications") from e
         return [(_rank_of(name), bytes(msg)) for name, msgs in new.items() for msg in msgs]
+
+    def send_notification(self, peer: int, message: bytes) -> None:
+        """A standalone notification to ``peer`` (whose metadata is loaded), delivered in order."""
+        with self._lock:
+            try:
+                self.agent.send_notif(agent_name(peer), message)
+            except Exception as e:  # noqa: BLE001
+                raise self._translate(e, f"notifying rank {peer}", peer=peer) from e
 
     def close(self) -> None:
         # Dropping the agent joins NIXL's progress thread and closes UCX endpoints.

@@ -1,0 +1,87 @@
+"""Same-process transport: a plain copy between two registered ranges of this process.
+
+NIXL between two ranges of one process falls back to UCX's TCP emulation (0.4 GB/s on an H200, against
+1.6 TB/s for a device copy), so transfers whose remote rank is this rank take this path instead.
+CUDA copies are stream-ordered (``copy_`` on the stream given to ``post``, else the current stream, as
+any PyTorch op) and CUDA-graph capturable; host copies complete inside ``post``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..descriptors import MemoryKind
+from .base import Capabilities, Op, Segment, Status
+
+__all__ = ["LocalBackend"]
+
+
+@dataclass
+class _Request:
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (destination, source) uint8 views
+    device: torch.device | None  # the CUDA device the copies run on, None for host-only
+    event: "torch.cuda.Event | None" = field(default=None)
+
+
+class LocalBackend:
+    """The ``Backend`` protocol for ranges of this very process."""
+
+    name = "local"
+    capabilities = Capabilities(
+        memory_kinds=frozenset({MemoryKind.CPU, MemoryKind.CUDA}), remote=False, stream_ordered=True
+    )
+
+    def __init__(self, view: Callable[[Segment], torch.Tensor]) -> None:
+        self._view = view  # resolves a registered segment of this process to a uint8 tensor
+
+    def register(self, segment: Segment) -> None:
+        return None  # the communicator's memory map is all this backend needs
+
+    def deregister(self, handle: None) -> None:
+        pass
+
+    def metadata(self) -> bytes:
+        return b""
+
+    def load_peer(self, rank: int, metadata: bytes) -> None:
+        pass
+
+    def prepare(self, op: Op, local: list[Segment], remote: list[Segment], peer: int, notify: bytes | None) -> _Request:
+        sources, destinations = (remote, local) if op is Op.READ else (local, remote)
+        pairs = [(self._view(d), self._view(s)) for d, s in zip(destinations, sources)]
+        cuda = [t.device for pair in pairs for t in pair if t.is_cuda]
+        return _Request(pairs, cuda[0] if cuda else None)
+
+    def post(self, request: _Request, notify: bytes | None, stream: "torch.cuda.Stream | None" = None) -> Status:
+        if request.device is None:
+            for destination, source in request.pairs:
+                destination.copy_(source)
+            return Status.DONE
+        stream = stream or torch.cuda.current_stream(request.device)
+        with torch.cuda.stream(stream):
+            for destination, source in request.pairs:
+                destination.copy_(source, non_blocking=True)
+            if request.event is None:
+                request.event = torch.cuda.Event()
+            request.event.record(stream)
+        return Status.IN_PROGRESS
+
+    def status(self, request: _Request) -> Status:
+        if request.event is None or request.event.query():
+            return Status.DONE
+        return Status.IN_PROGRESS
+
+    def completion_event(self, request: _Request) -> "torch.cuda.Event | None":
+        return request.event
+
+    def release(self, request: _Request) -> None:
+        request.pairs = []
+
+    def notifications(self) -> list[tuple[int, bytes]]:
+        return []
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,179 @@
+"""The one timing primitive of tensorwire's benchmarks, in the manner of Triton's ``do_bench``.
+
+``measure(fn, clock, budget)`` warms ``fn`` up, estimates one call's time, then times enough calls to fill
+a time budget (never fewer than ``budget.min_reps``), each call on its own, and summarises them by median
+and p10/p90 quantiles in microseconds.
+
+Two clocks:
+
+- ``HostClock``: ``time.perf_counter_ns`` around each call. Right for anything whose completion the CPU
+  observes, e.g. a transfer's ``post()`` + ``wait()`` (host or GPU memory alike: the call returns only once
+  the bytes have landed).
+- ``CudaEventClock``: CUDA events recorded on the current stream around each call. Right for work the CPU
+  only enqueues, e.g. ``dst.copy_(src)`` on a GPU. For very small copies the time includes the launch gap
+  an eager PyTorch user pays too.
+
+Non-goals: flushing caches between repetitions (transfers are measured warm, as a serving loop sees them)
+and statistics beyond quantiles.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["Budget", "Timing", "Clock", "HostClock", "CudaEventClock", "measure", "summarize"]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long to measure one thing: timed calls fill ``time_s`` but number at least ``min_reps`` and at
+    most ``max_reps``; ``iters`` fixes the count instead. Warm-up runs ``warmup_s`` (at least
+    ``warmup_reps`` calls) and is not reported."""
+
+    time_s: float = 0.3
+    min_reps: int = 20
+    max_reps: int = 100_000
+    warmup_s: float = 0.05
+    warmup_reps: int = 3
+    iters: int | None = None
+
+    def reps_for(self, seconds_per_call: float) -> int:
+        """How many timed calls this budget buys when one call takes ``seconds_per_call``."""
+        if self.iters is not None:
+            return self.iters
+        wanted = math.ceil(self.time_s / max(seconds_per_call, 1e-9))
+        return max(self.min_reps, min(self.max_reps, wanted))
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Summary of timed calls; times in microseconds."""
+
+    reps: int
+    median_us: float
+    p10_us: float
+    p90_us: float
+    min_us: float
+    mean_us: float
+
+    def gbps(self, nbytes: int) -> float:
+        """Bandwidth at the median, in GB/s (1e9 bytes per second)."""
+        return nbytes / (self.median_us * 1e-6) / 1e9 if self.median_us > 0 else float("inf")
+
+
+class Clock(Protocol):
+    name: str
+
+    def time_calls(self, fn: Callable[[], Any], n: int) -> list[float]:
+        """Call ``fn`` ``n`` times; the duration of each call in seconds."""
+
+
+class HostClock:
+    """Wall-clock time of each call, read with ``perf_counter_ns`` (tens of ns of overhead)."""
+
+    name = "perf_counter"
+
+    def time_calls(self, fn: Callable[[], Any], n: int) -> list[float]:
+        clock = time.perf_counter_ns
+        samples = [0] * n
+        for i in range(n):
+            start = clock()
+            fn()
+            samples[i] = clock() - start
+        return [s * 1e-9 for s in samples]
+
+
+class CudaEventClock:
+    """Device time of each call between two CUDA events on the current stream.
+
+    Events are reused in chunks so a long run does not allocate hundreds of thousands of them; the
+    synchronisation between chunks falls outside every timed interval.
+    """
+
+    name = "cuda-events"
+    _CHUNK = 1000
+
+    def __init__(self) -> None:
+        import torch  # lazily: timing host code must not need a CUDA-capable torch
+
+        self._torch = torch
+
+    def time_calls(self, fn: Callable[[], Any], n: int) -> list[float]:
+        cuda = self._torch.cuda
+        chunk = min(n, self._CHUNK)
+        starts = [cuda.Event(enable_timing=True) for _ in range(chunk)]
+        ends = [cuda.Event(enable_timing=True) for _ in range(chunk)]
+        samples: list[float] = []
+        while len(samples) < n:
+            count = min(chunk, n - len(samples))
+            for i in range(count):
+                starts[i].record()
+                fn()
+                ends[i].record()
+            cuda.synchronize()
+            samples.extend(starts[i].elapsed_time(ends[i]) * 1e-3 for i in range(count))
+        return samples
+
+
+def measure(fn: Callable[[], Any], clock: Clock | None = None, budget: Budget | None = None) -> Timing:
+    """Warm ``fn`` up, then time ``budget.reps_for(...)`` calls of it with ``clock`` (default: host).
+
+    Blocks for about ``budget.warmup_s + budget.time_s``. Python's garbage collector is paused while
+    timing so that a collection does not land inside one sample.
+    """
+    clock = clock or HostClock()
+    budget = budget or Budget()
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        per_call = _warm_up(fn, clock, budget)
+        samples = clock.time_calls(fn, budget.reps_for(per_call))
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return summarize(samples)
+
+
+def _warm_up(fn: Callable[[], Any], clock: Clock, budget: Budget) -> float:
+    """Run ``fn`` for ``budget.warmup_s`` (at least ``warmup_reps`` calls); the median call time in s.
+    Batches double so that a microsecond call is not dominated by the loop's bookkeeping."""
+    samples: list[float] = []
+    batch = max(budget.warmup_reps, 1)
+    deadline = time.perf_counter() + budget.warmup_s
+    while True:
+        samples.extend(clock.time_calls(fn, batch))
+        if time.perf_counter() >= deadline:
+            break
+        batch = min(batch * 2, 4096)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def summarize(samples_s: list[float]) -> Timing:
+    """Median, p10, p90, min and mean of durations given in seconds, reported in microseconds."""
+    if not samples_s:
+        raise InvalidArgumentError("summarize: no samples; time at least one call")
+    us = sorted(s * 1e6 for s in samples_s)
+    return Timing(
+        reps=len(us),
+        median_us=_quantile(us, 0.5),
+        p10_us=_quantile(us, 0.1),
+        p90_us=_quantile(us, 0.9),
+        min_us=us[0],
+        mean_us=sum(us) / len(us),
+    )
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default method)."""
+    position = q * (len(sorted_values) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)

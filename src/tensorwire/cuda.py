@@ -1,0 +1,87 @@
+"""The few CUDA driver calls tensorwire makes itself, through cuda-python, imported lazily.
+
+PyTorch owns the CUDA context (the device's primary context); every call here runs inside
+``torch.cuda.device(index)`` so that context is current on the calling thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+from .errors import BackendUnavailableError, TransferError
+
+__all__ = ["driver", "check", "availability"]
+
+
+@functools.cache
+def driver() -> Any:
+    """``cuda.bindings.driver`` (cuda-python >= 12.6), or ``BackendUnavailableError`` saying why not."""
+    for name in ("cuda.bindings.driver", "cuda.cuda"):
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name not in ("cuda", "cuda.bindings", "cuda.bindings.driver", "cuda.cuda"):
+                raise BackendUnavailableError(
+                    f"cuda-python: importing {name} failed because {e.name!r} is missing; reinstall cuda-python"
+                ) from e
+    raise BackendUnavailableError("cuda-python is not installed; pip install cuda-python (or tensorwire[cuda])")
+
+
+def check(result: Any, what: str) -> Any:
+    """Unpack a cuda-python ``(CUresult, *values)`` tuple, raising ``TransferError`` with the error name."""
+    cu = driver()
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, name = cu.cuGetErrorName(err)
+        name = name.decode() if isinstance(name, bytes) else str(err)
+        raise TransferError(f"{what} failed with {name}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def availability() -> tuple[bool, str]:
+    """Whether CUDA and cuda-python are both usable here, and why not."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, "no CUDA device is visible to PyTorch (torch.cuda.is_available() is False)"
+    try:
+        driver()
+    except BackendUnavailableError as e:
+        return False, str(e)
+    return True, f"{torch.cuda.device_count()} CUDA device(s), cuda-python driver bindings loaded"
+
+
+class HostWords:
+    """A few 32-bit words of pinned host memory that both the CPU and the GPU address.
+
+    With unified addressing (every 64-bit CUDA platform), pinned host memory is mapped into every
+    context at the same address, so ``addr(i)`` serves as the device pointer of stream memory operations.
+    The CPU reads and stores through a numpy view (plain, untorn 32-bit accesses).
+    """
+
+    def __init__(self, count: int) -> None:
+        import torch
+
+        self._tensor = torch.zeros(count, dtype=torch.int32, pin_memory=True)
+        self.values = self._tensor.numpy()
+
+    def addr(self, index: int) -> int:
+        return self._tensor.data_ptr() + 4 * index
+
+
+def stream_wait_value(stream: Any, addr: int, value: int) -> None:
+    """Make ``stream`` wait until the 32-bit word at ``addr`` is >= ``value``. Graph-capturable."""
+    cu = driver()
+    check(cu.cuStreamWaitValue32(cu.CUstream(stream.cuda_stream), addr, value,
+                                 cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
+
+
+def stream_write_value(stream: Any, addr: int, value: int) -> None:
+    """Store ``value`` into the 32-bit word at ``addr`` when ``stream`` reaches this point. Graph-capturable."""
+    cu = driver()
+    check(cu.cuStreamWriteValue32(cu.CUstream(stream.cuda_stream), addr, value,
+                                  cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
