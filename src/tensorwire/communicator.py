@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from . import config as config_module
 from . import cuda
-from .backends.base import Backend, Op, Segment
+from .backends.base import Backend, Op, Segment, Status
 from .backends.local import LocalBackend
 from .backends.nixl import NixlBackend
 from .bootstrap import Rendezvous, hostname, resolve_environment
@@ -135,6 +135,7 @@ class Communicator:
         self._inbox = Inbox(self._nixl.notifications)
         self._engine = ProgressEngine(cfg)
         self._warned: set[str] = set()
+        self._touched: set[tuple] = set()  # remote ranges NIXL has mapped (see _touch_remote_allocations)
         self._epoch = 0
         self._peers: dict[int, _PeerView] = {}
         self._registrations: weakref.WeakSet[Registration] = weakref.WeakSet()
@@ -293,7 +294,7 @@ class Communicator:
                 )
             pairs.append((s, Segment(d.addr, d.nbytes, d.kind, d.device_index)))
 
-        backend, request = None, None
+        backend, request, uses_cuda = None, None, False
         if pairs:
             self._check_remote_ranges(peer, remote_descs)
             kinds = {(s.kind, r.kind) for s, r in pairs}
@@ -303,10 +304,32 @@ class Communicator:
                     "prepare one transfer per (local, remote) memory kind"
                 )
             backend = self._backends[self._choose_transport(peer, pairs, transport)]
+            uses_cuda = MemoryKind.CUDA in next(iter(kinds))
+            if backend is self._nixl and uses_cuda:
+                self._touch_remote_allocations(peer, pairs)
             request = backend.prepare(op, [s for s, _ in pairs], [r for _, r in pairs], peer, notify)
-        transfer = Transfer(self, op, peer, sum(s.nbytes for s, _ in pairs), backend, request, notify)
+        transfer = Transfer(self, op, peer, sum(s.nbytes for s, _ in pairs), backend, request, notify, uses_cuda)
         self._transfers.add(transfer)
         return transfer
+
+    def _touch_remote_allocations(self, peer: int, pairs: list[tuple[Segment, Segment]]) -> None:
+        """Let NIXL map each remote registered range once, before any stream can wait on a transfer to it
+        (see ``NixlBackend.touch``). Blocks for one tiny READ per range, on first contact only."""
+        local = pairs[0][0]
+        regions = self._peers[peer].regions
+        for _, remote in pairs:
+            region = next(r for r in regions if r.addr <= remote.addr and remote.addr + remote.nbytes <= r.end)
+            key = (peer, region.addr, region.nbytes, local.kind, local.device_index)
+            if key in self._touched:
+                continue
+            request = self._nixl.touch(peer, Segment(region.addr, 1, region.kind, region.device_index),
+                                       local.kind, local.device_index)
+            try:
+                wait_until(lambda: self._nixl.status(request) is not Status.IN_PROGRESS, self.timeout_s,
+                           lambda: f"prepare: first contact with rank {peer}'s memory", self.config)
+            finally:
+                self._nixl.release(request)
+            self._touched.add(key)
 
     def _check_remote_ranges(self, peer: int, remote_descs: list[TensorDesc]) -> None:
         """Every non-empty remote range must lie inside memory ``peer`` registered (refreshing our view)."""

@@ -46,7 +46,7 @@ class Transfer:
     """
 
     def __init__(self, comm: "Communicator", op: Op, peer: int, nbytes: int, backend: Backend | None,
-                 request: Any, notify: bytes | None) -> None:
+                 request: Any, notify: bytes | None, uses_cuda: bool = False) -> None:
         self._comm = comm
         self.op = op
         self.peer = peer
@@ -58,7 +58,11 @@ class Transfer:
         self._state: Status | None = None  # None: never posted
         self._posted_on_stream = False
         self._posts = 0  # CPU posts so far; the sequence number stream waits compare against
-        self._words = None  # HostWords for stream completion of CPU-driven transports
+        # Pinned words for stream completion of CPU-driven transports; allocated here, not inside a CUDA
+        # graph capture (where allocating pinned memory is not allowed), when a GPU is involved.
+        self._words = None
+        if uses_cuda and self._request is not None and not self._stream_ordered:
+            self._host_words()
         self._doorbell_watch = None
         self.closed = False
 

@@ -112,6 +112,7 @@ class NixlBackend:
                 "run 'tensorwire doctor' to see what works here"
             ) from e
         self._loaded_peers: set[int] = set()
+        self._scratch: dict[tuple[MemoryKind, int], tuple[Any, Any]] = {}  # (kind, device) -> (tensor, reg)
 
     # --- memory -------------------------------------------------------------------------------
     def register(self, segment: Segment) -> Any:
@@ -159,6 +160,30 @@ class NixlBackend:
             except Exception as e:  # noqa: BLE001
                 raise self._translate(e, f"preparing a {op.value} with rank {peer}", peer=peer) from e
 
+    def touch(self, peer: int, remote: Segment, local_kind: MemoryKind, local_device: int) -> Any:
+        """Post a 1-byte READ of ``remote`` into a private scratch buffer; returns the request to poll.
+
+        UCX maps a peer's GPU allocation (``cuIpcOpenMemHandle``) on the first transfer that touches it,
+        and mapping can wait for the device to go idle. If that first transfer is posted while a stream
+        waits for it (``wait(stream=)``, a doorbell in a CUDA graph), the two wait for each other forever.
+        Touching each remote allocation once at ``prepare`` time moves the mapping out of that window.
+        Reading leaves the peer's bytes untouched.
+        """
+        key = (local_kind, local_device)
+        if key not in self._scratch:
+            import torch
+
+            device = "cpu" if local_kind is MemoryKind.CPU else f"cuda:{local_device}"
+            tensor = torch.zeros(64, dtype=torch.uint8, device=device)
+            self._scratch[key] = (tensor, self.register(Segment(tensor.data_ptr(), 64, local_kind, local_device)))
+        scratch = self._scratch[key][0]
+        request = self.prepare(
+            Op.READ, [Segment(scratch.data_ptr(), 1, local_kind, local_device)],
+            [Segment(remote.addr, 1, remote.kind, remote.device_index)], peer, None,
+        )
+        self.post(request, None)
+        return request
+
     def post(self, request: Any, notify: bytes | None, stream: Any = None) -> Status:
         with self._lock:
             try:
@@ -200,6 +225,7 @@ class NixlBackend:
 
     def close(self) -> None:
         # Dropping the agent joins NIXL's progress thread and closes UCX endpoints.
+        self._scratch.clear()
         with self._lock:
             self.agent = None
 
