@@ -135,7 +135,10 @@ class Communicator:
         self._inbox = Inbox(self._nixl.notifications)
         self._engine = ProgressEngine(cfg)
         self._warned: set[str] = set()
-        self._touched: set[tuple] = set()  # remote ranges NIXL has mapped (see _touch_remote_allocations)
+        self._touched: set[tuple] = set()
+        self._notification_words = None  # per-sender arrival counters the GPU can wait on
+        self._notifications_awaited = [0] * self.world_size
+        self._notifications_delivered = [0] * self.world_size  # remote ranges NIXL has mapped (see _touch_remote_allocations)
         self._epoch = 0
         self._peers: dict[int, _PeerView] = {}
         self._registrations: weakref.WeakSet[Registration] = weakref.WeakSet()
@@ -404,11 +407,18 @@ class Communicator:
             transfer.post()
             transfer.wait(timeout)
 
-    def wait_notification(self, from_rank: int, timeout: float | None = None) -> bytes:
+    def wait_notification(self, from_rank: int, timeout: float | None = None,
+                          stream: "torch.cuda.Stream | None" = None) -> bytes | None:
         """The next message a WRITE's ``notify=`` from ``from_rank`` delivered, in order. Blocks (sleeping)
-        until one arrives; ``WaitTimeoutError`` after ``timeout`` seconds."""
+        until one arrives; ``WaitTimeoutError`` after ``timeout`` seconds.
+
+        With ``stream``: returns None at once and makes ``stream`` wait until that next notification has
+        arrived (the message is consumed; the data of the WRITE it followed is in place), so a consumer
+        kernel starts with no CPU in the loop. Do not mix CPU and stream waits for the same sender."""
         self._check_open("wait_notification")
         self._check_rank(from_rank, "wait_notification")
+        if stream is not None:
+            return self._wait_notification_on_stream(from_rank, stream)
         message: list[bytes] = []
 
         def arrived() -> bool:
@@ -419,6 +429,26 @@ class Communicator:
 
         wait_until(arrived, self._timeout(timeout), lambda: f"wait_notification: nothing from rank {from_rank}", self.config)
         return message[0]
+
+    def _wait_notification_on_stream(self, from_rank: int, stream: "torch.cuda.Stream") -> None:
+        if self._notification_words is None:
+            self._notification_words = cuda.HostWords(self.world_size)
+        words = self._notification_words
+        self._notifications_awaited[from_rank] += 1
+        target = self._notifications_awaited[from_rank]
+        delivered = self._notifications_delivered
+
+        def deliver() -> bool:  # progress thread: count arrivals into the word the stream waits on
+            while delivered[from_rank] < target:
+                if self._inbox.try_pop(from_rank) is None:
+                    return False
+                delivered[from_rank] += 1
+                words.values[from_rank] = delivered[from_rank]
+            return True
+
+        self._engine.watch(deliver)
+        cuda.stream_wait_value(stream, words.addr(from_rank), target)
+        return None
 
     # --- collective helpers & lifetime ------------------------------------------------------------
     def barrier(self, timeout: float | None = None) -> None:
