@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["Transfer"]
 
 _DOORBELL, _DONE_FLAG, _DONE_SEQ = 0, 1, 2
+_DONE, _IN_PROGRESS = Status.DONE, Status.IN_PROGRESS
 
 
 class Transfer:
@@ -79,7 +80,16 @@ class Transfer:
         if a CPU-posted transfer is still in flight; ``TransferError``/``PeerLostError`` if the backend
         refuses it.
         """
-        self._check_open("post")
+        if stream is None and self._state is not _IN_PROGRESS and self._request is not None and not self.closed:
+            # Hot path: a CPU post of a prepared transfer that is not in flight.
+            self._posted_on_stream = False
+            self._posts += 1
+            self._state = self._backend.post(self._request, self._notify)
+            if self._state is _DONE and self._notify is None:
+                return
+            return self._after_post()
+        if self.closed:  # closing the communicator closes its transfers
+            self._check_open("post")
         if stream is not None:
             return self._post_on_stream(stream)
         if self._state is Status.IN_PROGRESS and self._posted_on_stream:
@@ -96,11 +106,14 @@ class Transfer:
         if self._request is None:
             self._state = Status.DONE
             return
-        self._state = Status.IN_PROGRESS
         self._state = self._backend.post(self._request, self._notify)
+        self._after_post()
+
+    def _after_post(self) -> None:
         if self._state is Status.ERROR:
             raise TransferError(f"post: the backend {self.transport} rejected the {self.op.value} to rank {self.peer}")
-        self._notify_after_copy()
+        if self._notify is not None:
+            self._notify_after_copy()
 
     def _post_on_stream(self, stream: "torch.cuda.Stream") -> None:
         self._posted_on_stream = True
@@ -168,6 +181,8 @@ class Transfer:
         With ``stream``: return at once; work enqueued on ``stream`` afterwards runs after the transfer.
         CUDA-graph capturable together with ``post(stream=)``.
         """
+        if self._state is _DONE and stream is None and not self.closed:
+            return  # fast path: small and same-host transfers often complete inside post()
         self._check_open("wait")
         if self._state is None:
             raise InvalidArgumentError("wait: the transfer was never posted; call post() first")
@@ -228,7 +243,7 @@ class Transfer:
 
     def _notify_after_copy(self) -> None:
         """Transports without a message channel deliver ``notify`` once their copy has completed."""
-        if self._notify is None or self._backend.name == "nixl":
+        if self._backend.name == "nixl":
             return
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise InvalidArgumentError(
