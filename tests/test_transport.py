@@ -1,0 +1,106 @@
+"""Transport selection and the progress engine, on host memory (runs in CI)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import tensorwire as tw
+from conftest import INIT_TIMEOUT, WAIT, assert_equal, launch, rank_values, sentinel
+from tensorwire.config import Config
+from tensorwire.progress import ProgressEngine
+
+
+def _self_transfer_takes_the_local_copy():
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        src = rank_values(comm.rank, 4096)
+        dst = sentinel(4096)
+        with comm.register([src, dst]) as reg:
+            with comm.prepare(tw.WRITE, src, reg.descs[1], notify=b"to-myself") as x:
+                assert x.transport == "local", x.transport
+                x.post()
+                x.wait(WAIT)
+            assert_equal(dst, src, "self WRITE")
+            assert comm.wait_notification(comm.rank, timeout=WAIT) == b"to-myself"
+            dst.fill_(-1)
+            with comm.prepare(tw.READ, dst[:100], reg.descs[0].narrow(400, 400)) as x:
+                x.post()
+                x.wait(WAIT)
+            assert_equal(dst[:100], src[100:200], "self READ of a narrowed descriptor")
+            with pytest.raises(tw.InvalidArgumentError, match="cannot reach rank"):
+                comm.prepare(tw.WRITE, src, reg.descs[1], transport="nixl")
+            with pytest.raises(tw.InvalidArgumentError, match="transport="):
+                comm.prepare(tw.WRITE, src, reg.descs[1], transport="carrier-pigeon")
+        comm.barrier(WAIT)
+    return True
+
+
+def test_transfer_to_own_rank_is_a_local_copy_with_notification():
+    """A rank addressing its own memory gets the in-process copy (NIXL would take TCP emulation)."""
+    assert launch(_self_transfer_takes_the_local_copy, 2) == [True, True]
+
+
+def _host_transfers_take_nixl(forced: str | None):
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        peer = (comm.rank + 1) % comm.world_size
+        src, dst = rank_values(comm.rank, 1024), sentinel(1024)
+        with comm.register([src, dst]) as reg:
+            comm.publish("dst", reg.descs[1:])
+            remote = comm.lookup("dst", peer, timeout=WAIT)
+            with comm.prepare(tw.WRITE, src, remote, transport=forced) as x:
+                transport = x.transport
+                x.post()
+                x.wait(WAIT)
+            comm.barrier(WAIT)
+            assert_equal(dst, rank_values((comm.rank - 1) % comm.world_size, 1024), "ring WRITE")
+            with pytest.raises(tw.InvalidArgumentError, match="cuda_ipc"):
+                comm.prepare(tw.WRITE, src, remote, transport="cuda_ipc")
+            comm.barrier(WAIT)
+    return transport
+
+
+@pytest.mark.parametrize("forced", [None, "nixl"])
+def test_host_memory_between_processes_takes_nixl(forced):
+    """Host memory of another process goes over NIXL; CUDA IPC is refused for it with the reason."""
+    assert launch(_host_transfers_take_nixl, 2, forced) == ["nixl", "nixl"]
+
+
+def test_progress_engine_runs_watches_until_done_and_sleeps_when_idle():
+    """Watches are polled from the engine's thread until they return True; no thread runs before work."""
+    engine = ProgressEngine(Config(timeout_s=5, progress_wakeup_ms=10, spin_us=0, max_sleep_us=1000))
+    assert engine._thread is None, "the progress thread must start lazily"
+    polls, done = [], threading.Event()
+
+    def watch() -> bool:
+        polls.append(threading.current_thread().name)
+        if len(polls) >= 3:
+            done.set()
+            return True
+        return False
+
+    engine.watch(watch)
+    assert done.wait(5), "the engine never polled the watch to completion"
+    time.sleep(0.05)
+    assert len(polls) == 3, f"a finished watch was polled again ({len(polls)} polls)"
+    assert set(polls) == {"tensorwire-progress"}
+    engine.close()
+    assert not engine._thread.is_alive()
+
+
+def test_progress_engine_surfaces_a_failing_watch():
+    """An exception inside a watch is kept and raised to the next caller, not swallowed."""
+    engine = ProgressEngine(Config(timeout_s=5, progress_wakeup_ms=10, spin_us=0, max_sleep_us=1000))
+
+    def broken() -> bool:
+        raise RuntimeError("boom")
+
+    engine.watch(broken)
+    deadline = time.monotonic() + 5
+    while engine.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.watch(lambda: True)
+    engine.close()
