@@ -117,6 +117,7 @@ def _wait_on_stream_orders_the_consumer(transport: str):
                 with comm.prepare(tw.READ, big, comm.lookup("big", 1, timeout=WAIT), transport=transport) as x:
                     for _ in range(3):
                         big.zero_()
+                        torch.cuda.synchronize()  # a CPU post (nixl) must not race the zeroing
                         x.post(stream=stream) if transport != "nixl" else x.post()
                         t0 = time.perf_counter()
                         x.wait(stream=stream)
