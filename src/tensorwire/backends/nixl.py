@@ -222,6 +222,8 @@ class NixlBackend:
 
     def close(self) -> None:
         # Dropping the agent joins NIXL's progress thread and closes UCX endpoints.
+        for _, registration in self._scratch.values():
+            self.deregister(registration)
         self._scratch.clear()
         self.agent = self._bound = None
 

@@ -2,7 +2,9 @@
 
 ``measure(fn, clock, budget)`` warms ``fn`` up, estimates one call's time, then times enough calls to fill
 a time budget (never fewer than ``budget.min_reps``), each call on its own, and summarises them by median
-and p10/p90 quantiles in microseconds.
+and p10/p90 quantiles in microseconds. ``measure_interleaved(fns, ...)`` does the same for several
+functions that are to be compared, alternating them in rounds so that a slow drift of the machine (memory
+placement, clocks, a neighbour process) weighs on all of them alike instead of on whichever ran last.
 
 Two clocks:
 
@@ -27,14 +29,14 @@ from typing import Any, Callable, Protocol
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["Budget", "Timing", "Clock", "HostClock", "CudaEventClock", "measure", "summarize"]
+__all__ = ["Budget", "Timing", "Clock", "HostClock", "CudaEventClock", "measure", "measure_interleaved", "summarize"]
 
 
 @dataclass(frozen=True)
 class Budget:
     """How long to measure one thing: timed calls fill ``time_s`` but number at least ``min_reps`` and at
     most ``max_reps``; ``iters`` fixes the count instead. Warm-up runs ``warmup_s`` (at least
-    ``warmup_reps`` calls) and is not reported."""
+    ``warmup_reps`` calls) and is not reported. ``rounds``: how many turns ``measure_interleaved`` takes."""
 
     time_s: float = 0.3
     min_reps: int = 20
@@ -42,6 +44,7 @@ class Budget:
     warmup_s: float = 0.05
     warmup_reps: int = 3
     iters: int | None = None
+    rounds: int = 5
 
     def reps_for(self, seconds_per_call: float) -> int:
         """How many timed calls this budget buys when one call takes ``seconds_per_call``."""
@@ -139,6 +142,29 @@ def measure(fn: Callable[[], Any], clock: Clock | None = None, budget: Budget | 
         if gc_was_enabled:
             gc.enable()
     return summarize(samples)
+
+
+def measure_interleaved(fns: dict[str, Callable[[], Any]], clock: Clock | None = None,
+                        budget: Budget | None = None) -> dict[str, Timing]:
+    """Time several functions against each other: each is warmed up and gets its own repetition count from
+    ``budget`` (as ``measure`` would), but the timed calls run in ``budget.rounds`` rounds, every function in
+    turn within a round. Blocks for about ``len(fns) * (budget.warmup_s + budget.time_s)``."""
+    clock = clock or HostClock()
+    budget = budget or Budget()
+    rounds = max(budget.rounds, 1)
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        per_round = {name: math.ceil(budget.reps_for(_warm_up(fn, clock, budget)) / rounds) for name, fn in fns.items()}
+        samples: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                samples[name].extend(clock.time_calls(fn, per_round[name]))
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return {name: summarize(values) for name, values in samples.items()}
 
 
 def _warm_up(fn: Callable[[], Any], clock: Clock, budget: Budget) -> float:
