@@ -363,7 +363,8 @@ class Communicator:
             reachable.append("nixl")
         if requested is None:
             chosen = reachable[0]
-            if chosen == "nixl" and local_kind is MemoryKind.CUDA and self._peers[peer].host == self._host:
+            if (chosen == "nixl" and local_kind is MemoryKind.CUDA and remote_kind is MemoryKind.CUDA
+                    and self._peers[peer].host == self._host):
                 self._warn_once(
                     f"cuda_ipc-unavailable-{peer}",
                     f"tensorwire: GPU transfers with rank {peer} on this host take NIXL, not CUDA IPC "
@@ -447,7 +448,7 @@ class Communicator:
             return True
 
         self._engine.watch(deliver)
-        cuda.stream_wait_value(stream, words.addr(from_rank), target)
+        cuda.stream_wait_value(stream, words, from_rank, target)
         return None
 
     # --- collective helpers & lifetime ------------------------------------------------------------

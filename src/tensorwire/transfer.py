@@ -122,7 +122,8 @@ class Transfer:
             return
         if self._stream_ordered:
             self._backend.post(self._request, self._notify, stream)
-            self._notify_after_copy()
+            if self._notify is not None:
+                self._notify_after_copy()
             return
         from . import cuda
 
@@ -216,7 +217,7 @@ class Transfer:
 
         words = self._host_words()
         if self._posted_on_stream:
-            cuda.stream_wait_value(stream, words.addr(_DONE_FLAG), 1)
+            cuda.stream_wait_value(stream, words, _DONE_FLAG, 1)
             cuda.stream_write_value(stream, words.addr(_DONE_FLAG), 0)
             return
         sequence = self._posts & 0x7FFFFFFF
@@ -232,7 +233,7 @@ class Transfer:
             return True
 
         self._comm._engine.watch(publish_completion)
-        cuda.stream_wait_value(stream, words.addr(_DONE_SEQ), sequence)
+        cuda.stream_wait_value(stream, words, _DONE_SEQ, sequence)
 
     def _host_words(self):
         if self._words is None:

@@ -1,0 +1,1 @@
+"""Small Triton kernels tensorwire launches itself (imported lazily: triton is optional)."""
