@@ -24,6 +24,7 @@ from .errors import (
     TransferError,
     WaitTimeoutError,
 )
+from .moe import all_to_all_v
 from .registration import Registration
 from .transfer import Transfer
 
@@ -36,4 +37,5 @@ __all__ = [
     "READ", "WRITE", "Op", "Status", "init", "Communicator", "Registration", "Transfer", "TensorDesc",
     "MemoryKind", "BackendInfo", "backends", "testing", "TensorwireError", "InvalidArgumentError",
     "ClosedError", "BackendUnavailableError", "TransferError", "WaitTimeoutError", "PeerLostError",
+    "moe", "all_to_all_v",
 ]

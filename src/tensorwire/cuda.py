@@ -68,6 +68,13 @@ class HostWords:
 
         self._tensor = torch.zeros(count, dtype=torch.int32, pin_memory=True)
         self.values = self._tensor.numpy()
+        try:  # compile the waiting kernel now, never inside a graph capture or behind a blocked stream
+            from .kernels import stream_wait
+
+            stream_wait.warm_up(torch.cuda.current_device())
+        except ModuleNotFoundError as e:
+            if e.name != "triton":
+                raise
 
     def addr(self, index: int) -> int:
         return self._tensor.data_ptr() + 4 * index
