@@ -208,16 +208,19 @@ class Communicator:
         self._rendezvous.set(f"memmap/{self.rank}", blob)
 
     def _peer_view(self, rank: int, min_epoch: int, timeout_s: float) -> _PeerView:
-        """This process's view of ``rank``'s memory map, refreshed from the store if older than ``min_epoch``."""
-        view = self._peers.get(rank)
-        if view is not None and view.epoch >= min_epoch:
-            return view
+        """``rank``'s current memory map (at least ``min_epoch``), read from the store on every call.
+
+        One store round trip per ``prepare``: a descriptor of memory the peer has deregistered since must
+        fail validation here instead of reaching freed memory through a stale view."""
 
         def fetch() -> bool:
             blob = self._rendezvous.get(f"memmap/{rank}", timeout_s, f"prepare: loading the memory map of rank {rank}")
             epoch, count = _MEMORY_MAP_HEADER.unpack_from(blob)
             if epoch < min_epoch:
                 return False
+            view = self._peers.get(rank)
+            if view is not None and view.epoch == epoch:
+                return True
             sections, offset = _unpack_sections(blob, _MEMORY_MAP_HEADER.size, count)
             host = sections.pop("host").decode()
             for name, metadata in sections.items():
@@ -277,8 +280,11 @@ class Communicator:
         self._check_rank(peer, "prepare")
         if transport is not None and transport not in ("nixl", "cuda_ipc", "local"):
             raise InvalidArgumentError(f"prepare: transport={transport!r}; pass 'nixl', 'cuda_ipc', 'local' or None")
-        if notify is not None and not isinstance(notify, (bytes, bytearray)):
-            raise InvalidArgumentError(f"prepare: notify must be bytes, got {type(notify).__name__}")
+        if notify is not None and (not isinstance(notify, (bytes, bytearray)) or len(notify) == 0):
+            raise InvalidArgumentError(
+                f"prepare: notify must be non-empty bytes (NIXL does not deliver empty messages), got {notify!r}; "
+                "pass e.g. notify=b'done'"
+            )
 
         pairs: list[tuple[Segment, Segment]] = []
         for i, (t, d) in enumerate(zip(local_tensors, remote_descs)):

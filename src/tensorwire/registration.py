@@ -15,7 +15,7 @@ import torch
 
 from .backends.base import Segment
 from .descriptors import MemoryKind, TensorDesc
-from .errors import ClosedError, InvalidArgumentError
+from .errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -76,10 +76,6 @@ class Registration:
         self.closed = True
         self._comm._deregister(self, self._handles)
         self._tensors = []
-
-    def check_open(self, fn: str) -> None:
-        if self.closed:
-            raise ClosedError(f"{fn}: the registration is closed; register the tensors again")
 
     def __enter__(self) -> "Registration":
         return self

@@ -183,6 +183,8 @@ class Transfer:
         CUDA-graph capturable together with ``post(stream=)``.
         """
         if self._state is _DONE and stream is None and not self.closed:
+            if timeout is not None:
+                self._comm._timeout(timeout)  # still reject a bad timeout
             return  # fast path: small and same-host transfers often complete inside post()
         self._check_open("wait")
         if self._state is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -38,14 +39,24 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, env: d
     })
     try:
         result = fn(*args)
-        conn.send(("ok", result))
+        # Plain pickle, not the connection's ForkingPickler: a tensor result must not share its storage
+        # with the parent through a file descriptor that dies with this process.
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        conn.send_bytes(pickle.dumps(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
         conn.close()
         os._exit(1)
     conn.close()
     # Skip interpreter teardown: backend threads must not be able to hang a finished rank.
     os._exit(0)
+
+
+def _exit_code(proc: Any) -> int | None:
+    """The exit code of a finished rank process (after its pipe was drained), else None."""
+    if proc.is_alive():
+        return None
+    proc.join(timeout=1)
+    return proc.exitcode
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
@@ -77,8 +88,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
                 conn, proc = conns[rank], procs[rank]
                 if conn.poll():
                     try:
-                        kind, payload = conn.recv()
-                    except EOFError:
+                        kind, payload = pickle.loads(conn.recv_bytes())
+                    except EOFError:  # the rank exited without reporting (e.g. os._exit)
                         kind, payload = "eof", None
                     if kind == "error":
                         raise RankFailedError(f"rank {rank} of {world_size} failed:\n{payload}")
@@ -86,7 +97,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
                         results[rank] = payload
                         pending.discard(rank)
                         continue
-                if not proc.is_alive() and not conn.poll():
+                if _exit_code(proc) is not None:
                     if proc.exitcode != 0:
                         raise RankFailedError(f"rank {rank} of {world_size} exited with code {proc.exitcode}")
                     pending.discard(rank)
