@@ -1,0 +1,703 @@
+"""``tensorwire bench``: point-to-point READ and WRITE between two local ranks, beside raw NIXL and a copy.
+
+Two processes (``tensorwire.testing.launch``). Rank 0 initiates every transfer; rank 1 is the passive target
+a one-sided transfer has, and only checks the bytes that landed. For each (memory, op, size), rank 0
+measures, on the same registered buffers:
+
+- ``tensorwire``: one ``comm.prepare`` handle, reused; a repetition is ``post()`` + ``wait()``. The record
+  says which transport tensorwire chose (``Transfer.transport``); where that is not ``nixl`` (GPU memory
+  on one host takes ``cuda_ipc``), ``tensorwire (nixl)`` forces NIXL too, the row to hold against raw NIXL.
+- ``raw nixl``: a second, bare ``nixl_agent`` per rank, as a raw NIXL user would drive it: metadata through
+  a store, ``initialize_xfer`` once, then per repetition ``transfer()`` + a tight ``check_xfer_state`` loop.
+  It is built by tensorwire's own ``_make_agent`` with NIXL's defaults except a sleeping progress thread
+  (``RAW_CONFIGS``: NIXL's spinning default would distort both sides on a small machine), so the comparison
+  isolates what tensorwire adds: its Python layers and its choice of NIXL thread-safety mode.
+- ``copy``: ``dst.copy_(src)`` of the same bytes inside rank 0: host memory with one thread (a transfer is
+  one stream of bytes), plus torch's default thread count as ``copy-mt`` (JSON); GPU timed with CUDA events.
+
+The transfer paths are timed interleaved (``measure_interleaved``): run to run, this VM's 64 MiB copies
+wander by 15%, which back-to-back measurement turned into fake ratios. Each rank's buffer is
+``[outbox | inbox]``: READ pulls the peer's outbox into the local inbox, WRITE pushes the local outbox into
+the peer's inbox. Outboxes hold ``rank_pattern`` bytes. Every path must first move the right bytes on its
+own (the inbox is checked, then cleared; rank 1 checks its own when rank 0 asks through the store) and all
+must still be right after the timing, so a path that moved wrong bytes, or none, fails the benchmark
+instead of reporting a fast number.
+
+Before any of that, both ranks measure the CPU an idle, connected communicator costs (getrusage).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import os
+import resource
+import shlex
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..backends.base import Op
+from ..descriptors import MemoryKind, TensorDesc
+from ..errors import InvalidArgumentError, TransferError
+from .timing import Budget, CudaEventClock, HostClock, Timing, measure, measure_interleaved
+
+__all__ = [
+    "HOST_SIZES", "CUDA_SIZES", "RAW_CONFIGS", "BenchConfig", "Record", "BenchResult", "run", "header",
+    "comparisons", "format_report", "summary", "to_json", "rank_pattern", "first_mismatch", "format_size",
+]
+
+HOST_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
+CUDA_SIZES = HOST_SIZES + (256 << 20, 1 << 30)
+TENSORWIRE, TENSORWIRE_NIXL, RAW, COPY, COPY_MT = "tensorwire", "tensorwire (nixl)", "raw nixl", "copy", "copy-mt"
+_TENSORWIRE_PATHS = (TENSORWIRE, TENSORWIRE_NIXL)
+RAW_CONFIGS = {
+    "sleeping": "a bare nixl_agent per rank from tensorwire's _make_agent with NIXL's defaults (UCX, error mode "
+                "peer, 1 worker, thread sync NONE) except a sleeping progress thread, pthrDelay={delay_us} µs, "
+                "instead of NIXL's Python default 0, which spins a core per agent",
+    "tensorwire": "a bare nixl_agent per rank configured exactly as tensorwire's own (_make_agent's defaults: "
+                  "sleeping progress thread, pthrDelay={delay_us} µs, and tensorwire's thread sync mode), so only "
+                  "tensorwire's Python layers differ",
+    "nixl-default": "a bare nixl_agent per rank with every NIXL Python default, pthrDelay=0 included: its "
+                    "progress thread spins a core per agent (distorts timings when threads outnumber cores)",
+}
+_IDLE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure. ``memories`` among "cpu", "cuda"; sizes in bytes per memory."""
+
+    memories: tuple[str, ...] = ("cpu",)
+    host_sizes: tuple[int, ...] = HOST_SIZES
+    cuda_sizes: tuple[int, ...] = CUDA_SIZES
+    budget: Budget = field(default_factory=Budget)
+    idle_s: float = 2.0
+    raw_config: str = "sleeping"
+    quiet_nixl: bool = False
+    progress: bool = True
+    timeout_s: float = 600.0
+
+    def sizes(self, memory: str) -> tuple[int, ...]:
+        return self.host_sizes if memory == "cpu" else self.cuda_sizes
+
+
+@dataclass(frozen=True)
+class Record:
+    """One measured path of one (memory, op, size); times in µs, bandwidth in GB/s at the median."""
+
+    memory: str
+    op: str
+    size: int
+    path: str
+    median_us: float
+    p10_us: float
+    p90_us: float
+    gbps: float
+    reps: int
+    transport: str  # what moved the bytes: "nixl", "cuda_ipc", "local" or "torch" (copies)
+    threads: int | None = None  # host copies only
+
+    @staticmethod
+    def of(memory: str, op: str, size: int, path: str, timing: Timing, transport: str,
+           threads: int | None = None) -> "Record":
+        return Record(memory, op, size, path, timing.median_us, timing.p10_us, timing.p90_us,
+                      timing.gbps(size), timing.reps, transport, threads)
+
+
+@dataclass
+class BenchResult:
+    records: list[Record]
+    idle: list[dict[str, float]]  # per rank: rank, wall_s, cpu_s, cores
+    raw_config: str  # the description of how the raw NIXL agents were built
+    progress_wakeup_ms: float
+    default_threads: int  # torch's thread count in rank 0 (copy-mt)
+    ucx_version: str | None
+    others: dict[str, float | None] = field(default_factory=dict)  # CPU other processes took meanwhile
+
+
+# --- data that says where it came from ---------------------------------------------------------------
+def rank_pattern(nbytes: int, rank: int, device: torch.device | str) -> torch.Tensor:
+    """``nbytes`` uint8 on ``device``: a random stream seeded by ``rank``, so bytes that arrive misplaced,
+    stale or from the wrong rank do not match."""
+    generator = torch.Generator(device=device).manual_seed(7919 * (rank + 1))
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device, generator=generator)
+
+
+def first_mismatch(got: torch.Tensor, expected: torch.Tensor) -> int | None:
+    """Index of the first differing element, or None when equal."""
+    if torch.equal(got, expected):
+        return None
+    return int((got != expected).nonzero()[0, 0])
+
+
+# --- the raw NIXL baseline ---------------------------------------------------------------------------
+class _RawNixl:
+    """A bare NIXL agent per rank, driven as a raw NIXL user would (see the module docstring)."""
+
+    def __init__(self, rank: int, store: Any, raw_config: str, wakeup_ms: float) -> None:
+        from ..backends.nixl import _import_nixl, _make_agent
+
+        api, bindings = _import_nixl()
+        self.rank = rank
+        self.name, self.peer_name = f"bench-raw-rank{rank}", f"bench-raw-rank{1 - rank}"
+        self.store = store  # also carries the benchmark's own requests (see _InboxChecker)
+        if raw_config == "sleeping":
+            self.agent = _make_agent(api, bindings, self.name, wakeup_ms, sync_mode="NONE")
+        elif raw_config == "tensorwire":
+            self.agent = _make_agent(api, bindings, self.name, wakeup_ms)
+        else:
+            self.agent = api.nixl_agent(self.name)
+        self._registrations: list[Any] = []
+
+    def register(self, tensor: torch.Tensor) -> None:
+        self._registrations.append(self.agent.register_memory([tensor]))
+
+    def exchange_metadata(self) -> None:
+        """Publish this agent's metadata (after every registration) and load the peer's."""
+        self.store.set(f"raw-md/{self.rank}", self.agent.get_agent_metadata())
+        self.agent.add_remote_agent(self.store.get(f"raw-md/{1 - self.rank}"))
+
+    def prepare(self, op: str, local: torch.Tensor, remote: TensorDesc) -> Any:
+        mem_type = "DRAM" if remote.kind is MemoryKind.CPU else "VRAM"
+        local_descs = self.agent.get_xfer_descs(local)
+        remote_descs = self.agent.get_xfer_descs([(remote.addr, remote.nbytes, max(remote.device_index, 0))], mem_type)
+        return self.agent.initialize_xfer(op, local_descs, remote_descs, self.peer_name)
+
+    def post_and_wait(self, handle: Any) -> None:
+        agent = self.agent
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise TransferError(f"bench: raw NIXL transfer to {self.peer_name} ended in state {state!r}")
+
+    def close(self) -> None:
+        """Deregister and drop the agent. Idempotent."""
+        if self.agent is None:
+            return
+        for registration in self._registrations:
+            self.agent.deregister_memory(registration)
+        self._registrations = []
+        self.agent = None  # dropping the agent joins its progress thread
+
+
+# --- one rank ----------------------------------------------------------------------------------------
+@dataclass
+class _Side:
+    """This rank's buffers for one memory kind."""
+
+    memory: str
+    buffer: torch.Tensor  # [outbox | inbox], registered with tensorwire and raw NIXL
+    half: int  # bytes in each box
+    own: torch.Tensor  # what this rank's outbox holds
+    peer: torch.Tensor  # what the peer's outbox holds
+    copy_dst: torch.Tensor | None  # rank 0: destination of the local copy
+    registration: Any
+    remote: TensorDesc | None = None  # the peer's buffer
+
+    @property
+    def outbox(self) -> torch.Tensor:
+        return self.buffer[: self.half]
+
+    @property
+    def inbox(self) -> torch.Tensor:
+        return self.buffer[self.half:]
+
+    def sync(self) -> None:
+        if self.buffer.is_cuda:
+            torch.cuda.synchronize(self.buffer.device)
+
+
+def _rank_main(config: BenchConfig) -> dict[str, Any]:
+    """One rank of the benchmark (run by ``launch``). Rank 0 returns the records."""
+    import datetime as dt
+
+    import torch.distributed as dist
+
+    import tensorwire as tw
+
+    from ..bootstrap import resolve_environment
+
+    if config.quiet_nixl:
+        from ..cli import quiet_nixl_logging
+
+        quiet_nixl_logging()
+    env = resolve_environment()
+    # Our own store, lent to tw.init, also carries the raw agents' metadata under "bench/".
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0,
+                          timeout=dt.timedelta(seconds=config.timeout_s), wait_for_workers=False)
+    comm = tw.init(timeout=config.timeout_s, store=store)
+    bench_store = dist.PrefixStore("bench/", store)
+    result: dict[str, Any] = {"rank": comm.rank}
+    try:
+        result["idle"] = _measure_idle(comm, config.idle_s) if config.idle_s > 0 else None
+        raw = _RawNixl(comm.rank, bench_store, config.raw_config, comm.config.progress_wakeup_ms)
+        try:
+            result["records"] = _bench_all(comm, raw, config)
+        finally:
+            raw.close()
+        result["default_threads"] = torch.get_num_threads()
+        result["progress_wakeup_ms"] = comm.config.progress_wakeup_ms
+        if comm.rank == 0:
+            from ..doctor import ucx_version
+
+            result["ucx_version"] = ucx_version()
+        comm.barrier()
+    finally:
+        comm.close()
+    # Rank 0 hosts the store: it must outlive rank 1's last use of it (close() announces departure).
+    if comm.rank == 1:
+        bench_store.set("closed", b"1")
+    else:
+        bench_store.wait(["closed"])
+    return result
+
+
+def _measure_idle(comm: Any, seconds: float) -> dict[str, float]:
+    """CPU an idle, connected communicator burns, in cores: getrusage(RUSAGE_SELF) user+sys over ``seconds``.
+
+    Both ranks register 1 MiB and READ 4 KiB from each other first, so endpoints exist on both sides, then
+    sleep through the same window between two barriers (a barrier waits in a blocking socket call).
+    """
+    buffer = torch.zeros(_IDLE_BYTES, dtype=torch.uint8)
+    with comm.register(buffer) as registration:
+        comm.publish("bench/idle", registration.descs)
+        remote = comm.lookup("bench/idle", 1 - comm.rank)[0]
+        comm.read(buffer[:4096], remote.narrow(4096, 4096))
+        comm.barrier()
+        before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        time.sleep(seconds)
+        after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - start
+        comm.barrier()
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"rank": comm.rank, "wall_s": wall, "cpu_s": cpu, "cores": cpu / wall}
+
+
+def _bench_all(comm: Any, raw: _RawNixl, config: BenchConfig) -> list[Record]:
+    sides = [_make_side(comm, raw, memory, max(config.sizes(memory))) for memory in config.memories]
+    raw.exchange_metadata()
+    for side in sides:
+        side.remote = comm.lookup(f"bench/{side.memory}", 1 - comm.rank)[0]
+    records: list[Record] = []
+    checker = _InboxChecker(raw.store)
+    try:
+        if comm.rank == 0:
+            try:
+                for side in sides:
+                    for size in config.sizes(side.memory):
+                        records += _bench_size(comm, raw, side, size, config, checker)
+            finally:
+                checker.finish()
+        else:
+            checker.serve({side.memory: side for side in sides})
+    finally:
+        raw.close()  # before the tensors can go: nothing may stay registered over freed memory
+        for side in sides:
+            side.registration.close()
+    return records
+
+
+def _make_side(comm: Any, raw: _RawNixl, memory: str, size: int) -> _Side:
+    device = comm.device if memory == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    own, peer = rank_pattern(size, comm.rank, device), rank_pattern(size, 1 - comm.rank, device)
+    buffer = torch.zeros(2 * size, dtype=torch.uint8, device=device)
+    buffer[:size].copy_(own)
+    copy_dst = torch.zeros(size, dtype=torch.uint8, device=device) if comm.rank == 0 else None
+    registration = comm.register(buffer)
+    raw.register(buffer)
+    comm.publish(f"bench/{memory}", registration.descs)
+    side = _Side(memory, buffer, size, own, peer, copy_dst, registration)
+    side.sync()
+    return side
+
+
+def _bench_size(comm: Any, raw: _RawNixl, side: _Side, size: int, config: BenchConfig,
+                checker: "_InboxChecker") -> list[Record]:
+    """Rank 0: READ then WRITE of ``size`` bytes. The transfer paths are timed interleaved (they are what is
+    compared); each must first move the right bytes on its own, and all still do after the timing."""
+    records: list[Record] = []
+    remote_outbox, remote_inbox = side.remote.narrow(0, size), side.remote.narrow(side.half, size)
+    for op, local, remote in ((Op.READ, side.inbox[:size], remote_outbox), (Op.WRITE, side.outbox[:size], remote_inbox)):
+        if config.progress:
+            print(f"bench: {side.memory} {op.value:<5} {format_size(size)}", file=sys.stderr, flush=True)
+        with contextlib.ExitStack() as stack:
+            paths = _transfer_paths(comm, raw, op, local, remote, stack)
+            for name, (once, _) in paths.items():
+                once()
+                _check_path(side, size, op, name, checker)
+            compared = {name: once for name, (once, _) in paths.items()}
+            if side.memory == "cpu":  # the host copy is the yardstick: time it alongside, on one thread
+                compared[COPY] = functools.partial(side.copy_dst[:size].copy_, side.outbox[:size])
+                paths[COPY] = (compared[COPY], "torch")
+                stack.enter_context(_torch_threads(1))
+            timings = measure_interleaved(compared, HostClock(), config.budget)
+            _check_path(side, size, op, " + ".join(p for p in paths if p != COPY), checker)
+        records += [Record.of(side.memory, op.value, size, name, timings[name], transport,
+                              threads=1 if name == COPY else None)
+                    for name, (_, transport) in paths.items()]
+        records += _bench_other_copies(side, size, op.value, config.budget)
+    return records
+
+
+@contextlib.contextmanager
+def _torch_threads(count: int):
+    """Run the block with ``count`` torch intra-op threads (it does not touch NIXL, which has its own)."""
+    default = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(default)
+
+
+def _transfer_paths(comm: Any, raw: _RawNixl, op: Op, local: torch.Tensor, remote: TensorDesc,
+                    stack: contextlib.ExitStack) -> dict[str, tuple[Callable[[], None], str]]:
+    """``{path: (one repetition, transport)}``: tensorwire as it chooses, tensorwire over NIXL when it chose
+    something else, and raw NIXL. Handles are released when ``stack`` closes."""
+    paths: dict[str, tuple[Callable[[], None], str]] = {}
+    for name, transport in ((TENSORWIRE, None), (TENSORWIRE_NIXL, "nixl")):
+        if transport == "nixl" and paths[TENSORWIRE][1] == "nixl":
+            break  # tensorwire already chose NIXL: the row would repeat the first
+        transfer = stack.enter_context(comm.prepare(op, local, remote, transport=transport))
+        paths[name] = (_post_and_wait(transfer), transfer.transport)
+    handle = raw.prepare(op.value, local, remote)
+    stack.callback(handle.release)
+    paths[RAW] = (functools.partial(raw.post_and_wait, handle), "nixl")
+    return paths
+
+
+def _post_and_wait(transfer: Any) -> Callable[[], None]:
+    """One repetition of the tensorwire path: post the prepared handle, wait for it."""
+    def once() -> None:
+        transfer.post()
+        transfer.wait()
+
+    return once
+
+
+def _check_path(side: _Side, size: int, op: Op, path: str, checker: "_InboxChecker") -> None:
+    """Rank 0 checks its own inbox after a READ path and asks rank 1 to check its inbox after a WRITE."""
+    if op is Op.READ:
+        _check_inbox(side, size, f"{path} READ")
+    else:
+        checker.ask(side.memory, size, f"{path} WRITE")
+
+
+def _bench_other_copies(side: _Side, size: int, op: str, budget: Budget) -> list[Record]:
+    """The copies not timed with the transfers: on the GPU the copy (CUDA events), on the host the copy
+    with torch's default thread count (``copy-mt``, JSON only)."""
+    src, dst = side.outbox[:size], side.copy_dst[:size]
+    copy_once = functools.partial(dst.copy_, src)
+    if side.memory == "cuda":
+        return [Record.of(side.memory, op, size, COPY, measure(copy_once, CudaEventClock(), budget), "torch")]
+    return [Record.of(side.memory, op, size, COPY_MT, measure(copy_once, HostClock(), budget), "torch",
+                      threads=torch.get_num_threads())]
+
+
+def _check_inbox(side: _Side, size: int, what: str) -> None:
+    """The first ``size`` bytes of this rank's inbox must be the peer's outbox; then clear them for the
+    next path. Raises ``TransferError`` naming ``what`` moved wrong bytes."""
+    side.sync()
+    index = first_mismatch(side.inbox[:size], side.peer[:size])
+    if index is not None:
+        raise TransferError(
+            f"bench: after the {what}s of {size} bytes ({side.memory}), byte {index} of rank "
+            f"{'1' if what.endswith('WRITE') else '0'}'s inbox is {int(side.inbox[index])} but the peer's outbox "
+            f"holds {int(side.peer[index])}: the transfer moved wrong bytes or none; run 'tensorwire doctor'"
+        )
+    side.inbox[:size].zero_()
+    side.sync()
+
+
+class _InboxChecker:
+    """Rank 0 asks, through the store, and rank 1 checks (and clears) its inbox after each WRITE path."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._sequence = 0
+
+    def ask(self, memory: str, size: int, what: str) -> None:
+        """Rank 0: block until rank 1 checked; re-raise its finding here, where the path is known."""
+        reply = self._call(f"check {memory} {size} {what}")
+        if reply != "ok":
+            raise TransferError(reply)
+
+    def finish(self) -> None:
+        self._call("done")
+
+    def serve(self, sides: dict[str, _Side]) -> None:
+        """Rank 1: answer requests until rank 0 says ``done``."""
+        while True:
+            request = self._store.get(f"ask/{self._sequence}").decode()
+            if request == "done":
+                self._store.set(f"answer/{self._sequence}", b"ok")
+                return
+            _, memory, size, what = request.split(" ", 3)
+            try:
+                _check_inbox(sides[memory], int(size), what)
+                reply = "ok"
+            except TransferError as e:
+                reply = str(e)
+            self._store.set(f"answer/{self._sequence}", reply.encode())
+            self._sequence += 1
+
+    def _call(self, request: str) -> str:
+        self._store.set(f"ask/{self._sequence}", request.encode())
+        reply = self._store.get(f"answer/{self._sequence}").decode()
+        self._sequence += 1
+        return reply
+
+
+# --- orchestration -----------------------------------------------------------------------------------
+def run(config: BenchConfig) -> BenchResult:
+    """Launch the two ranks, wait for them, and gather the result. Raises ``RankFailedError`` (a
+    ``TensorwireError``) when a rank fails, ``WaitTimeoutError`` after ``config.timeout_s``."""
+    from ..testing import launch
+
+    if config.raw_config not in RAW_CONFIGS:
+        raise InvalidArgumentError(f"bench: raw_config={config.raw_config!r}; choose one of {sorted(RAW_CONFIGS)}")
+    before = _CpuSnapshot.now()
+    rank0, rank1 = launch(_rank_main, 2, config, timeout=config.timeout_s)
+    others = _CpuSnapshot.now().others_since(before)
+    delay_us = int(max(rank0["progress_wakeup_ms"], 1.0) * 1000)
+    return BenchResult(
+        records=rank0["records"],
+        idle=[r["idle"] for r in (rank0, rank1) if r["idle"] is not None],
+        raw_config=RAW_CONFIGS[config.raw_config].format(delay_us=delay_us),
+        progress_wakeup_ms=rank0["progress_wakeup_ms"],
+        default_threads=rank0["default_threads"],
+        ucx_version=rank0.get("ucx_version"),
+        others=others,
+    )
+
+
+@dataclass(frozen=True)
+class _CpuSnapshot:
+    """Machine-wide busy and steal CPU seconds (/proc/stat; None elsewhere) and this process tree's own."""
+
+    busy_s: float | None
+    steal_s: float | None
+    own_s: float  # this process plus its reaped children: the ranks, once launch has joined them
+    wall_s: float
+
+    @staticmethod
+    def now() -> "_CpuSnapshot":
+        busy = steal = None
+        try:
+            with open("/proc/stat") as stat:
+                ticks = [int(x) for x in stat.readline().split()[1:]]
+            per_second = os.sysconf("SC_CLK_TCK")
+            busy = (ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]) / per_second  # user nice system irq softirq
+            steal = ticks[7] / per_second
+        except (OSError, ValueError, IndexError):
+            pass
+        own = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return _CpuSnapshot(busy, steal, sum(r.ru_utime + r.ru_stime for r in own), time.perf_counter())
+
+    def others_since(self, before: "_CpuSnapshot") -> dict[str, float | None]:
+        """Average cores other processes used (``other_cores``) and the hypervisor stole (``steal_cores``):
+        anything above a few hundredths on a machine with few cores disturbed the timings."""
+        wall = self.wall_s - before.wall_s
+        if self.busy_s is None or before.busy_s is None or wall <= 0:
+            return {"other_cores": None, "steal_cores": None}
+        others = (self.busy_s - before.busy_s) - (self.own_s - before.own_s)
+        return {"other_cores": max(others, 0.0) / wall, "steal_cores": (self.steal_s - before.steal_s) / wall}
+
+
+def header(argv: list[str]) -> dict[str, Any]:
+    """Where and with what the benchmark ran (the JSON header)."""
+    from ..doctor import cpu_model, software_versions
+
+    versions = software_versions()
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return {
+        "command": shlex.join(["tensorwire", *argv]),
+        "hostname": socket.gethostname(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions,
+        "source": _source_revision(),
+        "cpu": {"model": cpu_model(), "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0))},
+        "gpus": gpus,
+    }
+
+
+def _source_revision() -> dict[str, Any] | None:
+    """The git commit of the tensorwire being measured, and whether its tracked files differ from it."""
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", package_dir, "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=5, check=False)
+        if commit.returncode != 0:
+            return None
+        status = subprocess.run(["git", "-C", package_dir, "status", "--porcelain", "--untracked-files=no", "--", "."],
+                                capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit.stdout.strip(), "modified": bool(status.stdout.strip())}
+
+
+# --- reporting ---------------------------------------------------------------------------------------
+def format_size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
+
+
+def _cases(records: list[Record]) -> dict[tuple[str, str, int], dict[str, Record]]:
+    cases: dict[tuple[str, str, int], dict[str, Record]] = {}
+    for r in records:
+        cases.setdefault((r.memory, r.op, r.size), {})[r.path] = r
+    return cases
+
+
+def comparisons(records: list[Record]) -> list[dict[str, Any]]:
+    """Per (memory, op, size) and tensorwire row: its bandwidth over the copy's (higher is better) and its
+    time over raw NIXL's (lower is better)."""
+    out = []
+    for (memory, op, size), paths in _cases(records).items():
+        raw, copy = paths.get(RAW), paths.get(COPY)
+        for name in _TENSORWIRE_PATHS:
+            tw = paths.get(name)
+            if tw is None:
+                continue
+            out.append({
+                "memory": memory, "op": op, "size": size, "path": name, "transport": tw.transport,
+                "bw_vs_copy": tw.gbps / copy.gbps if copy else None,
+                "time_vs_raw": tw.median_us / raw.median_us if raw else None,
+            })
+    return out
+
+
+def summary(result: BenchResult) -> list[dict[str, Any]]:
+    """The three headline numbers against their goals; ``ok`` is None where a number was not measured."""
+    cases = _cases(result.records)
+    lines = []
+    big = cases.get(("cpu", "WRITE", 64 << 20), {})
+    if TENSORWIRE in big and COPY in big:
+        ratio = big[TENSORWIRE].gbps / big[COPY].gbps
+        lines.append({"name": "64 MiB cpu WRITE bandwidth vs copy", "value": ratio, "goal": ">= 0.6", "ok": ratio >= 0.6,
+                      "text": f"64 MiB cpu WRITE: tensorwire {big[TENSORWIRE].gbps:.2f} GB/s = {ratio:.2f}x copy "
+                              f"({big[COPY].gbps:.2f} GB/s, 1 thread); goal >= 0.6x"})
+    else:
+        lines.append({"name": "64 MiB cpu WRITE bandwidth vs copy", "value": None, "goal": ">= 0.6", "ok": None,
+                      "text": "64 MiB cpu WRITE: not measured (add 64M to --sizes and cpu to --memory)"})
+    small = cases.get(("cpu", "WRITE", 4 << 10), {})
+    if TENSORWIRE in small and RAW in small:
+        us, ratio = small[TENSORWIRE].median_us, small[TENSORWIRE].median_us / small[RAW].median_us
+        lines.append({"name": "4 KiB cpu WRITE latency", "value": us, "ratio_vs_raw": ratio, "goal": "<= 10 us, <= 1.1x raw",
+                      "ok": us <= 10 and ratio <= 1.1,
+                      "text": f"4 KiB cpu WRITE: tensorwire {us:.2f} µs median (goal <= 10 µs) = {ratio:.2f}x raw nixl's "
+                              f"{small[RAW].median_us:.2f} µs (goal <= 1.1x)"})
+    else:
+        lines.append({"name": "4 KiB cpu WRITE latency", "value": None, "goal": "<= 10 us, <= 1.1x raw", "ok": None,
+                      "text": "4 KiB cpu WRITE: not measured (add 4K to --sizes and cpu to --memory)"})
+    if result.idle:
+        cores = max(i["cores"] for i in result.idle)
+        lines.append({"name": "idle communicator CPU", "value": cores, "goal": "< 0.05 cores", "ok": cores < 0.05,
+                      "text": f"idle communicator: {cores:.3f} cores (max over {len(result.idle)} ranks, "
+                              f"{result.idle[0]['wall_s']:.1f} s, getrusage user+sys / wall); goal < 0.05"})
+    else:
+        lines.append({"name": "idle communicator CPU", "value": None, "goal": "< 0.05 cores", "ok": None,
+                      "text": "idle communicator: not measured (--idle-seconds 0)"})
+    return lines
+
+
+def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig) -> str:
+    """The aligned table, the idle line and, last, the three summary lines."""
+    v = head["versions"]
+    budget = config.budget
+    timing = (f"{budget.iters} calls" if budget.iters else f">= {budget.min_reps} calls and >= {budget.time_s:g} s")
+    timing += f" per path, the transfer paths alternating in {budget.rounds} rounds"
+    out = [
+        "tensorwire bench: rank 0 -> rank 1, two local processes",
+        f"  machine     {head['cpu']['model']}, {head['cpu']['usable_cores']} cores; "
+        + (", ".join(head["gpus"]) if head["gpus"] else "no CUDA device"),
+        (f"  software    tensorwire {v['tensorwire']}{_revision_text(head.get('source'))}, torch {v['torch']}, "
+         f"nixl {v['nixl']} ({v['nixl_module']}), UCX {result.ucx_version or v['ucx'] or '?'}, Python {v['python']}"),
+        (f"  tensorwire  post() + wait() on one prepared handle; progress thread wakes every "
+         f"{result.progress_wakeup_ms:g} ms when idle"),
+        f"  raw nixl    {result.raw_config}; initialize_xfer once, then transfer() + tight check_xfer_state loop",
+        (f"  copy        dst.copy_(src) inside rank 0; host: 1 thread (torch's default {result.default_threads} "
+         "threads in the JSON as copy-mt); GPU: CUDA events"),
+        f"  timing      {budget.warmup_s:g} s warm-up, then {timing}; each call timed alone; median, p10, p90",
+    ]
+    out = [textwrap.fill(line, 116, subsequent_indent=" " * 14) for line in out] + [""]
+    columns = ["memory", "op", "size", "path", "via", "median µs", "p10 µs", "p90 µs", "GB/s", "BW/copy", "time/raw"]
+    rows = [columns]
+    ratios = {(c["memory"], c["op"], c["size"], c["path"]): c for c in comparisons(result.records)}
+    for (memory, op, size), paths in _cases(result.records).items():
+        first = True
+        for path in (TENSORWIRE, TENSORWIRE_NIXL, RAW, COPY):
+            r = paths.get(path)
+            if r is None:
+                continue
+            c = ratios.get((memory, op, size, path), {})
+            rows.append([
+                memory if first else "", op if first else "", format_size(size) if first else "", path, r.transport,
+                f"{r.median_us:.2f}", f"{r.p10_us:.2f}", f"{r.p90_us:.2f}", f"{r.gbps:.2f}",
+                f"{c['bw_vs_copy']:.2f}x" if c.get("bw_vs_copy") else "",
+                f"{c['time_vs_raw']:.2f}x" if c.get("time_vs_raw") else "",
+            ])
+            first = False
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    for n, row in enumerate(rows):
+        if n > 1 and row[0]:
+            out.append("")  # a blank line between (memory, op, size) groups
+        out.append("  ".join(cell.ljust(w) if i < 5 else cell.rjust(w)
+                             for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
+    out += [
+        "",
+        "  BW/copy = tensorwire GB/s / copy GB/s (higher is better); time/raw = tensorwire µs / raw nixl µs",
+        "  (lower is better); GB/s = 1e9 bytes/s at the median; via = the transport that moved the bytes",
+    ]
+    other, steal = result.others.get("other_cores"), result.others.get("steal_cores")
+    if other is not None:
+        disturbed = other >= 0.1 or steal >= 0.1
+        out.append(f"  {'!!! ' if disturbed else ''}meanwhile other processes used {other:.2f} cores and the hypervisor "
+                   f"stole {steal:.2f}" + ("; these timings are disturbed, run again on a quiet machine" if disturbed else ""))
+    if result.idle:
+        per_rank = ", ".join(f"rank {i['rank']} {i['cores']:.3f}" for i in result.idle)
+        out.append(f"  idle CPU: {per_rank} cores over {result.idle[0]['wall_s']:.1f} s "
+                   f"(connected communicator, {format_size(_IDLE_BYTES)} registered)")
+    out.append("")
+    for line in summary(result):
+        tag = {True: "[ok]  ", False: "[MISS]", None: "[n/a] "}[line["ok"]]
+        out.append(f"{tag} {line['text']}")
+    return "\n".join(out)
+
+
+def _revision_text(source: dict[str, Any] | None) -> str:
+    if not source:
+        return ""
+    return f" (git {source['commit']}{', modified' if source['modified'] else ''})"
+
+
+def to_json(result: BenchResult, head: dict[str, Any], config: BenchConfig) -> dict[str, Any]:
+    """Every record, with the header and the configuration they were measured under."""
+    return {
+        "header": {
+            **head,
+            "raw_nixl": result.raw_config,
+            "tensorwire_progress_wakeup_ms": result.progress_wakeup_ms,
+            "copy": f"dst.copy_(src) in rank 0; copy: 1 thread, copy-mt: {result.default_threads} threads; cuda: CUDA events",
+            "budget": asdict(config.budget),
+            "memories": list(config.memories),
+            "ucx_version": result.ucx_version,
+            "during_run": result.others,
+        },
+        "records": [asdict(r) for r in result.records],
+        "comparisons": comparisons(result.records),
+        "idle": result.idle,
+        "summary": summary(result),
+    }

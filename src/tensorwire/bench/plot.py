@@ -1,0 +1,78 @@
+"""GB/s against transfer size, one line per path, one panel per (memory, op): a small PNG.
+
+matplotlib is optional (``pip install 'tensorwire[plot]'`` or ``pip install matplotlib``) and imported lazily.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidArgumentError
+from .p2p import COPY, COPY_MT, RAW, TENSORWIRE, TENSORWIRE_NIXL, Record, format_size
+
+__all__ = ["require_matplotlib", "plot"]
+
+_DPI = 80  # small files: a 2x2 grid stays well under 100 KB
+_STYLE = {
+    TENSORWIRE: {"color": "#1f77b4", "marker": "o", "linewidth": 2.0},
+    TENSORWIRE_NIXL: {"color": "#9467bd", "marker": "D"},
+    RAW: {"color": "#ff7f0e", "marker": "s", "linestyle": "--"},
+    COPY: {"color": "#2ca02c", "marker": "^", "linestyle": ":"},
+    COPY_MT: {"color": "#7f7f7f", "marker": "v", "linestyle": ":"},
+}
+
+
+def require_matplotlib() -> Any:
+    """``matplotlib.pyplot`` on the headless Agg backend, or ``InvalidArgumentError`` saying how to get it."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError as e:
+        if e.name == "matplotlib":
+            raise InvalidArgumentError(
+                "--plot needs matplotlib, which is not installed; pip install matplotlib "
+                "(or pip install 'tensorwire[plot]'), or drop --plot"
+            ) from e
+        raise InvalidArgumentError(f"--plot: importing matplotlib failed because {e.name!r} is missing; install it") from e
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as pyplot
+
+    return pyplot
+
+
+def plot(records: list[Record], path: Path, title: str = "tensorwire bench") -> None:
+    """Write the PNG: 720 px wide, 250 px per row of panels, under 100 KB."""
+    pyplot = require_matplotlib()
+    panels = sorted({(r.memory, r.op) for r in records}, key=lambda k: (k[0] != "cpu", k[0], k[1]))
+    columns = 2
+    rows = (len(panels) + columns - 1) // columns
+    figure, axes = pyplot.subplots(rows, columns, figsize=(9, 3.1 * rows), dpi=_DPI, squeeze=False)
+    for axis, (memory, op) in zip(axes.flat, panels):
+        for path_name, style in _STYLE.items():
+            points = sorted((r.size, r.gbps) for r in records if (r.memory, r.op, r.path) == (memory, op, path_name))
+            if not points:
+                continue
+            label = path_name
+            transport = next((r.transport for r in records if (r.memory, r.path) == (memory, path_name)), None)
+            if path_name == TENSORWIRE and transport:
+                label += f" (via {transport})"
+            threads = next((r.threads for r in records if (r.memory, r.path) == (memory, path_name) and r.threads), None)
+            if threads:
+                label += f" ({threads} thread{'s' if threads > 1 else ''})"
+            axis.plot([p[0] for p in points], [p[1] for p in points], label=label, markersize=4, **style)
+        sizes = sorted({r.size for r in records if (r.memory, r.op) == (memory, op)})
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xticks(sizes, [format_size(s).replace(" ", "") for s in sizes], fontsize=7, rotation=30)
+        axis.minorticks_off()
+        axis.set_title(f"{memory} {op}", fontsize=10)
+        axis.set_ylabel("GB/s (median)", fontsize=9)
+        axis.grid(True, which="major", alpha=0.3)
+        axis.legend(fontsize=7, loc="upper left")
+    for axis in list(axes.flat)[len(panels):]:
+        axis.set_visible(False)
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=_DPI)
+    pyplot.close(figure)

@@ -1,0 +1,509 @@
+"""``tensorwire doctor``: what works on this machine, what does not, why, and what to do.
+
+It reports, in order: software versions (UCX's too, read from the library NIXL bundles); the backends
+table; the CUDA devices; whether NIXL really moves CUDA memory as VRAM (registration, then a 2-process
+transfer whose bytes are checked: some UCX builds silently treat VRAM as host memory); and which UCX
+transport a host-to-host and a GPU-to-GPU transfer really take here. For the last, the probe processes get
+``UCX_PROTO_INFO=y`` and ``UCX_LOG_FILE`` in *their* environment (through ``launch(env=...)``; nothing writes
+this process's ``os.environ``) and the protocol tables UCX writes are parsed for the ``ucp_put*`` /
+``ucp_get*`` rows.
+
+Every probe is bounded in time, and a failing probe is reported, never raised: the doctor exits 0 whenever
+it could diagnose. Non-goals: fixing anything, benchmarking (``tensorwire bench`` does that).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import json
+import os
+import platform
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+__all__ = [
+    "ProtoRow", "parse_proto_info", "ProbeResult", "run_probe", "software_versions", "cpu_model",
+    "cuda_summary", "ucx_version", "diagnose",
+]
+
+_PROBE_BYTES = 1 << 20
+_TCP_ONLY_FIX = {
+    "host": "UCX found no shared-memory path between the two processes. cma needs ptrace permission between "
+            "them (/proc/sys/kernel/yama/ptrace_scope 0 or 1 with the same user; in a container add "
+            "--cap-add SYS_PTRACE); also check that UCX_TLS, if set, keeps cma or sm",
+    "cuda": "UCX found no cuda_ipc path between the two processes. Give both the same GPUs and IPC namespace "
+            "(docker --ipc=host, same CUDA_VISIBLE_DEVICES), keep cuda_ipc in UCX_TLS if set, and install the "
+            "nixl wheel of your CUDA major (nixl-cu12 or nixl-cu13)",
+}
+
+
+# --- what is installed here -------------------------------------------------------------------------
+def nixl_module() -> str | None:
+    """The wheel the ``nixl`` meta package picked (``nixl_cu12`` / ``nixl_cu13``), or None if none imports."""
+    try:
+        from .backends.nixl import _import_nixl
+
+        api, _ = _import_nixl()
+    except Exception:  # noqa: BLE001 - "not importable" is the answer, reported elsewhere with its reason
+        return None
+    return api.__name__.split(".")[0]
+
+
+def ucx_version() -> str | None:
+    """Version of the UCX that NIXL uses: the ``libucp`` already mapped into this process if any, else the
+    one bundled in the nixl wheel's ``.libs`` folder (there is no ``ucx_info`` in the wheel)."""
+    candidates = []
+    try:
+        with open("/proc/self/maps") as maps:
+            candidates += sorted({line.split()[-1] for line in maps if "/libucp" in line})
+    except OSError:
+        pass
+    module = nixl_module()
+    if module is not None:
+        import importlib
+
+        package_dir = Path(importlib.import_module(module).__file__).parent
+        candidates += sorted(glob.glob(str(package_dir.parent / f"{module}.libs" / "libucp*.so*")))
+    for path in candidates:
+        try:
+            library = ctypes.CDLL(path)
+            library.ucp_get_version_string.restype = ctypes.c_char_p
+            return library.ucp_get_version_string().decode()
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def software_versions() -> dict[str, str | None]:
+    """Versions of everything on the data path; None where a component is missing."""
+    import torch
+
+    from . import __version__
+    from .backends.nixl import _version as nixl_version
+
+    module = nixl_module()
+    return {
+        "tensorwire": __version__,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "nixl": nixl_version() if module else None,
+        "nixl_module": module,
+        "ucx": ucx_version() if module else None,
+        "python": platform.python_version(),
+    }
+
+
+def cuda_summary() -> tuple[list[str], str]:
+    """``(devices, reason)``: one line per visible CUDA device, or why there is none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            return [], f"no CUDA: torch {torch.__version__} is a CPU-only build"
+        return [], (f"no CUDA device visible to torch {torch.__version__} (built for CUDA {torch.version.cuda}); "
+                    "check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
+    devices = []
+    for index in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(index)
+        devices.append(f"cuda:{index} {p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}, "
+                       f"{p.multi_processor_count} SMs")
+    return devices, f"torch built for CUDA {torch.version.cuda}"
+
+
+# --- UCX protocol tables -------------------------------------------------------------------------------
+_LOG_PREFIX = re.compile(r"^\[[\d.]+\]\s+\[[^\]]*\]\s?")
+_TITLE = re.compile(r"^(?P<endpoint>.*?)\s+(?P<scope>\S+)\s+cfg#\d+$")
+_TRANSPORT = re.compile(r"\b([a-z][a-z0-9_]*)/([A-Za-z0-9_:.\-]+)")
+
+
+@dataclass(frozen=True)
+class ProtoRow:
+    """One row of a UCX protocol table: for sizes ``size_range`` of ``operation``, use ``config``."""
+
+    endpoint: str
+    scope: str  # "self", "intra-node", "inter-node"
+    operation: str  # e.g. "remote memory write by ucp_put*(multi) from host memory to host"
+    size_range: str
+    description: str
+    config: str  # e.g. "cma/memory", "cuda_ipc/cuda", "50% on rc_mlx5/mlx5_0:1 and 50% on ..."
+
+    @property
+    def op(self) -> str | None:
+        if "ucp_put" in self.operation:
+            return "WRITE"
+        if "ucp_get" in self.operation:
+            return "READ"
+        return None
+
+    @property
+    def memories(self) -> tuple[str, ...]:
+        """Memory types UCX detected, e.g. ``("host", "host")`` or ``("cuda", "cuda")``."""
+        return tuple(re.findall(r"(?:from|to|into) (\w+)", self.operation))
+
+    @property
+    def transports(self) -> list[str]:
+        return ["/".join(t) for t in _TRANSPORT.findall(self.config)]
+
+
+def parse_proto_info(text: str) -> list[ProtoRow]:
+    """Every row of every protocol table in UCX log text (``UCX_PROTO_INFO=y``), in order."""
+    rows: list[ProtoRow] = []
+    title: re.Match | None = None
+    operation: str | None = None
+    for raw in text.splitlines():
+        line = _LOG_PREFIX.sub("", raw).strip()
+        if not line.startswith("|"):
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 1:
+            match = _TITLE.match(cells[0])
+            if match:
+                title, operation = match, None
+            else:
+                operation = cells[0]
+        elif len(cells) == 3 and title is not None and operation and cells[0] != "Range":
+            rows.append(ProtoRow(title["endpoint"], title["scope"], operation, *cells))
+    return rows
+
+
+def transfer_rows(rows: list[ProtoRow]) -> list[ProtoRow]:
+    """The put/get rows between processes (not the loopback ``self`` tables), without duplicates."""
+    seen, out = set(), []
+    for row in rows:
+        key = (row.op, row.memories, row.size_range, row.description, row.config)
+        if row.op and row.scope != "self" and key not in seen:
+            seen.add(key)
+            out.append(row)
+    return out
+
+
+# --- the 2-process probe ----------------------------------------------------------------------------
+def _record(workdir: str, rank: int, step: str, ok: bool, detail: str) -> None:
+    """Append one step to this rank's log; written at once so a crash still leaves what came before."""
+    with open(os.path.join(workdir, f"steps.{rank}.jsonl"), "a") as log:
+        log.write(json.dumps({"step": step, "ok": ok, "detail": detail}) + "\n")
+
+
+def _flush_c_stdio() -> None:
+    """UCX writes its log with C stdio; ``launch`` ends ranks with ``os._exit``, which would drop the buffer."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
+
+
+def _move(comm, op, local, remote, transport: str | None) -> str:
+    """One blocking transfer over ``transport`` (None: tensorwire's choice); returns the transport used."""
+    with comm.prepare(op, local, remote, transport=transport) as transfer:
+        transfer.post()
+        transfer.wait()
+        return transfer.transport
+
+
+def _probe_rank(memory: str, workdir: str, quiet: bool, timeout_s: float) -> None:
+    """One rank of the transfer probe (run by ``launch``). Over NIXL (forced: the probe is about what NIXL
+    and UCX do), rank 0 READs rank 1's outbox into its inbox and WRITEs its outbox into rank 1's inbox; each
+    receiver checks the bytes. For CUDA memory rank 0 then READs once more over tensorwire's own choice of
+    transport (``cuda_ipc`` on one host) and checks again. Steps go to ``workdir``."""
+    import torch
+
+    import tensorwire as tw
+
+    from .bench.p2p import rank_pattern
+
+    if quiet:
+        from .cli import quiet_nixl_logging
+
+        quiet_nixl_logging()
+    rank = int(os.environ.get("RANK", "0"))
+    step = "init"
+    try:
+        comm = tw.init(timeout=timeout_s)
+        peer = 1 - comm.rank
+        device = comm.device if memory == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        _record(workdir, rank, step, True, f"{comm!r}")
+        n = _PROBE_BYTES
+        buffer = torch.zeros(2 * n, dtype=torch.uint8, device=device)  # [outbox | inbox]
+        buffer[:n].copy_(rank_pattern(n, rank, device))
+        step = "register"
+        registration = comm.register(buffer)
+        _record(workdir, rank, step, True, f"{2 * n} bytes on {device} as {'VRAM' if memory == 'cuda' else 'DRAM'}")
+        comm.publish("doctor", registration.descs)
+        remote = comm.lookup("doctor", peer)[0]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if rank == 0:
+            step = "READ"
+            _move(comm, tw.READ, buffer[n:], remote.narrow(0, n), "nixl")
+            _record(workdir, rank, step, True, f"{n} bytes from rank {peer} over nixl")
+            _check_bytes(workdir, rank, "READ bytes", buffer[n:], rank_pattern(n, peer, device), peer)
+            step = "WRITE"
+            _move(comm, tw.WRITE, buffer[:n], remote.narrow(n, n), "nixl")
+            _record(workdir, rank, step, True, f"{n} bytes to rank {peer} over nixl")
+            if memory == "cuda":
+                step = "default READ"
+                buffer[n:].zero_()
+                torch.cuda.synchronize(device)
+                chosen = _move(comm, tw.READ, buffer[n:], remote.narrow(0, n), None)
+                torch.cuda.synchronize(device)  # a stream-ordered transport's copy is on the current stream
+                _record(workdir, rank, step, True, chosen)
+                _check_bytes(workdir, rank, f"READ over {chosen} (tensorwire's choice) bytes", buffer[n:],
+                             rank_pattern(n, peer, device), peer)
+        step = "barrier"
+        comm.barrier()
+        if rank == 1:
+            _check_bytes(workdir, rank, "WRITE bytes", buffer[n:], rank_pattern(n, peer, device), peer)
+        comm.barrier()
+        step = "close"
+        registration.close()
+        comm.close()
+    except BaseException as e:  # recorded for the report, then re-raised so launch stops all ranks
+        _record(workdir, rank, step, False, f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        _flush_c_stdio()
+
+
+def _check_bytes(workdir: str, rank: int, step: str, got, expected, sender: int) -> None:
+    from .bench.p2p import first_mismatch
+
+    index = first_mismatch(got, expected)
+    if index is None:
+        _record(workdir, rank, step, True, f"all {got.numel()} bytes from rank {sender} are right")
+    else:
+        _record(workdir, rank, step, False,
+                f"byte {index} of {got.numel()} differs (got {int(got[index])}, rank {sender} holds "
+                f"{int(expected[index])}): the transfer reported success but moved the wrong bytes")
+
+
+@dataclass
+class ProbeResult:
+    memory: str
+    steps: dict[int, list[dict]] = field(default_factory=dict)
+    error: str | None = None  # why launch failed (a rank raised, crashed or timed out)
+    rows: list[ProtoRow] = field(default_factory=list)
+    ucx_messages: list[str] = field(default_factory=list)
+
+    def step(self, rank: int, name: str) -> dict | None:
+        return next((s for s in self.steps.get(rank, []) if s["step"] == name), None)
+
+    def failures(self) -> list[str]:
+        return [f"rank {r} {s['step']}: {s['detail']}" for r in sorted(self.steps) for s in self.steps[r]
+                if not s["ok"]]
+
+
+def run_probe(memory: str, timeout_s: float = 15.0, quiet: bool = True) -> ProbeResult:
+    """Move 1 MiB both ways between two fresh processes over ``memory`` ("cpu" or "cuda") with UCX's
+    protocol tables on; never raises for a failing probe (the failure is in the result)."""
+    from .errors import TensorwireError
+    from .testing import launch
+
+    result = ProbeResult(memory)
+    with tempfile.TemporaryDirectory(prefix="tensorwire-doctor-") as workdir:
+        env = {"UCX_PROTO_INFO": "y", "UCX_LOG_FILE": os.path.join(workdir, "ucx.%p.log")}
+        try:
+            launch(_probe_rank, 2, memory, workdir, quiet, timeout_s, timeout=timeout_s + 5, env=env)
+        except TensorwireError as e:
+            lines = str(e).strip().splitlines()
+            result.error = lines[0] + (f" ... {lines[-1]}" if len(lines) > 1 else "")
+        for rank in (0, 1):
+            path = Path(workdir, f"steps.{rank}.jsonl")
+            if path.exists():
+                result.steps[rank] = [json.loads(line) for line in path.read_text().splitlines() if line]
+        for path in sorted(Path(workdir).glob("ucx.*.log")):
+            text = path.read_text(errors="replace")
+            result.rows += parse_proto_info(text)
+            result.ucx_messages += [_LOG_PREFIX.sub("", line).strip() for line in text.splitlines()
+                                    if re.search(r"\b(WARN|ERROR)\b", line)]
+    result.rows = transfer_rows(result.rows)
+    return result
+
+
+# --- the report ---------------------------------------------------------------------------------------
+@dataclass
+class Report:
+    """Lines to print and the problems found; ``emit`` is called as each section is ready."""
+
+    emit: Callable[[str], None]
+    problems: list[str] = field(default_factory=list)
+
+    def section(self, title: str) -> None:
+        self.emit("")
+        self.emit(title)
+
+    def line(self, text: str) -> None:
+        self.emit(f"  {text}")
+
+    def loud(self, level: str, text: str, fix: str = "") -> None:
+        """A problem nobody should miss: a banner line, the reason and the fix."""
+        self.problems.append(f"{level}: {text}")
+        self.emit(f"  !!! {level}: {text}")
+        if fix:
+            self.emit(f"  !!! fix: {fix}")
+
+
+def diagnose(emit: Callable[[str], None] = print, timeout_s: float = 15.0, quiet: bool = True) -> Report:
+    """Run every check, printing through ``emit`` as it goes; returns the report (problems listed)."""
+    from . import backends
+
+    report = Report(emit)
+    emit("tensorwire doctor")
+    versions = software_versions()
+    report.section("versions")
+    for name in ("tensorwire", "torch", "nixl", "ucx", "python"):
+        value = versions[name] or "not found"
+        if name == "torch":
+            value += f" (CUDA {versions['torch_cuda']})" if versions["torch_cuda"] else " (CPU-only build)"
+        if name == "nixl" and versions["nixl_module"]:
+            value += f" (loaded {versions['nixl_module']})"
+        report.line(f"{name:<11}{value}")
+
+    infos = _transport_infos(backends())
+    report.section("backends")
+    _table(report, ["backend", "available", "version", "reason", "fix"],
+           [[i.name, "yes" if i.available else "no", i.version or "-", i.reason, i.fix or "-"] for i in infos.values()])
+    if not infos["nixl"].available:
+        report.loud("FAIL", f"backend nixl is unavailable: {infos['nixl'].reason}", infos["nixl"].fix)
+    nixl_ok = infos["nixl"].available
+
+    report.section("CUDA")
+    devices, cuda_note = cuda_summary()
+    for device in devices:
+        report.line(device)
+    report.line(cuda_note)
+    _check_cuda_match(report, versions, bool(devices))
+    if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
+        report.loud("WARN", "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True; NIXL registers such memory "
+                    "but UCX then moves it at ~0.3 GB/s", "unset expandable_segments for processes that transfer")
+
+    report.section("transports (2 processes, UCX_PROTO_INFO=y in their environment)")
+    host = run_probe("cpu", timeout_s, quiet) if nixl_ok else None
+    _report_probe(report, "host -> host", host, "nixl unavailable")
+    cuda = run_probe("cuda", timeout_s + 10, quiet) if nixl_ok and devices else None
+    _report_probe(report, "cuda -> cuda", cuda, "nixl unavailable" if not nixl_ok else "no CUDA device")
+
+    report.section("NIXL VRAM")
+    _report_vram(report, cuda, nixl_ok)
+
+    report.section("verdict")
+    if report.problems:
+        report.line(f"{len(report.problems)} problem(s):")
+        for problem in report.problems:
+            report.line(f"- {problem}")
+    else:
+        report.line("no problems found")
+    return report
+
+
+def _transport_infos(infos: dict) -> dict:
+    """``tw.backends()`` plus the transports the communicator picks by itself (same-host CUDA IPC, the
+    same-process copy), so the table shows every way tensorwire can move bytes here."""
+    from . import cuda
+    from .backends.base import BackendInfo
+
+    infos = dict(infos)
+    if "cuda_ipc" not in infos:
+        usable, reason = cuda.availability()
+        fix = "" if usable else ("pip install cuda-python" if "cuda-python" in reason else "needs a CUDA device")
+        infos["cuda_ipc"] = BackendInfo("cuda_ipc", usable, reason, fix=fix)
+    infos.setdefault("local", BackendInfo("local", True, "copies between ranges of one process (always)"))
+    return infos
+
+
+def _table(report: Report, header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        report.line("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+def _check_cuda_match(report: Report, versions: dict, has_devices: bool) -> None:
+    """The nixl meta package picks nixl_cuXX at import time; a mismatch with torch's CUDA breaks VRAM."""
+    module, torch_cuda = versions["nixl_module"], versions["torch_cuda"]
+    if not (has_devices and module and torch_cuda and module.startswith("nixl_cu")):
+        return
+    if module[len("nixl_cu"):] != torch_cuda.split(".")[0]:
+        report.loud("WARN", f"nixl loaded {module} but torch is built for CUDA {torch_cuda}",
+                    f"pip install nixl-cu{torch_cuda.split('.')[0]}")
+
+
+def _report_probe(report: Report, label: str, probe: ProbeResult | None, skipped_because: str) -> None:
+    if probe is None:
+        report.line(f"{label:<14}skipped: {skipped_because}")
+        return
+    memory = "host" if probe.memory == "cpu" else "cuda"
+    for op in ("WRITE", "READ"):
+        rows = [r for r in probe.rows if r.op == op]
+        if not rows:
+            report.line(f"{label:<14}{op:<6}no ucp_{'put' if op == 'WRITE' else 'get'} table seen")
+        for row in rows:
+            memories = "->".join(row.memories)
+            report.line(f"{label:<14}{op:<6}{row.config:<15} ({row.size_range}, {row.description}; "
+                        f"UCX saw {memories} memory)")
+        transports = {t for r in rows for t in r.transports}
+        if transports and all(t.startswith("tcp/") for t in transports):
+            report.loud("WARN", f"{label} {op} only has TCP emulation ({', '.join(sorted(transports))}): "
+                        "expect a few GB/s at best", _TCP_ONLY_FIX[memory])
+    for rank in sorted(probe.steps):
+        checks = [s for s in probe.steps[rank] if s["step"].endswith("bytes")]
+        for check in checks:
+            report.line(f"{label:<14}rank {rank} {check['step']}: {'ok' if check['ok'] else 'WRONG'}"
+                        + ("" if probe.memory == "cpu" or "tensorwire's choice" in check["step"] else " (over nixl)"))
+    for message in probe.ucx_messages[:5]:
+        report.line(f"{label:<14}UCX said: {message}")
+    if probe.memory == "cpu":  # the CUDA probe's failures are the VRAM section's subject
+        for failure in probe.failures():
+            report.loud("FAIL", f"{label} probe: {failure}", _probe_fix())
+        if probe.error and not probe.failures():
+            report.loud("FAIL", f"{label} probe: {probe.error}", _probe_fix())
+
+
+def _probe_fix() -> str:
+    """Where to look when a probe fails: UCX's own words above, and the UCX settings in force."""
+    settings = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("UCX_"))
+    where = f"UCX settings in this environment: {', '.join(settings)}" if settings else "no UCX_* variables are set"
+    return f"read 'UCX said' above; {where}; unset or widen them (NIXL needs a host transport even for VRAM)"
+
+
+def _report_vram(report: Report, probe: ProbeResult | None, nixl_ok: bool) -> None:
+    """Say LOUDLY whether NIXL moved CUDA memory as CUDA memory, and why not."""
+    if probe is None:
+        report.line(f"skipped: {'nixl unavailable' if not nixl_ok else 'no CUDA device'}")
+        return
+    registered = [probe.step(r, "register") for r in (0, 1)]
+    if not all(s and s["ok"] for s in registered):
+        detail = next((s["detail"] for s in registered if s and not s["ok"]), probe.error or "the probe died first")
+        report.loud("FAIL", f"NIXL could not register CUDA memory as VRAM: {detail}",
+                    "install the nixl wheel of your CUDA major (nixl-cu12 / nixl-cu13) and make sure UCX's "
+                    "CUDA support loads (a UCX built without CUDA cannot register VRAM)")
+        return
+    report.line("registration of a CUDA tensor as VRAM: ok")
+    host_rows = [r for r in probe.rows if "host" in r.memories]
+    if host_rows and not any("cuda" in r.memories for r in probe.rows):
+        report.loud("FAIL", "UCX treated VRAM as HOST memory (its tables say "
+                    f"'{host_rows[0].operation}'): its CUDA memory support did not load",
+                    "install the nixl wheel of your CUDA major (nixl-cu12 / nixl-cu13); check that libcuda is "
+                    "visible to the process; do not trust GPU transfers until this passes")
+    failures = probe.failures()
+    if failures or probe.error:
+        report.loud("FAIL", "the 2-process VRAM transfer failed: " + "; ".join(failures or [probe.error]),
+                    "if bytes are wrong, UCX probably used a host path on device pointers: see the transports "
+                    f"above; otherwise {_probe_fix()}")
+        return
+    report.line("2-process VRAM transfer (READ and WRITE, 1 MiB): bytes verified on both ranks")
