@@ -68,38 +68,17 @@ class HostWords:
 
         self._tensor = torch.zeros(count, dtype=torch.int32, pin_memory=True)
         self.values = self._tensor.numpy()
-        try:  # compile the waiting kernel now, never inside a graph capture or behind a blocked stream
-            from .kernels import stream_wait
-
-            stream_wait.warm_up(torch.cuda.current_device())
-        except ModuleNotFoundError as e:
-            if e.name != "triton":
-                raise
 
     def addr(self, index: int) -> int:
         return self._tensor.data_ptr() + 4 * index
 
-    def word(self, index: int) -> Any:
-        """The word as an int32 [1] tensor (pinned host memory), for kernels."""
-        return self._tensor[index:index + 1]
-
 
 def stream_wait_value(stream: Any, words: HostWords, index: int, value: int) -> None:
-    """Make ``stream`` wait until ``words[index] >= value``. Returns at once; graph-capturable.
-
-    A one-warp Triton kernel spins on the word (``kernels/stream_wait.py`` says why not
-    ``cuStreamWaitValue32``); without Triton, the stream memory operation is the fallback."""
-    try:
-        from .kernels import stream_wait
-    except ModuleNotFoundError as e:
-        if e.name != "triton":
-            raise
-        cu = driver()
-        check(cu.cuStreamWaitValue32(cu.CUstream(stream.cuda_stream), words.addr(index), value,
-                                     cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
-        return
-    stream_wait.warm_up(stream.device.index)
-    stream_wait.wait_geq(words.word(index), value, stream)
+    """Make ``stream`` wait until ``words[index] >= value`` (``cuStreamWaitValue32``, GEQ). Returns at
+    once; graph-capturable (stream memory operations are valid graph nodes)."""
+    cu = driver()
+    check(cu.cuStreamWaitValue32(cu.CUstream(stream.cuda_stream), words.addr(index), value,
+                                 cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
 
 
 def stream_write_value(stream: Any, addr: int, value: int) -> None:

@@ -1,1 +1,0 @@
-"""Small Triton kernels tensorwire launches itself (imported lazily: triton is optional)."""
