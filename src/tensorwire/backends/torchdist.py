@@ -1,0 +1,120 @@
+"""torch.distributed collectives on a communicator, without ``init_process_group``.
+
+A communicator already owns a store (``comm._rendezvous.store``, a ``PrefixStore`` over the job's
+``TCPStore``). This module builds a process group over a further-prefixed view of it (``pg/gloo/`` for host
+tensors, ``pg/nccl/`` for CUDA tensors), once per communicator and kind, the first time a collective needs
+it; every rank does so in the same collective call, which is what a group's rendezvous requires.
+
+The groups are cached in a ``WeakKeyDictionary`` keyed by the communicator, so they go when it goes;
+``shutdown(comm)`` aborts them eagerly (the communicator may call it from ``close()``). Collectives call
+the group's own methods (``allgather``, ``alltoall_base``): the functional ``torch.distributed`` API wants
+a default process group, which tensorwire does not require users to create.
+
+Non-goals: a general torch.distributed wrapper. This is what ``tensorwire.moe``'s ``"torch"`` backend
+needs: an all-gather of small rows and an all-to-all with uneven splits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import BackendUnavailableError, TransferError, WaitTimeoutError
+
+if TYPE_CHECKING:
+    from ..communicator import Communicator
+
+__all__ = ["all_gather", "all_to_all", "availability", "process_group", "shutdown"]
+
+_GROUPS: weakref.WeakKeyDictionary[Communicator, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _kind(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def availability(device: torch.device) -> tuple[bool, str]:
+    """Whether this torch build has the collective library for ``device`` tensors, and why not."""
+    if not dist.is_available():
+        return False, f"torch {torch.__version__} was built without torch.distributed"
+    if _kind(device) == "gloo":
+        if not dist.is_gloo_available():
+            return False, f"torch {torch.__version__} was built without Gloo (host tensors)"
+        return True, "Gloo"
+    if not dist.is_nccl_available():
+        return False, f"torch {torch.__version__} was built without NCCL (CUDA tensors)"
+    return True, "NCCL"
+
+
+def process_group(comm: Communicator, device: torch.device) -> Any:
+    """The Gloo (host) or NCCL (CUDA) process group of ``comm``, created on first use. Collective on
+    first use (every rank must ask for the same kind in the same call); cached afterwards."""
+    kind = _kind(device)
+    groups = _GROUPS.setdefault(comm, {})
+    group = groups.get(kind)
+    if group is None:
+        available, reason = availability(device)
+        if not available:
+            other = "'nixl' or 'cuda'" if kind == "nccl" else "'nixl'"
+            raise BackendUnavailableError(
+                f"torch backend unavailable for {device.type} tensors: {reason}; "
+                f"pass backend={other}"
+            )
+        store = dist.PrefixStore(f"pg/{kind}/", comm._rendezvous.store)
+        timeout = datetime.timedelta(seconds=comm.timeout_s)
+        if kind == "gloo":
+            group = dist.ProcessGroupGloo(store, comm.rank, comm.world_size, timeout)
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = False
+            options._timeout = timeout
+            group = dist.ProcessGroupNCCL(store, comm.rank, comm.world_size, options)
+        groups[kind] = group
+    return group
+
+
+def shutdown(comm: Communicator) -> None:
+    """Abort and forget ``comm``'s process groups (idempotent; local, never blocks on peers)."""
+    for group in _GROUPS.pop(comm, {}).values():
+        method = getattr(group, "abort", None) or getattr(group, "shutdown", None)
+        if method is not None:
+            with contextlib.suppress(Exception):  # best effort: the peers may be gone already
+                method()
+
+
+def _wait(work: Any, comm: Communicator, what: str) -> None:
+    """Complete ``work``: host collectives block until done (bounded by the communicator's timeout);
+    NCCL collectives make the current stream wait (no host block)."""
+    try:
+        work.wait(datetime.timedelta(seconds=comm.timeout_s))
+    except RuntimeError as e:
+        text = str(e)
+        if "imeout" in text or "timed out" in text:
+            raise WaitTimeoutError(f"{what}: not done after {comm.timeout_s:.3g}s ({text.splitlines()[0]}); "
+                                   "a peer may be slow, stuck or dead") from e
+        raise TransferError(f"{what} failed: {text.splitlines()[0] if text else type(e).__name__}") from e
+
+
+def all_gather(comm: Communicator, row: torch.Tensor) -> torch.Tensor:
+    """``[W, *row.shape]``: every rank's ``row`` (same shape and dtype everywhere), on ``row``'s device.
+    Collective. Host tensors: blocks until done. CUDA tensors: stream-ordered (NCCL)."""
+    group = process_group(comm, row.device)
+    row = row.contiguous()
+    parts = [torch.empty_like(row) for _ in range(comm.world_size)]
+    _wait(group.allgather([parts], [row]), comm, "all_gather over torch.distributed")
+    return torch.stack(parts)
+
+
+def all_to_all(comm: Communicator, output: torch.Tensor, input: torch.Tensor,
+               output_splits: list[int], input_splits: list[int]) -> None:
+    """Rows ``input[sum(input_splits[:r]) : +input_splits[r]]`` go to rank ``r``; rows from rank ``s`` land
+    at ``output[sum(output_splits[:s]) : +output_splits[s]]``. Both tensors contiguous, same dtype and row
+    shape, on one device. Collective; host tensors block, CUDA tensors are stream-ordered (NCCL)."""
+    group = process_group(comm, input.device)
+    work = group.alltoall_base(output, input.contiguous(), list(output_splits), list(input_splits))
+    _wait(work, comm, "all_to_all over torch.distributed")

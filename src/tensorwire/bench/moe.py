@@ -1,0 +1,244 @@
+"""MoE dispatch and combine per backend, beside a local copy of the same bytes, between local ranks.
+
+``run_moe_bench(args)`` launches ``world_size`` ranks (``tensorwire.testing.launch``); every rank routes
+``T`` tokens of ``H`` elements to ``topk`` of ``num_experts`` experts (a fixed random routing, 10% of the
+slots empty), then, per backend, runs ``warmup`` untimed and ``reps`` timed dispatch + combine pairs
+(identity experts). Every rank makes the same calls (they are collective), so repetitions are counted,
+not time-budgeted. Rank 0 reports.
+
+Bytes are counted as DeepEP counts them: once per (token, expert) pair, ``rows x H x element size``,
+where ``rows`` are the pairs rank 0 sends (dispatch) or gets back (combine). Beside each backend's
+number stands a copy of the same bytes inside rank 0 (``dst.copy_(src)``, host memory or device
+memory), timed in the same run, and the ratio. Times: median and p10/p90 in microseconds; host memory
+is timed with ``perf_counter``, GPU memory with CUDA events. Every rank checks its combine output
+(``x * sum of valid weights``) after timing: a backend that moved wrong bytes fails the benchmark.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ..errors import InvalidArgumentError, TransferError
+from .timing import Timing, summarize
+
+__all__ = ["MoeBenchConfig", "format_moe_report", "run_moe_bench"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class MoeBenchConfig:
+    """What to measure. ``memory`` "cpu" or "cuda"; None fields take the memory's defaults (see below)."""
+
+    memory: str = "cpu"
+    tokens: tuple[int, ...] | None = None  # cpu (128, 512), cuda (128, 4096)
+    hidden: int | None = None  # cpu 1024, cuda 7168
+    topk: int = 8
+    num_experts: int | None = None  # cpu 32, cuda 256 (rounded up to a multiple of world_size)
+    backends: tuple[str, ...] | None = None  # cpu ("torch", "nixl"); cuda ("cuda", "nixl", "torch" if a GPU per rank)
+    world_size: int = 2
+    dtype: str | None = None  # cpu float32, cuda bfloat16
+    capacity_factor: float | None = None  # capacity = factor * T * topk rows (None: exact shapes)
+    warmup: int = 3
+    reps: int = 20
+    seed: int = 0
+    timeout_s: float = 600.0
+    quiet_nixl: bool = True
+
+    def resolved(self) -> MoeBenchConfig:
+        """Defaults filled in for ``memory``; checked."""
+        if self.memory not in ("cpu", "cuda"):
+            raise InvalidArgumentError(f"bench moe: memory={self.memory!r}; pass 'cpu' or 'cuda'")
+        gpu = self.memory == "cuda"
+        if gpu and not torch.cuda.is_available():
+            raise InvalidArgumentError(
+                f"bench moe: memory='cuda' but torch {torch.__version__} sees no GPU; "
+                "pass memory='cpu'"
+            )
+        backends = self.backends
+        if backends is None:
+            # NCCL needs a GPU per rank; two ranks on one GPU take the other two backends only.
+            backends = ("torch", "nixl") if not gpu else ("cuda", "nixl") + (
+                ("torch",) if torch.cuda.device_count() >= self.world_size else ())
+        experts = self.num_experts or (256 if gpu else 32)
+        experts = -(-experts // self.world_size) * self.world_size
+        config = replace(
+            self, tokens=tuple(self.tokens or ((128, 4096) if gpu else (128, 512))),
+            hidden=self.hidden or (7168 if gpu else 1024),
+            num_experts=experts, backends=tuple(backends), dtype=self.dtype or ("bfloat16" if gpu else "float32"),
+        )
+        if config.dtype not in _DTYPES:
+            raise InvalidArgumentError(f"bench moe: dtype={config.dtype!r}; pass one of {sorted(_DTYPES)}")
+        if not 1 <= config.topk <= config.num_experts:
+            raise InvalidArgumentError(
+                f"bench moe: topk={config.topk} must be in [1, "
+                f"num_experts={config.num_experts}]"
+            )
+        if config.world_size < 1 or config.warmup < 0 or config.reps < 1:
+            raise InvalidArgumentError("bench moe: world_size >= 1, warmup >= 0 and reps >= 1 are required")
+        return config
+
+
+def run_moe_bench(args: Any = None, **overrides: Any) -> list[dict]:
+    """Run the benchmark; rank 0's records, one per (tokens, backend, op).
+
+    ``args``: a ``MoeBenchConfig``, or any object (e.g. an ``argparse.Namespace``) whose attributes named
+    like ``MoeBenchConfig``'s fields override the defaults; keywords override both. Raises
+    ``RankFailedError``/``WaitTimeoutError`` (``TensorwireError``) when a rank fails, ``TransferError`` when a
+    backend moved wrong bytes.
+    """
+    from ..testing import launch
+
+    config = args if isinstance(args, MoeBenchConfig) else MoeBenchConfig()
+    if args is not None and not isinstance(args, MoeBenchConfig):
+        known = {f for f in MoeBenchConfig.__dataclass_fields__}
+        config = replace(config, **{k: v for k, v in vars(args).items() if k in known and v is not None})
+    config = replace(config, **overrides)
+    for name in ("tokens", "backends"):
+        value = getattr(config, name)
+        if isinstance(value, (str, int)):
+            config = replace(config, **{name: (value,)})
+    config = config.resolved()
+    results = launch(_rank_main, config.world_size, config, timeout=config.timeout_s)
+    return results[0]
+
+
+# --- one rank -------------------------------------------------------------------------------------
+def _rank_main(config: MoeBenchConfig) -> list[dict]:
+    import tensorwire as tw
+    from tensorwire import moe
+
+    if config.quiet_nixl:
+        from ..cli import quiet_nixl_logging
+
+        quiet_nixl_logging()
+    records: list[dict] = []
+    with tw.init(timeout=min(config.timeout_s, 300.0)) as comm:
+        device = comm.device if config.memory == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(1)  # the ranks share the machine's cores; one thread each, as the copy has
+        dtype = _DTYPES[config.dtype]
+        for tokens in config.tokens:
+            x, topk_idx, topk_weights = _routing(config, comm.rank, tokens, device, dtype)
+            rows = int((topk_idx >= 0).sum())
+            nbytes = rows * config.hidden * x.element_size()
+            copy = _copy_timing(nbytes, device, config)
+            for backend in config.backends:
+                capacity = None
+                if config.capacity_factor is not None:
+                    capacity = max(1, int(config.capacity_factor * tokens * config.topk))
+                dispatch, combine, y = _time_backend(moe, comm, backend, x, topk_idx, topk_weights, config, capacity)
+                _check(y, x, topk_idx, topk_weights, backend, comm.rank)
+                for op, timing in (("dispatch", dispatch), ("combine", combine)):
+                    records.append(_record(config, backend, op, tokens, rows, nbytes, timing, copy, device, capacity))
+            comm.barrier()
+    return records
+
+
+def _routing(config: MoeBenchConfig, rank: int, tokens: int, device: torch.device, dtype: torch.dtype):
+    generator = torch.Generator().manual_seed(config.seed * 1009 + rank)
+    scores = torch.rand(tokens, config.num_experts, generator=generator)
+    topk_idx = scores.topk(config.topk, dim=1).indices
+    topk_idx[torch.rand(tokens, config.topk, generator=generator) < 0.1] = -1
+    topk_weights = torch.rand(tokens, config.topk, generator=generator)
+    x = torch.randn(tokens, config.hidden, generator=generator).to(dtype)
+    return x.to(device), topk_idx.to(device), topk_weights.to(device)
+
+
+def _clock(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    """Seconds one call takes: wall clock on the host, CUDA events on a GPU (the call's stream work)."""
+    if device.type != "cuda":
+        def host(fn: Callable[[], Any]) -> float:
+            start = time.perf_counter_ns()
+            fn()
+            return (time.perf_counter_ns() - start) * 1e-9
+        return host
+
+    def events(fn: Callable[[], Any]) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3
+    return events
+
+
+def _time_backend(moe: Any, comm: Any, backend: str, x: torch.Tensor, topk_idx: torch.Tensor,
+                  topk_weights: torch.Tensor, config: MoeBenchConfig, capacity: int | None):
+    """Samples of dispatch and of combine, timed in alternation (a combine needs its dispatch); the last
+    combine's output."""
+    clock = _clock(x.device)
+    last: dict[str, Any] = {}
+
+    def dispatch() -> None:
+        last["d"] = moe.dispatch(x, topk_idx, topk_weights, num_experts=config.num_experts, comm=comm,
+                                 backend=backend, capacity=capacity)
+
+    def combine() -> None:
+        last["y"] = moe.combine(last["d"].recv_x, last["d"])
+
+    dispatch_s: list[float] = []
+    combine_s: list[float] = []
+    for i in range(config.warmup + config.reps):
+        dispatch_took, combine_took = clock(dispatch), clock(combine)
+        last["d"].check()
+        if i >= config.warmup:
+            dispatch_s.append(dispatch_took)
+            combine_s.append(combine_took)
+    return summarize(dispatch_s), summarize(combine_s), last["y"]
+
+
+def _copy_timing(nbytes: int, device: torch.device, config: MoeBenchConfig) -> Timing:
+    """The same bytes copied inside this rank, the same number of times."""
+    source = torch.ones(max(nbytes, 1), dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    clock = _clock(device)
+    for _ in range(config.warmup):
+        clock(lambda: target.copy_(source))
+    return summarize([clock(lambda: target.copy_(source)) for _ in range(config.reps)])
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, backend: str,
+           rank: int) -> None:
+    """Identity experts: y = x * (sum of the valid weights)."""
+    expected = x.float() * torch.where(topk_idx >= 0, topk_weights, 0.0).sum(1, keepdim=True)
+    tolerance = 1e-4 if x.dtype == torch.float32 else 3e-2
+    if not torch.allclose(y.float(), expected, rtol=tolerance, atol=tolerance):
+        worst = float((y.float() - expected).abs().max())
+        raise TransferError(
+            f"bench moe: backend {backend!r} combined wrong values on rank {rank} (max error {worst:.3g})")
+
+
+def _record(config: MoeBenchConfig, backend: str, op: str, tokens: int, rows: int, nbytes: int, timing: Timing,
+            copy: Timing, device: torch.device, capacity: int | None) -> dict:
+    gbps, copy_gbps = timing.gbps(nbytes), copy.gbps(nbytes)
+    return {
+        "backend": backend, "op": op, "memory": device.type, "tokens": tokens, "hidden": config.hidden,
+        "topk": config.topk, "num_experts": config.num_experts, "world_size": config.world_size,
+        "dtype": config.dtype, "capacity": capacity, "rows": rows, "bytes": nbytes, "reps": timing.reps,
+        "median_us": timing.median_us, "p10_us": timing.p10_us, "p90_us": timing.p90_us, "gbps": gbps,
+        "copy_median_us": copy.median_us, "copy_gbps": copy_gbps,
+        "ratio_to_copy": gbps / copy_gbps if copy_gbps else float("nan"),
+    }
+
+
+def format_moe_report(records: list[dict]) -> str:
+    """A plain table of the records."""
+    head = (f"{'backend':8} {'op':8} {'mem':4} {'T':>5} {'H':>5} {'K':>2} {'rows':>6} {'median us':>10} "
+            f"{'p10-p90 us':>17} {'GB/s':>7} {'copy GB/s':>9} {'ratio':>6}")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        lines.append(
+            f"{r['backend']:8} {r['op']:8} {r['memory']:4} {r['tokens']:>5} {r['hidden']:>5} {r['topk']:>2} "
+            f"{r['rows']:>6} {r['median_us']:>10.1f} {r['p10_us']:>8.1f}-{r['p90_us']:<8.1f} {r['gbps']:>7.2f} "
+            f"{r['copy_gbps']:>9.2f} {r['ratio_to_copy']:>6.3f}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,426 @@
+"""The host op of the ``"cuda"`` MoE backend: spaces, device-side tables, launches (see ``nvlink``).
+
+Spaces are CUDA tensors registered with the communicator (so the ``cuda_ipc`` transport exports them) and
+mapped into this process for every peer (``CudaIpcBackend._remote_pointer``). Creating one is collective
+(each rank publishes its space under the same key and looks up every peer's) and synchronises with the
+host, so the first call of each shape does; make it once before capturing a CUDA graph. After that:
+
+* with ``capacity``: the count exchange, the placement tables (torch ops on the device), the row stores,
+  the waits and the copies out are all stream-ordered device work: no host sync, and the sequence can be
+  captured in a CUDA graph and replayed (rounds live in device memory). Errors (an expert id out of range,
+  ranks disagreeing on shapes, a capacity overflow, a timed-out wait) are ORed into a device word that
+  ``Dispatch.check()`` (or the next exact-shape call) reads and raises.
+* without ``capacity``: one host sync reads the count matrix (and the error word) to size the outputs.
+
+Every rank issues its calls on one stream (the current one), in the same order.
+
+The steps are module functions over plain tensors (``space.tensor``, ``space.peer_bases``), so a test can
+run them on Triton's interpreter with host tensors standing in for the mapped spaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...backends.base import Segment
+from ...errors import BackendUnavailableError, InvalidArgumentError, WaitTimeoutError
+from ..dispatch import Dispatch
+from ..exchange import (
+    ERROR_EXPERT_OUT_OF_RANGE,
+    HEADER,
+    check_count_rows,
+    check_fresh,
+    count_row,
+    next_power_of_two,
+    unpack_meta,
+)
+from ..layout import Placement, SendLayout, placement
+
+if TYPE_CHECKING:
+    from ...communicator import Communicator
+
+__all__ = ["PROGRAMS_PER_PEER", "CudaEngine", "DataSpace", "SignalSpace"]
+
+PROGRAMS_PER_PEER = 16  # part of a data space's layout: the same on every rank
+MISMATCH, OVERFLOW, TIMED_OUT = 2, 4, 8  # error bits beside ERROR_EXPERT_OUT_OF_RANGE (1)
+_ALIGN = 128
+
+
+def _align(n: int, to: int = _ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def word_dtype(row_bytes: int) -> torch.dtype:
+    """The widest machine word dividing a row, so Triton can move rows 16 bytes at a time."""
+    return torch.int32 if row_bytes % 4 == 0 else torch.int16 if row_bytes % 2 == 0 else torch.uint8
+
+
+# --- spaces ---------------------------------------------------------------------------------------
+class SignalSpace:
+    """Count exchange, int64 words: round (word 0), COUNT_FLAGS [W], COUNT_SLOTS [2, W, stride]."""
+
+    def __init__(self, tensor: torch.Tensor, peer_bases: torch.Tensor, world: int, stride: int) -> None:
+        self.tensor, self.peer_bases, self.stride = tensor, peer_bases, stride
+        self.flags_offset = _ALIGN // 8
+        self.slots_offset = self.flags_offset + _align(world * 8) // 8
+        self.words = tensor.view(torch.int64)
+        self.round = self.words[0:1]
+
+    @staticmethod
+    def nbytes(world: int, stride: int) -> int:
+        return (_ALIGN // 8 + _align(world * 8) // 8 + 2 * world * stride) * 8
+
+
+class DataSpace:
+    """Rows: round (word 0), DATA_FLAGS [W, P], READY_FLAGS [2, W], META [2, C, 3] (int64), ROWS [2, C, stride]."""
+
+    def __init__(self, tensor: torch.Tensor, peer_bases: torch.Tensor, world: int, capacity: int,
+                 row_bytes: int) -> None:
+        self.tensor, self.peer_bases = tensor, peer_bases
+        self.capacity, self.row_bytes = capacity, row_bytes
+        self.row_stride_bytes, self.flags_offset, self.ready_offset, self.meta_offset, self.rows_offset_bytes = \
+            self._offsets(world, capacity, row_bytes)
+        self.words = tensor.view(torch.int64)
+        self.round = self.words[0:1]
+        self.dispatches = 0
+
+    @staticmethod
+    def _offsets(world: int, capacity: int, row_bytes: int) -> tuple[int, int, int, int, int]:
+        row_stride = _align(max(row_bytes, 1), 64)  # 64 bytes: 16 words of 32 bits, Triton's vector hint
+        flags = _ALIGN // 8
+        ready = flags + _align(world * PROGRAMS_PER_PEER * 8) // 8
+        meta = ready + _align(2 * world * 8) // 8
+        rows = _align((meta + 2 * capacity * 3) * 8)
+        return row_stride, flags, ready, meta, rows
+
+    @staticmethod
+    def nbytes(world: int, capacity: int, row_bytes: int) -> int:
+        row_stride, *_, rows = DataSpace._offsets(world, capacity, row_bytes)
+        return rows + 2 * capacity * row_stride
+
+    def rows(self, dtype: torch.dtype, row_elements: int) -> torch.Tensor:
+        """``[2 * C, row_elements]`` view of ROWS in ``dtype`` (row ``parity * C + i``)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        region = self.tensor[self.rows_offset_bytes:].view(dtype).view(2 * self.capacity, self.row_stride_bytes // size)
+        return region[:, :row_elements]
+
+    def meta(self) -> torch.Tensor:
+        return self.words[self.meta_offset:self.meta_offset + 2 * self.capacity * 3].view(2 * self.capacity, 3)
+
+
+def map_space(comm: Communicator, key: str, nbytes: int,
+              device: torch.device) -> tuple[torch.Tensor, object, torch.Tensor]:
+    """A zeroed CUDA buffer registered with ``comm``, published under ``moe/cuda/<key>``, and every rank's
+    copy of it as an address in this process (``[W]`` int64 on ``device``). Collective; syncs the host."""
+    if torch.cuda.is_current_stream_capturing():
+        raise InvalidArgumentError(
+            f"backend='cuda' sets up its buffers ({key}) on the first call of each shape, which cannot be "
+            "captured; make one call with the same shapes and capacity before capturing the CUDA graph"
+        )
+    tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    torch.cuda.synchronize(device)  # zeroed flags before any peer can address them
+    registration = comm.register(tensor)
+    comm.publish(f"moe/cuda/{key}", registration.descs)
+    ipc = comm._backends["cuda_ipc"]
+    addresses = []
+    for peer in range(comm.world_size):
+        if peer == comm.rank:
+            addresses.append(tensor.data_ptr())
+            continue
+        desc = comm.lookup(f"moe/cuda/{key}", peer)[0]
+        comm._peer_view(peer, desc.epoch, comm.timeout_s)  # loads the peer's CUDA IPC exports
+        segment = Segment(desc.addr, desc.nbytes, desc.kind, desc.device_index)
+        if not ipc.reaches(peer, [segment]):
+            raise BackendUnavailableError(
+                f"backend='cuda': rank {peer}'s workspace is not exported through CUDA IPC (memory from "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments cannot be); unset it or pass backend='nixl'"
+            )
+        addresses.append(ipc._remote_pointer(peer, segment, device.index))
+    return tensor, registration, torch.tensor(addresses, dtype=torch.int64).to(device)
+
+
+# --- steps (plain tensors in, kernels launched on the current stream; no host sync) ---------------
+def gather_rows(kernels: ModuleType, signals: SignalSpace, row: torch.Tensor, error: torch.Tensor, rank: int,
+                world: int, max_spins: int) -> torch.Tensor:
+    """Every rank's count row ``[W, width]`` int64, through ``signals`` (whose round the caller bumped)."""
+    width = row.numel()
+    out = torch.empty(world, width, dtype=torch.int64, device=row.device)
+    kernels.allgather_counts[(world,)](
+        signals.words, signals.peer_bases, row.contiguous(), out, error, rank, world, width, signals.stride,
+        signals.flags_offset, signals.slots_offset, max_spins, TIMED_OUT=TIMED_OUT, BLOCK=128,
+    )
+    return out
+
+
+def store_rows(kernels: ModuleType, space: DataSpace, words: torch.Tensor, token_of_row: torch.Tensor,
+               weight_bits: torch.Tensor, where: Placement, local_experts: int, has_meta: bool, rank: int,
+               world: int) -> None:
+    """Store this rank's rows (``words [T, row_words]``) into every peer's ROWS at their final place."""
+    size = words.element_size()
+    row_words = space.row_bytes // size
+    block = min(max(next_power_of_two(row_words), 128), 2048)
+    kernels.dispatch_rows[(world * PROGRAMS_PER_PEER,)](
+        words, token_of_row, weight_bits, where.send_counts.contiguous(), where.send_start.contiguous(),
+        where.destination_start.contiguous(), space.peer_bases, space.round, rank, local_experts, space.capacity,
+        row_words, space.row_stride_bytes // size, space.rows_offset_bytes // size, space.meta_offset,
+        space.flags_offset, PROGRAMS_PER_PEER=PROGRAMS_PER_PEER, HAS_META=has_meta, BLOCK=block, num_warps=4,
+    )
+
+
+def wait_for(kernels: ModuleType, space: DataSpace, flags_offset: int, per_source: int, parity_stride: int,
+             target: torch.Tensor, error: torch.Tensor, world: int, max_spins: int) -> None:
+    """Make the stream wait until every rank's flags in ``space`` reach ``target`` (1-element int64)."""
+    kernels.wait_flags[(world,)](space.words, flags_offset, per_source, parity_stride, target, error, max_spins,
+                                 TIMED_OUT=TIMED_OUT)
+
+
+def signal_ready(kernels: ModuleType, space: DataSpace, round_: torch.Tensor, rank: int, world: int) -> None:
+    kernels.signal_ready[(world,)](space.peer_bases, round_, space.ready_offset, rank, world)
+
+
+def pull_combine(kernels: ModuleType, result: torch.Tensor, tables: PairTables, space: DataSpace, topk: int) -> None:
+    """``result [T, H]``: the weighted sum of every pair's expert output, pulled from the peers."""
+    num_tokens, hidden = result.shape
+    if not (num_tokens and hidden):
+        return
+    size = result.element_size()
+    block = min(max(next_power_of_two(hidden), 16), 1024)
+    kernels.combine_pull[(num_tokens, -(-hidden // block))](
+        result, tables.rank, tables.row, tables.weight, tables.usable, space.peer_bases, tables.round,
+        space.capacity, hidden, space.row_stride_bytes // size, space.rows_offset_bytes // size, topk,
+        BLOCK=block, num_warps=4,
+    )
+
+
+@dataclass(frozen=True)
+class PairTables:
+    """Where each pair's row lives after dispatch (device tensors: a replayed graph sees fresh values)."""
+
+    round: torch.Tensor  # [1] int64: the dispatch's round in its space
+    rank: torch.Tensor  # [T, K] int64
+    row: torch.Tensor  # [T, K] int64
+    weight: torch.Tensor  # [T, K] float32
+    usable: torch.Tensor  # [T, K] int32: valid and not dropped by an overflow
+
+
+def pair_tables(layout: SendLayout, where: Placement, topk_weights: torch.Tensor, capacity: int, rank: int,
+                round_: torch.Tensor) -> PairTables:
+    """Rank and row of every (token, k) pair's row after dispatch. Device ops only."""
+    experts = torch.where(layout.valid, layout.expert_of_pair, 0)
+    row = (where.destination_start.reshape(-1)[experts] + layout.position_of_pair
+           - where.send_start.reshape(-1)[experts])
+    usable = layout.valid & (row < capacity)
+    owner = torch.div(experts, layout.local_experts, rounding_mode="floor")
+    return PairTables(
+        round=round_.reshape(1),
+        rank=torch.where(usable, owner, rank).contiguous(),
+        row=torch.where(usable, row, 0).contiguous(),
+        weight=torch.where(usable, topk_weights.to(torch.float32), 0.0).contiguous(),
+        usable=usable.to(torch.int32).contiguous(),
+    )
+
+
+def flag_on_device(error: torch.Tensor, header: torch.Tensor, rows_per_rank: torch.Tensor, capacity: int,
+                   rank: int) -> None:
+    """OR into ``error`` what the host path would have raised. Graph-safe, no sync."""
+    out_of_range = (header[:, 0] & ERROR_EXPERT_OUT_OF_RANGE).max()
+    mismatch = (header[:, 1:] != header[rank, 1:]).any().long() * MISMATCH
+    overflow = (rows_per_rank.max() > capacity).long() * OVERFLOW
+    error.bitwise_or_(out_of_range | mismatch | overflow)
+
+
+def raise_errors(bits: int, fn: str, timeout_s: float) -> None:
+    if bits & TIMED_OUT:
+        raise WaitTimeoutError(f"{fn}: a GPU wait of backend='cuda' gave up after about {timeout_s:.3g}s; a peer is "
+                               "stuck, dead or made different MoE calls; results since are invalid")
+    if bits & ERROR_EXPERT_OUT_OF_RANGE:
+        raise InvalidArgumentError(f"{fn}: topk_idx on some rank held expert ids outside [-1, num_experts) (they were "
+                                   "dropped); pass ids in [0, num_experts), or -1 for 'no expert'")
+    if bits & MISMATCH:
+        raise InvalidArgumentError(f"{fn}: the ranks disagreed on num_experts, hidden size x dtype or capacity; pass "
+                                   "the same on every rank")
+    if bits & OVERFLOW:
+        raise InvalidArgumentError(f"{fn}: capacity was too small for the rows some rank received (rows past it were "
+                                   "dropped, results are invalid); pass a larger capacity=")
+
+
+# --- the engine -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _State:
+    dispatch_index: int
+    space: DataSpace
+    tables: PairTables
+
+
+class CudaEngine:
+    name = "cuda"
+
+    def __init__(self, comm: Communicator) -> None:
+        try:
+            from . import nvlink  # Triton, imported when the backend first runs
+        except ImportError as e:
+            missing = e.name or "a module"
+            raise BackendUnavailableError(
+                f"backend='cuda': importing its Triton kernels failed because {missing!r} could not be imported "
+                f"({e}); install triton matching torch {torch.__version__}, or pass backend='nixl'"
+            ) from e
+        self.kernels = nvlink
+        self.comm = comm
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.device: torch.device | None = None
+        self.error: torch.Tensor | None = None  # int64 [1]: error bits, sticky until reported
+        self.dispatches = 0
+        self._signals: dict[int, SignalSpace] = {}
+        self._data: dict[str, DataSpace] = {}
+        self._registrations: list = []  # spaces stay registered for the communicator's life
+        self._max_spins = int(min(comm.timeout_s * 1e6, 2**62))  # ~1 us per poll: about the timeout
+
+    def dispatch(self, x: torch.Tensor, layout: SendLayout, topk_weights: torch.Tensor,
+                 capacity: int | None) -> Dispatch:
+        device = self._bind(x.device, "dispatch")
+        me, world, kernels = self.rank, self.world_size, self.kernels
+        hidden = x.shape[1]
+        row_bytes = hidden * x.element_size()
+        with torch.cuda.device(device):
+            rows = self._gather_rows(count_row(layout.expert_counts, layout.out_of_range, row_bytes, capacity,
+                                               layout.num_experts))
+            where = placement(rows[:, HEADER:], me)
+            if capacity is None:
+                host = self._sync(rows, "dispatch")  # the one host sync
+                rows_per_rank = placement(host[:, HEADER:], me).rows_per_rank.tolist()
+                space = self._exact_space("dispatch", max(rows_per_rank), row_bytes, device)
+                out_rows = rows_per_rank[me]
+            else:
+                flag_on_device(self.error, rows[:, :HEADER], where.rows_per_rank, capacity, me)
+                space = self._space("dispatch", capacity, row_bytes, device)
+                out_rows = capacity
+            self.dispatches += 1
+            space.round.add_(1)
+            round_ = space.round.clone()
+
+            weight_bits = topk_weights.reshape(-1).index_select(0, layout.order).to(torch.float64).view(torch.int64)
+            store_rows(kernels, space, x.view(word_dtype(row_bytes)), layout.token_of_row, weight_bits, where,
+                       layout.local_experts, True, me, world)
+            wait_for(kernels, space, space.flags_offset, PROGRAMS_PER_PEER, 0, space.round, self.error, world,
+                     self._max_spins)
+            received = (round_ % 2) * space.capacity + torch.arange(out_rows, device=device)
+            recv_x = space.rows(x.dtype, hidden).index_select(0, received)
+            src_rank, src_idx, weights = unpack_meta(space.meta().index_select(0, received), topk_weights.dtype)
+            tables = pair_tables(layout, where, topk_weights, space.capacity, me, round_)
+        return Dispatch(
+            recv_x=recv_x, tokens_per_expert=where.tokens_per_expert, recv_src_rank=src_rank, recv_src_idx=src_idx,
+            recv_weights=weights, num_recv_rows=torch.clamp(where.num_recv_rows, max=space.capacity),
+            capacity=capacity, backend=self.name, comm=self.comm, num_tokens=layout.num_tokens, layout=layout,
+            topk_weights=topk_weights, state=_State(self.dispatches, space, tables), engine=self,
+        )
+
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatch) -> torch.Tensor:
+        state: _State = dispatched.state
+        check_fresh(self.dispatches, state.dispatch_index)
+        device = self._bind(expert_out.device, "combine")
+        space, tables, world = state.space, state.tables, self.world_size
+        hidden = expert_out.shape[1]
+        with torch.cuda.device(device):
+            rows = (tables.round % 2) * space.capacity + torch.arange(expert_out.shape[0], device=device)
+            space.rows(expert_out.dtype, hidden).index_copy_(0, rows, expert_out)
+            signal_ready(self.kernels, space, tables.round, self.rank, world)
+            wait_for(self.kernels, space, space.ready_offset, 1, world, tables.round, self.error, world,
+                     self._max_spins)
+            result = torch.empty(dispatched.num_tokens, hidden, dtype=expert_out.dtype, device=device)
+            pull_combine(self.kernels, result, tables, space, dispatched.layout.topk)
+        return result
+
+    def all_to_all_v(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        device = self._bind(send.device, "all_to_all_v")
+        me, world = self.rank, self.world_size
+        row_shape = tuple(send.shape[1:])
+        row_elements = 1
+        for size in row_shape:
+            row_elements *= size
+        row_bytes = row_elements * send.element_size()
+        with torch.cuda.device(device):
+            counts = torch.tensor(send_counts, dtype=torch.int64).to(device)
+            rows = self._gather_rows(count_row(counts, 0, row_bytes, None, world))
+            host = self._sync(rows, "all_to_all_v")
+            where_host = placement(host[:, HEADER:], me)
+            recv_counts = where_host.recv_counts.reshape(-1).tolist()
+            num_received = sum(recv_counts)
+            if row_bytes == 0:
+                return torch.empty(num_received, *row_shape, dtype=send.dtype, device=device), recv_counts
+            space = self._exact_space("a2av", max(where_host.rows_per_rank.tolist()), row_bytes, device)
+            space.round.add_(1)
+            words = send.reshape(send.shape[0], row_elements).view(torch.uint8).view(word_dtype(row_bytes))
+            tokens = torch.arange(send.shape[0], dtype=torch.int64, device=device)
+            store_rows(self.kernels, space, words, tokens, tokens, placement(rows[:, HEADER:], me), 1, False, me, world)
+            wait_for(self.kernels, space, space.flags_offset, PROGRAMS_PER_PEER, 0, space.round, self.error, world,
+                     self._max_spins)
+            received = (space.round % 2) * space.capacity + torch.arange(num_received, device=device)
+            recv = space.rows(torch.uint8, row_bytes).index_select(0, received)
+        return recv.view(send.dtype).view(num_received, *row_shape), recv_counts
+
+    def check(self, fn: str) -> None:
+        """Raise (and clear) the errors recorded on the device. Synchronises with the host."""
+        if self.error is not None:
+            bits = int(self.error.item())
+            if bits:
+                self.error.zero_()
+                raise_errors(bits, fn, self.comm.timeout_s)
+
+    # --- internals ------------------------------------------------------------------------------
+    def _gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        stride = max(64, next_power_of_two(row.numel()))
+        signals = self._signals.get(stride)
+        if signals is None:
+            tensor, registration, bases = map_space(self.comm, f"signal/{stride}",
+                                                    SignalSpace.nbytes(self.world_size, stride), row.device)
+            self._registrations.append(registration)
+            signals = self._signals[stride] = SignalSpace(tensor, bases, self.world_size, stride)
+        signals.round.add_(1)
+        return gather_rows(self.kernels, signals, row, self.error, self.rank, self.world_size, self._max_spins)
+
+    def _bind(self, device: torch.device, fn: str) -> torch.device:
+        if self.device is None:
+            self.device = device
+            self.error = torch.zeros(1, dtype=torch.int64, device=device)
+        elif device != self.device:
+            raise InvalidArgumentError(f"{fn}: backend='cuda' of this communicator runs on {self.device}, these "
+                                       f"tensors are on {device}; keep one device per communicator")
+        return device
+
+    def _space(self, purpose: str, capacity: int, row_bytes: int, device: torch.device) -> DataSpace:
+        key = f"{purpose}/{capacity}/{row_bytes}"
+        space = self._data.get(key)
+        if space is None:
+            space = self._data[key] = self._new_space(key, capacity, row_bytes, device)
+        return space
+
+    def _exact_space(self, purpose: str, most_rows: int, row_bytes: int, device: torch.device) -> DataSpace:
+        """For exact shapes: the largest space of this row size so far if it fits, else a bigger one (every
+        rank sees the same counts, so every rank picks the same)."""
+        key = f"exact/{purpose}/{row_bytes}"
+        space = self._data.get(key)
+        if space is None or space.capacity < most_rows:
+            capacity = max(64, next_power_of_two(most_rows))
+            space = self._data[key] = self._new_space(f"{key}/{capacity}", capacity, row_bytes, device)
+        return space
+
+    def _new_space(self, key: str, capacity: int, row_bytes: int, device: torch.device) -> DataSpace:
+        tensor, registration, bases = map_space(self.comm, f"data/{key}",
+                                                DataSpace.nbytes(self.world_size, capacity, row_bytes), device)
+        self._registrations.append(registration)
+        return DataSpace(tensor, bases, self.world_size, capacity, row_bytes)
+
+    def _sync(self, rows: torch.Tensor, fn: str) -> torch.Tensor:
+        """Count rows and error word on the host (the exact path's one sync); raises what they show."""
+        host = torch.cat([rows.reshape(-1), self.error]).cpu()
+        bits = int(host[-1])
+        if bits:
+            self.error.zero_()
+            raise_errors(bits, fn, self.comm.timeout_s)
+        rows = host[:-1].view(rows.shape)
+        check_count_rows(rows, fn)
+        return rows

@@ -1,0 +1,94 @@
+"""Which MoE backend moves the rows: the names, what each needs, the default, one engine per communicator.
+
+| backend   | memory    | how                                                              | host sync          |
+|-----------|-----------|------------------------------------------------------------------|--------------------|
+| ``torch`` | cpu, cuda | torch.distributed all-to-all (Gloo on host, NCCL on GPU)         | one per call       |
+| ``nixl``  | cpu, cuda | one-sided WRITEs into peers' registered buffers + notifications  | one per call       |
+| ``cuda``  | cuda      | Triton kernels storing into peers' memory through CUDA IPC       | none with capacity |
+
+``backend=None`` picks, for host tensors, ``nixl`` (UCX shared memory beats Gloo's TCP; ``tensorwire
+bench`` measures both), and for CUDA tensors ``cuda`` when every rank is on this host and Triton and the
+CUDA IPC transport are present, else ``nixl`` (the path that crosses machines).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import BackendUnavailableError, InvalidArgumentError
+from .exchange import Engine
+
+if TYPE_CHECKING:
+    from ..communicator import Communicator
+
+__all__ = ["BACKENDS", "default_backend", "engine"]
+
+BACKENDS = ("torch", "nixl", "cuda")
+# Engines live on their communicator (attribute below), not in a module-level WeakKeyDictionary: an engine
+# holds registrations, which hold the communicator, so a weak-keyed cache would keep it alive forever.
+_ENGINES_ATTRIBUTE = "_moe_engines"
+
+
+def _cuda_reason(comm: Communicator, device: torch.device) -> str | None:
+    """None when the ``cuda`` backend can run here, else why not."""
+    if device.type != "cuda":
+        return f"it moves CUDA tensors only, these are on {device}"
+    if "cuda_ipc" not in comm._backends:
+        return "the communicator has no CUDA IPC transport (cuda-python missing? run 'tensorwire doctor')"
+    if comm.local_world_size != comm.world_size:
+        return (f"it reaches ranks of this host only, and only {comm.local_world_size} of the "
+                f"{comm.world_size} ranks are local")
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (pip install triton, or tensorwire[cuda])"
+    return None
+
+
+def default_backend(comm: Communicator, device: torch.device) -> str:
+    """The fastest backend available for tensors on ``device`` (see the module docstring)."""
+    if device.type == "cuda" and _cuda_reason(comm, device) is None:
+        return "cuda"
+    return "nixl"
+
+
+def engine(comm: Communicator, backend: str | None, device: torch.device, fn: str) -> Engine:
+    """The engine of ``backend`` (None: the default) for ``comm``, created once per communicator."""
+    if backend is not None and backend not in BACKENDS:
+        raise InvalidArgumentError(
+            f"{fn}: backend={backend!r} is not one of {', '.join(map(repr, BACKENDS))}; pass one of them, "
+            "or None for the fastest available"
+        )
+    name = backend or default_backend(comm, device)
+    if name == "cuda":
+        reason = _cuda_reason(comm, device)
+        if reason is not None:
+            raise BackendUnavailableError(
+                f"{fn}: backend='cuda' is unavailable: {reason}; "
+                "pass backend='nixl' or 'torch'"
+            )
+    if name == "torch":
+        from ..backends import torchdist
+
+        available, reason = torchdist.availability(device)
+        if not available:
+            raise BackendUnavailableError(f"{fn}: backend='torch' is unavailable: {reason}; pass backend='nixl'")
+    engines = comm.__dict__.setdefault(_ENGINES_ATTRIBUTE, {})
+    if name not in engines:
+        engines[name] = _create(comm, name)
+    return engines[name]
+
+
+def _create(comm: Communicator, name: str) -> Engine:
+    if name == "torch":
+        from .torch_engine import TorchEngine
+
+        return TorchEngine(comm)
+    if name == "nixl":
+        from .nixl_engine import NixlEngine
+
+        return NixlEngine(comm)
+    from .kernels.cuda_engine import CudaEngine
+
+    return CudaEngine(comm)

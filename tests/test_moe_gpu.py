@@ -1,0 +1,176 @@
+"""MoE dispatch / combine on GPU memory: the "cuda" and "nixl" backends between two processes sharing one
+GPU, the "cuda" backend without any host sync, and a whole MoE step captured in a CUDA graph.
+
+Inputs and the reference are those of ``test_moe`` (every rank rebuilds every rank's inputs). The "cuda"
+backend sums in a Triton kernel (fused multiply-adds), so combine results are compared within rounding.
+Every GPU wait of the backend is bounded (it flags a timeout instead of hanging), and ``launch`` bounds
+the whole job.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import INIT_TIMEOUT, assert_equal, launch
+from test_moe import (
+    CASES,
+    EXPERTS_PER_RANK,
+    _a2a_counts,
+    _a2a_rows,
+    check_dispatch,
+    make_inputs,
+    reference_combine,
+    reference_dispatch,
+    scaled_expert,
+)
+
+import tensorwire as tw
+from tensorwire import moe
+
+pytestmark = pytest.mark.gpu
+
+GPU_ENV = {"CUDA_MODULE_LOADING": "EAGER"}  # lazy module loading can deadlock against a spinning kernel
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    tolerance = 1e-5 if expected.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.cpu().float(), expected.float(), rtol=tolerance, atol=tolerance,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def _on(device, tensors):
+    return [t.to(device) for t in tensors]
+
+
+def _cases_on_one_gpu(backend: str):
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        torch.cuda.set_device(comm.device)
+        world, me = comm.world_size, comm.rank
+        num_experts = EXPERTS_PER_RANK * world
+        for case in CASES:
+            inputs = [make_inputs(case, r, world) for r in range(world)]
+            expected = [reference_dispatch(inputs, r, world) for r in range(world)]
+            x, topk_idx, topk_weights = _on(comm.device, inputs[me])
+            reference = reference_combine(*inputs[me], scaled=True)
+            what = f"{backend}/{case.name} rank {me}"
+            d = moe.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, comm=comm, backend=backend)
+            check_dispatch(d, expected[me], expected[me]["recv_src_rank"].numel(), what)
+            _close(moe.combine(scaled_expert(d.recv_x, d.tokens_per_expert, me), d), reference, f"{what}: combine")
+            capacity = max(e["recv_src_rank"].numel() for e in expected) + 5
+            d = moe.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, comm=comm, backend=backend,
+                             capacity=capacity)
+            check_dispatch(d, expected[me], capacity, f"{what} capacity")
+            _close(moe.combine(scaled_expert(d.recv_x, d.tokens_per_expert, me), d), reference,
+                   f"{what}: combine with capacity")
+            d.check()
+        for seed, dtype in ((0, torch.int64), (1, torch.bfloat16)):
+            counts = _a2a_counts(seed, world)
+            send = _a2a_rows(me, sum(counts[me])).to(dtype).to(comm.device)
+            recv, recv_counts = tw.all_to_all_v(send, counts[me], comm=comm, backend=backend)
+            expected_rows = torch.cat([_a2a_rows(s, sum(counts[s]))[sum(counts[s][:me]):sum(counts[s][:me + 1])]
+                                       for s in range(world)]).to(dtype)
+            assert_equal(recv, expected_rows, f"{backend} all_to_all_v rank {me}")
+            assert recv_counts.device == send.device
+        comm.barrier()
+    return me
+
+
+@pytest.mark.parametrize("backend", ["cuda", "nixl"])
+def test_dispatch_combine_between_processes_on_one_gpu(backend):
+    """Every case of the host suite, exact shapes and capacity, plus all_to_all_v, at world 2 on one GPU."""
+    assert launch(_cases_on_one_gpu, 2, backend, env=GPU_ENV, timeout=600) == [0, 1]
+
+
+# --- no host sync, CUDA graphs ---------------------------------------------------------------------
+def _graph_safe_expert(d: moe.Dispatch, rank: int) -> torch.Tensor:
+    """Expert e scales its rows by (e + 1), with no host sync (rows past the valid ones get factor 1)."""
+    local = d.tokens_per_expert.numel()
+    rows = torch.arange(d.recv_x.shape[0], device=d.recv_x.device)
+    expert = torch.searchsorted(torch.cumsum(d.tokens_per_expert, 0), rows, right=True).clamp(max=local - 1)
+    factor = (expert + rank * local + 1).to(torch.float32)
+    return (d.recv_x.float() * factor[:, None]).to(d.recv_x.dtype)
+
+
+def _routing(step: int, rank: int, world: int, tokens: int, topk: int, hidden: int):
+    """A fresh routing of a fixed number of tokens for each replay (fixed shapes: graph inputs)."""
+    generator = torch.Generator().manual_seed(10_000 + 97 * step + rank)
+    scores = torch.rand(tokens, EXPERTS_PER_RANK * world, generator=generator)
+    if step % 3 == 1:
+        scores[:, :EXPERTS_PER_RANK] += 1.0  # skew some steps towards rank 0
+    topk_idx = scores.topk(topk, dim=1).indices
+    topk_idx[torch.rand(tokens, topk, generator=generator) < 0.2] = -1
+    topk_weights = torch.rand(tokens, topk, generator=generator)
+    x = (rank * 1000 + step + torch.arange(tokens, dtype=torch.float64)[:, None] + torch.arange(hidden) / 64).float()
+    return x, topk_idx, topk_weights
+
+
+def _step(comm, x, topk_idx, topk_weights, capacity):
+    d = moe.dispatch(x, topk_idx, topk_weights, num_experts=EXPERTS_PER_RANK * comm.world_size, comm=comm,
+                     backend="cuda", capacity=capacity)
+    return d, moe.combine(_graph_safe_expert(d, comm.rank), d)
+
+
+def _no_host_sync():
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        torch.cuda.set_device(comm.device)
+        world, me = comm.world_size, comm.rank
+        tokens, topk, hidden = 48, 4, 256
+        capacity = world * tokens * topk
+        inputs = [_on(comm.device, _routing(s, me, world, tokens, topk, hidden)) for s in range(3)]
+        _step(comm, *inputs[0], capacity)  # first call of this shape: sets up buffers, compiles kernels
+        torch.cuda.synchronize()
+        results = []
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for x, topk_idx, topk_weights in inputs:
+                results.append(_step(comm, x, topk_idx, topk_weights, capacity))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        for step, (d, y) in enumerate(results):
+            _close(y, reference_combine(*_routing(step, me, world, tokens, topk, hidden), scaled=True),
+                   f"step {step} without host sync, rank {me}")
+        results[-1][0].check()  # no overflow, timeout or bad id was flagged on the device
+        comm.barrier()
+    return me
+
+
+def test_cuda_backend_makes_no_host_sync_with_capacity():
+    """dispatch + expert + combine with capacity= under torch.cuda.set_sync_debug_mode('error')."""
+    assert launch(_no_host_sync, 2, env=GPU_ENV, timeout=300) == [0, 1]
+
+
+def _graph_replays(replays: int):
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        torch.cuda.set_device(comm.device)
+        world, me = comm.world_size, comm.rank
+        tokens, topk, hidden = 32, 4, 128
+        capacity = world * tokens * min(topk, EXPERTS_PER_RANK)  # the most one rank can receive
+        static = _on(comm.device, _routing(0, me, world, tokens, topk, hidden))
+        _step(comm, *static, capacity)  # set up and compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            d, y = _step(comm, *static, capacity)
+        for step in range(replays):
+            routing = _routing(step, me, world, tokens, topk, hidden)
+            for target, value in zip(static, routing):
+                target.copy_(value)
+            graph.replay()
+            _close(y, reference_combine(*routing, scaled=True), f"replay {step}, rank {me}")
+            if step % 10 == 0:
+                everyone = [_routing(step, r, world, tokens, topk, hidden) for r in range(world)]
+                expected = reference_dispatch(everyone, me, world)
+                n = expected["recv_src_rank"].numel()
+                assert int(d.num_recv_rows) == n, f"replay {step}: {int(d.num_recv_rows)} rows, expected {n}"
+                assert_equal(d.tokens_per_expert, expected["tokens_per_expert"], f"replay {step}: tokens_per_expert")
+                assert_equal(d.recv_x[:n], expected["recv_x"], f"replay {step}: recv_x")
+                assert_equal(d.recv_src_idx[:n], expected["recv_src_idx"], f"replay {step}: recv_src_idx")
+        d.check()
+        comm.barrier()
+    return me
+
+
+def test_moe_step_captured_in_a_cuda_graph_replays_with_new_routing():
+    """dispatch -> expert -> combine captured once, replayed 100 times with new routing written into the
+    graph's static inputs; every replay's output matches the reference."""
+    assert launch(_graph_replays, 2, 100, env=GPU_ENV, timeout=600) == [0, 1]
