@@ -104,3 +104,29 @@ def test_progress_engine_surfaces_a_failing_watch():
     with pytest.raises(RuntimeError, match="boom"):
         engine.watch(lambda: True)
     engine.close()
+
+
+def _crossed_writes_with_notify():
+    """Both ranks post a 16 MiB WRITE with notify, then wait for the peer's notification without ever
+    polling their own transfer: the notification must still be sent (the progress thread drives it)."""
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        n = 16 << 20
+        src = torch.full((n,), comm.rank + 1, dtype=torch.uint8)
+        dst = torch.zeros(n, dtype=torch.uint8)
+        peer = 1 - comm.rank
+        with comm.register([src, dst]) as reg:
+            comm.publish("dst", reg.descs[1:])
+            with comm.prepare(tw.WRITE, src, comm.lookup("dst", peer, timeout=WAIT), notify=b"done") as x:
+                comm.barrier(WAIT)
+                x.post()
+                assert comm.wait_notification(peer, timeout=WAIT) == b"done"
+                assert bool((dst == peer + 1).all()), "the notification arrived before the data"
+                x.wait(WAIT)
+            comm.barrier(WAIT)
+    return True
+
+
+def test_notification_of_an_unpolled_write_is_still_sent():
+    """Over TCP (transfers stay in flight after post), a sender busy waiting for its own notification
+    still gets its WRITE's notification delivered to the peer."""
+    assert launch(_crossed_writes_with_notify, 2, env={"UCX_TLS": "tcp"}) == [True, True]

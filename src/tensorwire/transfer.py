@@ -115,6 +115,13 @@ class Transfer:
         if self._notify is not None:
             self._notify_after_copy()
 
+    def _drive_until_done(self) -> None:
+        """Poll an in-flight NIXL transfer from the progress thread. NIXL sends a transfer's notification
+        when a status check observes completion, so a sender that goes on to wait for something else
+        (its own wait_notification, a barrier) must not leave its notification unsent."""
+        backend, request = self._backend, self._request
+        self._comm._engine.watch(lambda: backend.status(request) is not Status.IN_PROGRESS)
+
     def _post_on_stream(self, stream: "torch.cuda.Stream") -> None:
         self._posted_on_stream = True
         self._state = Status.IN_PROGRESS
@@ -247,6 +254,8 @@ class Transfer:
     def _notify_after_copy(self) -> None:
         """Transports without a message channel deliver ``notify`` once their copy has completed."""
         if self._backend.name == "nixl":
+            if self._state is Status.IN_PROGRESS and not self._posted_on_stream:
+                self._drive_until_done()
             return
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise InvalidArgumentError(
