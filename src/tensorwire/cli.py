@@ -76,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
         "bench", help="READ/WRITE between two local ranks beside raw NIXL and a local copy",
         description="Point-to-point READ/WRITE from rank 0 to rank 1 (two local processes), each size timed for "
                     "tensorwire, a bare NIXL agent pair and a local copy of the same bytes.")
+    bench.add_argument("what", nargs="?", choices=["p2p", "moe"], default="p2p",
+                       help="p2p (default): READ/WRITE between two ranks; moe: dispatch/combine per backend")
     bench.add_argument("--memory", choices=["cpu", "cuda", "all"], default="all",
                        help="memory to benchmark; 'all' (default) is cpu plus cuda when torch sees a GPU")
     bench.add_argument("--sizes", type=_sizes, default=None, metavar="LIST",
@@ -111,12 +113,32 @@ def _doctor(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: lis
     return 0
 
 
+def _bench_moe(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    """``tensorwire bench moe``: dispatch and combine per backend beside a copy of the same bytes."""
+    import torch
+
+    from .bench import moe, p2p
+
+    memory = "cuda" if args.memory != "cpu" and torch.cuda.is_available() else "cpu"
+    if args.memory == "cuda" and memory != "cuda":
+        parser.error(f"--memory cuda: torch {torch.__version__} sees no CUDA device; use --memory cpu")
+    records = moe.run_moe_bench(memory=memory, timeout_s=args.timeout)
+    print(moe.format_moe_report(records), flush=True)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"header": p2p.header(argv), "records": records}, indent=1) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str]) -> int:
     import torch
 
     from .bench import p2p, timing
 
     quiet_nixl_logging()
+    if args.what == "moe":
+        return _bench_moe(args, parser, argv)
     has_cuda = torch.cuda.is_available()
     if args.memory == "cuda" and not has_cuda:
         parser.error(f"--memory cuda: torch {torch.__version__} sees no CUDA device; use --memory cpu "

@@ -468,10 +468,6 @@ class Communicator:
         up until every rank has closed (at most the communicator's timeout). Idempotent."""
         if self.closed:
             return
-        self.__dict__.pop("_moe_engines", None)  # MoE engines hold registrations of this communicator
-        from .backends import torchdist
-
-        torchdist.shutdown(self)
         for transfer in list(self._transfers):
             transfer.close()
         for registration in list(self._registrations):

@@ -9,9 +9,11 @@ wake-up period instead: the thread then sleeps in ``poll()`` on the UCX worker's
 traffic (so a busy or idle rank still answers a peer's connection handshake) and costs ~0 when idle.
 Waiters in tensorwire poll ``status`` themselves, which also progresses the worker.
 
-Thread safety. tensorwire calls the agent from user threads and from its own progress thread, so the
-agent is created in NIXL's ``RW`` sync mode: NIXL serialises what must be serialised with its own C++
-lock, which costs far less on the 4 KiB hot path than a Python lock around every call.
+Thread safety. tensorwire calls the agent from user threads and from its own progress thread (which
+polls in-flight transfers nobody else waits on), so the agent is created in NIXL's ``STRICT`` sync mode:
+NIXL serialises every call with its own C++ lock, which costs far less on the 4 KiB hot path than a
+Python lock. ``RW`` is not enough: it lets two threads check the same request at once, and NIXL's UCX
+request bookkeeping then races (seen as segfaults under MoE traffic).
 """
 
 from __future__ import annotations
@@ -243,7 +245,7 @@ def _error_classes(bindings: Any) -> frozenset[str]:
     return frozenset(n for n in dir(bindings) if n.startswith("nixl") and n.endswith("Error"))
 
 
-def _make_agent(api: Any, bindings: Any, name: str, progress_wakeup_ms: float, sync_mode: str = "RW") -> Any:
+def _make_agent(api: Any, bindings: Any, name: str, progress_wakeup_ms: float, sync_mode: str = "STRICT") -> Any:
     """A ``nixl_agent`` whose UCX progress thread sleeps between events instead of spinning.
 
     ``sync_mode`` is NIXL's thread-synchronisation mode (``"NONE"``, ``"RW"`` or ``"STRICT"``)."""
