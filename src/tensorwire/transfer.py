@@ -21,6 +21,7 @@ when ``s`` reaches that point. How depends on the transport:
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,10 @@ class Transfer:
         self._backend = backend
         self._request = request  # None when there is nothing to move
         self._notify = notify
+        # The CPU post, bound once: a backend may offer a leaner one for its hot path.
+        if request is not None:
+            poster = getattr(backend, "poster", None)
+            self._post_now = poster(request, notify) if poster else functools.partial(backend.post, request, notify)
         self._state: Status | None = None  # None: never posted
         self._posted_on_stream = False
         self._posts = 0  # CPU posts so far; the sequence number stream waits compare against
@@ -84,7 +89,7 @@ class Transfer:
             # Hot path: a CPU post of a prepared transfer that is not in flight.
             self._posted_on_stream = False
             self._posts += 1
-            self._state = self._backend.post(self._request, self._notify)
+            self._state = self._post_now()
             if self._state is _DONE and self._notify is None:
                 return
             return self._after_post()
@@ -106,7 +111,7 @@ class Transfer:
         if self._request is None:
             self._state = Status.DONE
             return
-        self._state = self._backend.post(self._request, self._notify)
+        self._state = self._post_now()
         self._after_post()
 
     def _after_post(self) -> None:

@@ -92,6 +92,8 @@ class Backend(Protocol):
 
     def release(self, request: Any) -> None: ...
 
+    # A backend may offer ``poster(request, notify) -> Callable[[], Status]``: ``post`` bound to one request
+    # for the CPU hot path (NIXL resolves its C call once).
     # Stream-ordered backends also offer ``completion_event(request) -> torch.cuda.Event | None``: the
     # event recorded after the request's copies, which ``Transfer.wait(stream=)`` makes a stream wait on.
 

@@ -18,8 +18,9 @@ request bookkeeping then races (seen as segfaults under MoE traffic).
 
 from __future__ import annotations
 
+import functools
 import importlib
-from typing import Any
+from typing import Any, Callable
 
 from ..descriptors import MemoryKind
 from ..errors import BackendUnavailableError, PeerLostError, TransferError
@@ -192,6 +193,23 @@ class NixlBackend:
         if code == self._success:
             return Status.DONE
         return Status.IN_PROGRESS if code == self._in_progress else Status.ERROR
+
+    def poster(self, request: Any, notify: bytes | None) -> "Callable[[], Status]":
+        """``post`` bound to one request, for ``Transfer``'s hot path: the NIXL call and its arguments are
+        resolved once, so a re-post costs one C call and one comparison (a 4 KiB WRITE is ~1.5 us)."""
+        post = functools.partial(self._bound.postXferReq, request._handle, notify or b"")
+        success, in_progress, translate = self._success, self._in_progress, self._translate
+
+        def post_now() -> Status:
+            try:
+                code = post()
+            except Exception as e:  # noqa: BLE001
+                raise translate(e, "posting a transfer") from e
+            if code == success:
+                return Status.DONE
+            return Status.IN_PROGRESS if code == in_progress else Status.ERROR
+
+        return post_now
 
     def status(self, request: Any) -> Status:
         try:
