@@ -8,7 +8,6 @@ so that views inside a registered tensor can be transferred without registering 
 from __future__ import annotations
 
 import bisect
-import warnings
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -16,6 +15,7 @@ import torch
 from .backends.base import Segment
 from .descriptors import MemoryKind, TensorDesc
 from .errors import InvalidArgumentError
+from .lifetime import Closeable
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -53,7 +53,7 @@ def segment_of(tensor: torch.Tensor, index: int, fn: str) -> Segment:
     return Segment(tensor.data_ptr(), tensor.numel() * tensor.element_size(), kind, device_index)
 
 
-class Registration:
+class Registration(Closeable):
     """Memory registered with a communicator's backend. Context manager; ``close()`` is idempotent."""
 
     def __init__(self, comm: "Communicator", tensors: list[torch.Tensor], segments: list[Segment],
@@ -77,23 +77,9 @@ class Registration:
         self._comm._deregister(self, self._handles)
         self._tensors = []
 
-    def __enter__(self) -> "Registration":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "closed", True):
-            warnings.warn(
-                f"tensorwire: a Registration of {len(self.segments)} tensor(s) was garbage-collected "
-                "without close(); call reg.close() or use 'with comm.register(...)'",
-                ResourceWarning, stacklevel=2,
-            )
-            try:
-                self.close()
-            except Exception:  # noqa: BLE001 - never raise from a finalizer
-                pass
+    def _leak_message(self) -> str:
+        return (f"a Registration of {len(self.segments)} tensor(s) was garbage-collected without close(); "
+                "call reg.close() or use 'with comm.register(...)'")
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"

@@ -22,13 +22,13 @@ when ``s`` reaches that point. How depends on the transport:
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .backends.base import Backend, Op, Status
 from .errors import ClosedError, InvalidArgumentError, TransferError
+from .lifetime import Closeable
 from .progress import wait_until
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ _DOORBELL, _DONE_FLAG, _DONE_SEQ = 0, 1, 2
 _DONE, _IN_PROGRESS = Status.DONE, Status.IN_PROGRESS
 
 
-class Transfer:
+class Transfer(Closeable):
     """A reusable transfer handle. Not thread-safe: drive one handle from one thread.
 
     Attributes: ``op`` (READ/WRITE), ``peer`` (remote rank), ``nbytes`` (total), ``transport`` (the backend
@@ -290,23 +290,9 @@ class Transfer:
             raise ClosedError(f"{fn}: the transfer is closed; prepare a new one with comm.prepare(...)")
         self._comm._check_open(fn)
 
-    def __enter__(self) -> "Transfer":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "closed", True):
-            warnings.warn(
-                f"tensorwire: a {self.op.value} Transfer to rank {self.peer} was garbage-collected without close(); "
-                "call close() or use 'with comm.prepare(...)'",
-                ResourceWarning, stacklevel=2,
-            )
-            try:
-                self.close()
-            except Exception:  # noqa: BLE001 - never raise from a finalizer
-                pass
+    def _leak_message(self) -> str:
+        return (f"a {self.op.value} Transfer to rank {self.peer} was garbage-collected without close(); "
+                "call close() or use 'with comm.prepare(...)'")
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else (self._state.name if self._state else "prepared")

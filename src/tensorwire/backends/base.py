@@ -11,9 +11,11 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 from ..descriptors import MemoryKind
 
-__all__ = ["Op", "Status", "Segment", "Capabilities", "BackendInfo", "Backend"]
+__all__ = ["Op", "Status", "Segment", "Capabilities", "BackendInfo", "Backend", "StreamOrderedRequest"]
 
 
 class Op(enum.Enum):
@@ -39,6 +41,21 @@ class Segment:
     nbytes: int
     kind: MemoryKind
     device_index: int
+
+
+class StreamOrderedRequest:
+    """Completion of copies enqueued on a CUDA stream: the event recorded after them (``None`` until the
+    first post). Stream-ordered backends' requests derive from this."""
+
+    event: "torch.cuda.Event | None" = None
+
+    def record(self, stream: "torch.cuda.Stream") -> None:
+        if self.event is None:
+            self.event = torch.cuda.Event()
+        self.event.record(stream)
+
+    def status(self) -> "Status":
+        return Status.DONE if self.event is None or self.event.query() else Status.IN_PROGRESS
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,14 @@ Non-goal: memory from PyTorch's ``expandable_segments`` (VMM) allocator cannot b
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .. import cuda
 from ..descriptors import MemoryKind
 from ..errors import TransferError
-from .base import Capabilities, Op, Segment, Status
+from .base import Capabilities, Op, Segment, Status, StreamOrderedRequest
 
 __all__ = ["CudaIpcBackend"]
 
@@ -40,10 +40,9 @@ class _Export:
 
 
 @dataclass
-class _Request:
+class _Request(StreamOrderedRequest):
     copies: list[tuple[int, int, int]]  # (destination pointer, source pointer, nbytes) in this process
     device_index: int
-    event: "torch.cuda.Event | None" = field(default=None)
 
 
 class CudaIpcBackend:
@@ -112,15 +111,11 @@ class CudaIpcBackend:
         with torch.cuda.device(request.device_index):
             for destination, source, nbytes in request.copies:
                 cuda.check(self._cu.cuMemcpyAsync(destination, source, nbytes, handle), "cuda_ipc: cuMemcpyAsync")
-            if request.event is None:
-                request.event = torch.cuda.Event()
-            request.event.record(stream)
+            request.record(stream)
         return Status.IN_PROGRESS
 
     def status(self, request: _Request) -> Status:
-        if request.event is None or request.event.query():
-            return Status.DONE
-        return Status.IN_PROGRESS
+        return request.status()
 
     def completion_event(self, request: _Request) -> "torch.cuda.Event | None":
         return request.event

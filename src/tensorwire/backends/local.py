@@ -8,22 +8,21 @@ any PyTorch op) and CUDA-graph capturable; host copies complete inside ``post``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from ..descriptors import MemoryKind
-from .base import Capabilities, Op, Segment, Status
+from .base import Capabilities, Op, Segment, Status, StreamOrderedRequest
 
 __all__ = ["LocalBackend"]
 
 
 @dataclass
-class _Request:
+class _Request(StreamOrderedRequest):
     pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (destination, source) uint8 views
     device: torch.device | None  # the CUDA device the copies run on, None for host-only
-    event: "torch.cuda.Event | None" = field(default=None)
 
 
 class LocalBackend:
@@ -64,15 +63,11 @@ class LocalBackend:
         with torch.cuda.stream(stream):
             for destination, source in request.pairs:
                 destination.copy_(source, non_blocking=True)
-            if request.event is None:
-                request.event = torch.cuda.Event()
-            request.event.record(stream)
+            request.record(stream)
         return Status.IN_PROGRESS
 
     def status(self, request: _Request) -> Status:
-        if request.event is None or request.event.query():
-            return Status.DONE
-        return Status.IN_PROGRESS
+        return request.status()
 
     def completion_event(self, request: _Request) -> "torch.cuda.Event | None":
         return request.event
