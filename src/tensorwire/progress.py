@@ -85,6 +85,7 @@ class ProgressEngine:
         self._max_sleep = config.max_sleep_us * 1e-6
         self._watches: list[Callable[[], bool]] = []
         self._cond = threading.Condition()
+        self._polling = threading.Lock()  # held while watches run: unwatch() waits out a running poll
         self._thread: threading.Thread | None = None
         self._stopped = False
         self.error: BaseException | None = None
@@ -100,8 +101,13 @@ class ProgressEngine:
                 self._thread.start()
             self._cond.notify()
 
-    def unwatch(self, poll: Callable[[], bool]) -> None:
+    def watching(self, poll: Callable[[], bool]) -> bool:
         with self._cond:
+            return poll in self._watches
+
+    def unwatch(self, poll: Callable[[], bool]) -> None:
+        """Stop polling ``poll``; once this returns it is not running and will not run again."""
+        with self._polling, self._cond:
             if poll in self._watches:
                 self._watches.remove(poll)
 
@@ -121,21 +127,24 @@ class ProgressEngine:
                     self._cond.wait()
                 if self._stopped:
                     return
-                watches = list(self._watches)
             finished = []
-            for poll in watches:
-                try:
-                    if poll():
+            with self._polling:
+                with self._cond:
+                    watches = list(self._watches)  # unwatch() cannot slip in between here and the polls
+                for poll in watches:
+                    try:
+                        if poll():
+                            finished.append(poll)
+                    except BaseException as e:  # noqa: BLE001 - surfaced to the next caller of watch()
+                        self.error = e
                         finished.append(poll)
-                except BaseException as e:  # noqa: BLE001 - surfaced to the next caller of watch()
-                    self.error = e
-                    finished.append(poll)
+                if finished:
+                    with self._cond:
+                        for poll in finished:
+                            if poll in self._watches:
+                                self._watches.remove(poll)
             now = time.perf_counter()
             if finished:
-                with self._cond:
-                    for poll in finished:
-                        if poll in self._watches:
-                            self._watches.remove(poll)
                 idle_since = now
                 continue
             time.sleep(min(self._max_sleep, max(2e-5, (now - idle_since) / 32)))

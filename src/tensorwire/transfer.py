@@ -70,6 +70,7 @@ class Transfer(Closeable):
         if uses_cuda and self._request is not None and not self._stream_ordered:
             self._host_words()
         self._doorbell_watch = None
+        self._watches: list = []  # progress-thread watches on this transfer's request, stopped on close
         self.closed = False
 
     @property
@@ -125,7 +126,7 @@ class Transfer(Closeable):
         when a status check observes completion, so a sender that goes on to wait for something else
         (its own wait_notification, a barrier) must not leave its notification unsent."""
         backend, request = self._backend, self._request
-        self._comm._engine.watch(lambda: backend.status(request) is not Status.IN_PROGRESS)
+        self._watch(lambda: backend.status(request) is not Status.IN_PROGRESS)
 
     def _post_on_stream(self, stream: "torch.cuda.Stream") -> None:
         self._posted_on_stream = True
@@ -172,7 +173,7 @@ class Transfer(Closeable):
             return False  # keep serving future doorbells (graph replays)
 
         self._doorbell_watch = serve
-        self._comm._engine.watch(serve)
+        self._watch(serve)
 
     # --- completion -----------------------------------------------------------------------------
     def status(self) -> Status:
@@ -246,8 +247,14 @@ class Transfer(Closeable):
                 raise TransferError(f"wait(stream=): the {self.op.value} to rank {self.peer} over nixl failed")
             return True
 
-        self._comm._engine.watch(publish_completion)
+        self._watch(publish_completion)
         cuda.stream_wait_value(stream, words, _DONE_SEQ, sequence)
+
+    def _watch(self, poll) -> None:
+        """Have the progress thread poll ``poll`` (until it returns True or this transfer closes)."""
+        engine = self._comm._engine
+        self._watches = [w for w in self._watches if engine.watching(w)] + [poll]  # forget finished ones
+        engine.watch(poll)
 
     def _host_words(self):
         if self._words is None:
@@ -268,6 +275,10 @@ class Transfer(Closeable):
                 "signal the peer from the graph with a nixl transfer instead"
             )
         backend, request, peer, message = self._backend, self._request, self.peer, self._notify
+        if backend.status(request) is Status.DONE:
+            self._comm._send_notification(peer, message)
+            return
+        # Not tied to this handle's lifetime: the copy's event outlives close(), the message must not.
         self._comm._engine.watch(
             lambda: backend.status(request) is Status.DONE and self._comm._send_notification(peer, message)
         )
@@ -278,8 +289,9 @@ class Transfer(Closeable):
         if self.closed:
             return
         self.closed = True
-        if self._doorbell_watch is not None:
-            self._comm._engine.unwatch(self._doorbell_watch)
+        for poll in self._watches:  # before the request is released: a watch must never poll a freed one
+            self._comm._engine.unwatch(poll)
+        self._watches = []
         request, self._request = self._request, None
         if request is not None:
             self._backend.release(request)
