@@ -21,12 +21,11 @@ when ``s`` reaches that point. How depends on the transport:
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .backends.base import Backend, Op, Status
+from .backends.base import Backend, Op, Poster, Status
 from .errors import ClosedError, InvalidArgumentError, TransferError
 from .lifetime import Closeable
 from .progress import wait_until
@@ -57,10 +56,10 @@ class Transfer(Closeable):
         self._backend = backend
         self._request = request  # None when there is nothing to move
         self._notify = notify
-        # The CPU post, bound once: a backend may offer a leaner one for its hot path.
+        # The CPU post, bound once (``_post_call`` is None when closed or empty).
+        self._post_call = None
         if request is not None:
-            poster = getattr(backend, "poster", None)
-            self._post_now = poster(request, notify) if poster else functools.partial(backend.post, request, notify)
+            self._post_call, self._post_done, self._post_finish, self._post_error = Poster.of(backend, request, notify)
         self._state: Status | None = None  # None: never posted
         self._posted_on_stream = False
         self._posts = 0  # CPU posts so far; the sequence number stream waits compare against
@@ -86,14 +85,11 @@ class Transfer(Closeable):
         if a CPU-posted transfer is still in flight; ``TransferError``/``PeerLostError`` if the backend
         refuses it.
         """
-        if stream is None and self._state is not _IN_PROGRESS and self._request is not None and not self.closed:
-            # Hot path: a CPU post of a prepared transfer that is not in flight.
-            self._posted_on_stream = False
+        if stream is None and self._state is not _IN_PROGRESS and self._post_call is not None:
+            # Hot path: a CPU post of an open, non-empty transfer that is not in flight (a transfer once
+            # posted on a stream stays IN_PROGRESS to the CPU, so it never gets here).
             self._posts += 1
-            self._state = self._post_now()
-            if self._state is _DONE and self._notify is None:
-                return
-            return self._after_post()
+            return self._post_from_cpu()
         if self.closed:  # closing the communicator closes its transfers
             self._check_open("post")
         if stream is not None:
@@ -112,7 +108,22 @@ class Transfer(Closeable):
         if self._request is None:
             self._state = Status.DONE
             return
-        self._state = self._post_now()
+        self._post_from_cpu()
+
+    def _post_from_cpu(self) -> None:
+        try:
+            result = self._post_call()
+        except Exception as e:  # noqa: BLE001 - the backend says what its exceptions mean
+            error = self._post_error(e)
+            if error is e:
+                raise
+            raise error from e
+        if result == self._post_done:
+            self._state = _DONE
+            if self._notify is None:
+                return
+        else:
+            self._state = self._post_finish(result)
         self._after_post()
 
     def _after_post(self) -> None:
@@ -195,7 +206,7 @@ class Transfer(Closeable):
         With ``stream``: return at once; work enqueued on ``stream`` afterwards runs after the transfer.
         CUDA-graph capturable together with ``post(stream=)``.
         """
-        if self._state is _DONE and stream is None and not self.closed:
+        if self._state is _DONE and stream is None:  # close() clears _state
             if timeout is not None:
                 self._comm._timeout(timeout)  # still reject a bad timeout
             return  # fast path: small and same-host transfers often complete inside post()
@@ -289,6 +300,7 @@ class Transfer(Closeable):
         if self.closed:
             return
         self.closed = True
+        self._post_call, self._state = None, None
         for poll in self._watches:  # before the request is released: a watch must never poll a freed one
             self._comm._engine.unwatch(poll)
         self._watches = []

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Protocol
+import functools
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
 from ..descriptors import MemoryKind
 
-__all__ = ["Op", "Status", "Segment", "Capabilities", "BackendInfo", "Backend", "StreamOrderedRequest"]
+__all__ = ["Op", "Status", "Segment", "Capabilities", "BackendInfo", "Backend", "Poster", "StreamOrderedRequest"]
 
 
 class Op(enum.Enum):
@@ -41,6 +42,25 @@ class Segment:
     nbytes: int
     kind: MemoryKind
     device_index: int
+
+
+class Poster(NamedTuple):
+    """A CPU post bound to one request, for the hot path: ``call()`` posts and returns a raw result; equal
+    to ``done`` means DONE, anything else goes through ``finish(result) -> Status``; an exception from
+    ``call`` becomes ``error(exception)``."""
+
+    call: Callable[[], Any]
+    done: Any
+    finish: Callable[[Any], "Status"]
+    error: Callable[[Exception], Exception]
+
+    @staticmethod
+    def of(backend: "Backend", request: Any, notify: bytes | None) -> "Poster":
+        """The backend's own poster, or a plain ``post`` call for backends without one."""
+        poster = getattr(backend, "poster", None)
+        if poster is not None:
+            return poster(request, notify)
+        return Poster(functools.partial(backend.post, request, notify), Status.DONE, lambda s: s, lambda e: e)
 
 
 class StreamOrderedRequest:
@@ -109,8 +129,8 @@ class Backend(Protocol):
 
     def release(self, request: Any) -> None: ...
 
-    # A backend may offer ``poster(request, notify) -> Callable[[], Status]``: ``post`` bound to one request
-    # for the CPU hot path (NIXL resolves its C call once).
+    # A backend may offer ``poster(request, notify) -> Poster``: ``post`` unbundled for the CPU hot path
+    # (NIXL resolves its C call once).
     # Stream-ordered backends also offer ``completion_event(request) -> torch.cuda.Event | None``: the
     # event recorded after the request's copies, which ``Transfer.wait(stream=)`` makes a stream wait on.
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any, Callable
+from typing import Any
 
 from ..descriptors import MemoryKind
 from ..errors import BackendUnavailableError, PeerLostError, TransferError
-from .base import BackendInfo, Capabilities, Op, Segment, Status
+from .base import BackendInfo, Capabilities, Op, Poster, Segment, Status
 
 __all__ = ["NixlBackend", "info", "agent_name"]
 
@@ -194,22 +194,16 @@ class NixlBackend:
             return Status.DONE
         return Status.IN_PROGRESS if code == self._in_progress else Status.ERROR
 
-    def poster(self, request: Any, notify: bytes | None) -> "Callable[[], Status]":
-        """``post`` bound to one request, for ``Transfer``'s hot path: the NIXL call and its arguments are
-        resolved once, so a re-post costs one C call and one comparison (a 4 KiB WRITE is ~1.5 us)."""
-        post = functools.partial(self._bound.postXferReq, request._handle, notify or b"")
-        success, in_progress, translate = self._success, self._in_progress, self._translate
-
-        def post_now() -> Status:
-            try:
-                code = post()
-            except Exception as e:  # noqa: BLE001
-                raise translate(e, "posting a transfer") from e
-            if code == success:
-                return Status.DONE
-            return Status.IN_PROGRESS if code == in_progress else Status.ERROR
-
-        return post_now
+    def poster(self, request: Any, notify: bytes | None) -> Poster:
+        """``post`` unbundled for ``Transfer``'s hot path: the NIXL call with its arguments resolved once,
+        the raw code that means DONE, and the slow mapping for every other outcome. A re-post then costs
+        one C call and one comparison (a 4 KiB WRITE is ~1.5 us inside NIXL)."""
+        return Poster(
+            call=functools.partial(self._bound.postXferReq, request._handle, notify or b""),
+            done=self._success,
+            finish=lambda code: Status.IN_PROGRESS if code == self._in_progress else Status.ERROR,
+            error=lambda e: self._translate(e, "posting a transfer"),
+        )
 
     def status(self, request: Any) -> Status:
         try:
