@@ -120,6 +120,7 @@ class NixlEngine:
         self._sizes: dict[str, list[int]] = {}  # every rank's receive buffer size, per family
         self._remote: dict[tuple[str, int], tuple[int, TensorDesc]] = {}
         self._staging: dict[str, _Buffer] = {}
+        self._retired: list[_Buffer] = []  # outgrown buffers, kept registered (see _retire)
         self._counts_transfers: dict[tuple[int, int], list] = {}  # (slot parity, width) -> one WRITE per peer
         self._early: list[set[tuple[int, int]]] = [set() for _ in range(comm.world_size)]
 
@@ -283,14 +284,20 @@ class NixlEngine:
         if self._counts is None or self._counts[0] < stride:
             self._drop_counts_transfers()
             if self._counts is not None:
-                self._counts[1].close()
-                self._counts[2].close()
+                self._retire(self._counts[1], self._counts[2])
             slots = _Buffer(self.comm, 2 * self.world_size * stride * 8, torch.device("cpu"))
             mine = _Buffer(self.comm, stride * 8, torch.device("cpu"))
             self._counts = (stride, slots, mine)
             self._sizes["counts"] = [slots.nbytes] * self.world_size
             self.comm.publish(f"moe/nixl/counts/{slots.nbytes}", slots.desc)
         return self._counts
+
+    def _retire(self, *buffers: _Buffer) -> None:
+        """Keep outgrown buffers registered until the engine closes. Freeing one lets the allocator hand its
+        addresses to the next, larger buffer, and NIXL on the peers keeps the old range's keys beside the
+        new ones: a WRITE into the new buffer then fails with NIXL_ERR_NOT_FOUND. Growth is geometric,
+        so this costs at most as much again as the largest buffers."""
+        self._retired.extend(buffers)
 
     def _drop_counts_transfers(self) -> None:
         for transfers in self._counts_transfers.values():
@@ -309,7 +316,7 @@ class NixlEngine:
         mine = self._receive.get(family)
         if sizes[self.rank] and (mine is None or mine.nbytes != sizes[self.rank]):
             if mine is not None:
-                mine.close()
+                self._retire(mine)
             mine = self._receive[family] = _Buffer(self.comm, sizes[self.rank], device)
             self.comm.publish(f"moe/nixl/{family}/{mine.nbytes}", mine.desc)
         return mine
@@ -328,7 +335,7 @@ class NixlEngine:
         buffer = self._staging.get(name)
         if buffer is None or buffer.nbytes < nbytes or buffer.tensor.device != device:
             if buffer is not None:
-                buffer.close()
+                self._retire(buffer)
             buffer = self._staging[name] = _Buffer(self.comm, max(_MIN_BUFFER_BYTES, next_power_of_two(nbytes)), device)
         return buffer
 
