@@ -117,7 +117,7 @@ def _bench_moe(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: 
     """``tensorwire bench moe``: dispatch and combine per backend beside a copy of the same bytes."""
     import torch
 
-    from .bench import moe, p2p
+    from .bench import moe, report
 
     memory = "cuda" if args.memory != "cpu" and torch.cuda.is_available() else "cpu"
     if args.memory == "cuda" and memory != "cuda":
@@ -126,7 +126,7 @@ def _bench_moe(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: 
     print(moe.format_moe_report(records), flush=True)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"header": p2p.header(argv), "records": records}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"header": report.header(argv), "records": records}, indent=1) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
@@ -134,7 +134,7 @@ def _bench_moe(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str]) -> int:
     import torch
 
-    from .bench import p2p, timing
+    from .bench import p2p, report, timing
 
     quiet_nixl_logging()
     if args.what == "moe":
@@ -164,12 +164,12 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list
         progress=not args.quiet,
         timeout_s=args.timeout,
     )
-    head = p2p.header(argv)
+    head = report.header(argv)
     result = p2p.run(config)
-    print(p2p.format_report(result, head, config), flush=True)
+    print(report.format_report(result, head, config), flush=True)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(p2p.to_json(result, head, config), indent=1) + "\n")
+        args.json.write_text(json.dumps(report.to_json(result, head, config), indent=1) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot is not None:
         from .bench.plot import plot

@@ -29,17 +29,12 @@ Before any of that, both ranks measure the CPU an idle, connected communicator c
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import os
 import resource
-import shlex
-import socket
-import subprocess
 import sys
-import textwrap
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -50,8 +45,8 @@ from ..errors import InvalidArgumentError, TransferError
 from .timing import Budget, CudaEventClock, HostClock, Timing, measure, measure_interleaved
 
 __all__ = [
-    "HOST_SIZES", "CUDA_SIZES", "RAW_CONFIGS", "BenchConfig", "Record", "BenchResult", "run", "header",
-    "comparisons", "format_report", "summary", "to_json", "rank_pattern", "first_mismatch", "format_size",
+    "HOST_SIZES", "CUDA_SIZES", "RAW_CONFIGS", "BenchConfig", "Record", "BenchResult", "run", "rank_pattern",
+    "first_mismatch", "format_size",
 ]
 
 HOST_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
@@ -514,190 +509,8 @@ class _CpuSnapshot:
         return {"other_cores": max(others, 0.0) / wall, "steal_cores": (self.steal_s - before.steal_s) / wall}
 
 
-def header(argv: list[str]) -> dict[str, Any]:
-    """Where and with what the benchmark ran (the JSON header)."""
-    from ..doctor import cpu_model, software_versions
-
-    versions = software_versions()
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    return {
-        "command": shlex.join(["tensorwire", *argv]),
-        "hostname": socket.gethostname(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "versions": versions,
-        "source": _source_revision(),
-        "cpu": {"model": cpu_model(), "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0))},
-        "gpus": gpus,
-    }
-
-
-def _source_revision() -> dict[str, Any] | None:
-    """The git commit of the tensorwire being measured, and whether its tracked files differ from it."""
-    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        commit = subprocess.run(["git", "-C", package_dir, "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, timeout=5, check=False)
-        if commit.returncode != 0:
-            return None
-        status = subprocess.run(["git", "-C", package_dir, "status", "--porcelain", "--untracked-files=no", "--", "."],
-                                capture_output=True, text=True, timeout=5, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return {"commit": commit.stdout.strip(), "modified": bool(status.stdout.strip())}
-
-
-# --- reporting ---------------------------------------------------------------------------------------
 def format_size(nbytes: int) -> str:
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
             return f"{nbytes >> shift} {unit}"
     return f"{nbytes} B"
-
-
-def _cases(records: list[Record]) -> dict[tuple[str, str, int], dict[str, Record]]:
-    cases: dict[tuple[str, str, int], dict[str, Record]] = {}
-    for r in records:
-        cases.setdefault((r.memory, r.op, r.size), {})[r.path] = r
-    return cases
-
-
-def comparisons(records: list[Record]) -> list[dict[str, Any]]:
-    """Per (memory, op, size) and tensorwire row: its bandwidth over the copy's (higher is better) and its
-    time over raw NIXL's (lower is better)."""
-    out = []
-    for (memory, op, size), paths in _cases(records).items():
-        raw, copy = paths.get(RAW), paths.get(COPY)
-        for name in _TENSORWIRE_PATHS:
-            tw = paths.get(name)
-            if tw is None:
-                continue
-            out.append({
-                "memory": memory, "op": op, "size": size, "path": name, "transport": tw.transport,
-                "bw_vs_copy": tw.gbps / copy.gbps if copy else None,
-                "time_vs_raw": tw.median_us / raw.median_us if raw else None,
-            })
-    return out
-
-
-def summary(result: BenchResult) -> list[dict[str, Any]]:
-    """The three headline numbers against their goals; ``ok`` is None where a number was not measured."""
-    cases = _cases(result.records)
-    lines = []
-    big = cases.get(("cpu", "WRITE", 64 << 20), {})
-    if TENSORWIRE in big and COPY in big:
-        ratio = big[TENSORWIRE].gbps / big[COPY].gbps
-        lines.append({"name": "64 MiB cpu WRITE bandwidth vs copy", "value": ratio, "goal": ">= 0.6", "ok": ratio >= 0.6,
-                      "text": f"64 MiB cpu WRITE: tensorwire {big[TENSORWIRE].gbps:.2f} GB/s = {ratio:.2f}x copy "
-                              f"({big[COPY].gbps:.2f} GB/s, 1 thread); goal >= 0.6x"})
-    else:
-        lines.append({"name": "64 MiB cpu WRITE bandwidth vs copy", "value": None, "goal": ">= 0.6", "ok": None,
-                      "text": "64 MiB cpu WRITE: not measured (add 64M to --sizes and cpu to --memory)"})
-    small = cases.get(("cpu", "WRITE", 4 << 10), {})
-    if TENSORWIRE in small and RAW in small:
-        us, ratio = small[TENSORWIRE].median_us, small[TENSORWIRE].median_us / small[RAW].median_us
-        lines.append({"name": "4 KiB cpu WRITE latency", "value": us, "ratio_vs_raw": ratio, "goal": "<= 10 us, <= 1.1x raw",
-                      "ok": us <= 10 and ratio <= 1.1,
-                      "text": f"4 KiB cpu WRITE: tensorwire {us:.2f} µs median (goal <= 10 µs) = {ratio:.2f}x raw nixl's "
-                              f"{small[RAW].median_us:.2f} µs (goal <= 1.1x)"})
-    else:
-        lines.append({"name": "4 KiB cpu WRITE latency", "value": None, "goal": "<= 10 us, <= 1.1x raw", "ok": None,
-                      "text": "4 KiB cpu WRITE: not measured (add 4K to --sizes and cpu to --memory)"})
-    if result.idle:
-        cores = max(i["cores"] for i in result.idle)
-        lines.append({"name": "idle communicator CPU", "value": cores, "goal": "< 0.05 cores", "ok": cores < 0.05,
-                      "text": f"idle communicator: {cores:.3f} cores (max over {len(result.idle)} ranks, "
-                              f"{result.idle[0]['wall_s']:.1f} s, getrusage user+sys / wall); goal < 0.05"})
-    else:
-        lines.append({"name": "idle communicator CPU", "value": None, "goal": "< 0.05 cores", "ok": None,
-                      "text": "idle communicator: not measured (--idle-seconds 0)"})
-    return lines
-
-
-def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig) -> str:
-    """The aligned table, the idle line and, last, the three summary lines."""
-    v = head["versions"]
-    budget = config.budget
-    timing = (f"{budget.iters} calls" if budget.iters else f">= {budget.min_reps} calls and >= {budget.time_s:g} s")
-    timing += f" per path, the transfer paths alternating in {budget.rounds} rounds"
-    out = [
-        "tensorwire bench: rank 0 -> rank 1, two local processes",
-        f"  machine     {head['cpu']['model']}, {head['cpu']['usable_cores']} cores; "
-        + (", ".join(head["gpus"]) if head["gpus"] else "no CUDA device"),
-        (f"  software    tensorwire {v['tensorwire']}{_revision_text(head.get('source'))}, torch {v['torch']}, "
-         f"nixl {v['nixl']} ({v['nixl_module']}), UCX {result.ucx_version or v['ucx'] or '?'}, Python {v['python']}"),
-        (f"  tensorwire  post() + wait() on one prepared handle; progress thread wakes every "
-         f"{result.progress_wakeup_ms:g} ms when idle"),
-        f"  raw nixl    {result.raw_config}; initialize_xfer once, then transfer() + tight check_xfer_state loop",
-        (f"  copy        dst.copy_(src) inside rank 0; host: 1 thread (torch's default {result.default_threads} "
-         "threads in the JSON as copy-mt); GPU: CUDA events"),
-        f"  timing      {budget.warmup_s:g} s warm-up, then {timing}; each call timed alone; median, p10, p90",
-    ]
-    out = [textwrap.fill(line, 116, subsequent_indent=" " * 14) for line in out] + [""]
-    columns = ["memory", "op", "size", "path", "via", "median µs", "p10 µs", "p90 µs", "GB/s", "BW/copy", "time/raw"]
-    rows = [columns]
-    ratios = {(c["memory"], c["op"], c["size"], c["path"]): c for c in comparisons(result.records)}
-    for (memory, op, size), paths in _cases(result.records).items():
-        first = True
-        for path in (TENSORWIRE, TENSORWIRE_NIXL, RAW, COPY):
-            r = paths.get(path)
-            if r is None:
-                continue
-            c = ratios.get((memory, op, size, path), {})
-            rows.append([
-                memory if first else "", op if first else "", format_size(size) if first else "", path, r.transport,
-                f"{r.median_us:.2f}", f"{r.p10_us:.2f}", f"{r.p90_us:.2f}", f"{r.gbps:.2f}",
-                f"{c['bw_vs_copy']:.2f}x" if c.get("bw_vs_copy") else "",
-                f"{c['time_vs_raw']:.2f}x" if c.get("time_vs_raw") else "",
-            ])
-            first = False
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    for n, row in enumerate(rows):
-        if n > 1 and row[0]:
-            out.append("")  # a blank line between (memory, op, size) groups
-        out.append("  ".join(cell.ljust(w) if i < 5 else cell.rjust(w)
-                             for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
-    out += [
-        "",
-        "  BW/copy = tensorwire GB/s / copy GB/s (higher is better); time/raw = tensorwire µs / raw nixl µs",
-        "  (lower is better); GB/s = 1e9 bytes/s at the median; via = the transport that moved the bytes",
-    ]
-    other, steal = result.others.get("other_cores"), result.others.get("steal_cores")
-    if other is not None:
-        disturbed = other >= 0.1 or steal >= 0.1
-        out.append(f"  {'!!! ' if disturbed else ''}meanwhile other processes used {other:.2f} cores and the hypervisor "
-                   f"stole {steal:.2f}" + ("; these timings are disturbed, run again on a quiet machine" if disturbed else ""))
-    if result.idle:
-        per_rank = ", ".join(f"rank {i['rank']} {i['cores']:.3f}" for i in result.idle)
-        out.append(f"  idle CPU: {per_rank} cores over {result.idle[0]['wall_s']:.1f} s "
-                   f"(connected communicator, {format_size(_IDLE_BYTES)} registered)")
-    out.append("")
-    for line in summary(result):
-        tag = {True: "[ok]  ", False: "[MISS]", None: "[n/a] "}[line["ok"]]
-        out.append(f"{tag} {line['text']}")
-    return "\n".join(out)
-
-
-def _revision_text(source: dict[str, Any] | None) -> str:
-    if not source:
-        return ""
-    return f" (git {source['commit']}{', modified' if source['modified'] else ''})"
-
-
-def to_json(result: BenchResult, head: dict[str, Any], config: BenchConfig) -> dict[str, Any]:
-    """Every record, with the header and the configuration they were measured under."""
-    return {
-        "header": {
-            **head,
-            "raw_nixl": result.raw_config,
-            "tensorwire_progress_wakeup_ms": result.progress_wakeup_ms,
-            "copy": f"dst.copy_(src) in rank 0; copy: 1 thread, copy-mt: {result.default_threads} threads; cuda: CUDA events",
-            "budget": asdict(config.budget),
-            "memories": list(config.memories),
-            "ucx_version": result.ucx_version,
-            "during_run": result.others,
-        },
-        "records": [asdict(r) for r in result.records],
-        "comparisons": comparisons(result.records),
-        "idle": result.idle,
-        "summary": summary(result),
-    }
