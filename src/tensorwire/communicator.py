@@ -14,10 +14,8 @@ the peer is this rank -> ``local``; same host and GPU memory on both sides, expo
 
 from __future__ import annotations
 
-import struct
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -28,55 +26,15 @@ from . import cuda
 from .backends.base import Backend, Op, Segment, Status
 from .backends.local import LocalBackend
 from .backends.nixl import NixlBackend
-from .bootstrap import Rendezvous, hostname, resolve_environment
+from .bootstrap import Rendezvous, resolve_environment
 from .descriptors import MemoryKind, TensorDesc
+from .memory_map import MemoryMap, PeerView, host_identity
 from .errors import ClosedError, InvalidArgumentError
 from .progress import Inbox, ProgressEngine, wait_until
 from .registration import LocalMemoryMap, Registration, as_tensor_list, segment_of
 from .transfer import Transfer
 
 __all__ = ["Communicator", "init"]
-
-_MEMORY_MAP_HEADER = struct.Struct("<IH")  # epoch, number of sections
-_SECTION_HEADER = struct.Struct("<HI")  # name length, data length
-
-
-@dataclass
-class _PeerView:
-    epoch: int
-    host: str
-    regions: list[TensorDesc]
-    backends: frozenset[str]
-
-
-def _host_identity() -> str:
-    """Same value for every process of one machine (hostname + boot id), different across machines."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f"{hostname()}/{f.read().strip()}"
-    except OSError:
-        return hostname()
-
-
-def _pack_sections(sections: dict[str, bytes]) -> bytes:
-    parts = []
-    for name, data in sections.items():
-        encoded = name.encode()
-        parts += [_SECTION_HEADER.pack(len(encoded), len(data)), encoded, data]
-    return b"".join(parts)
-
-
-def _unpack_sections(blob: bytes, offset: int, count: int) -> tuple[dict[str, bytes], int]:
-    sections = {}
-    for _ in range(count):
-        name_length, data_length = _SECTION_HEADER.unpack_from(blob, offset)
-        offset += _SECTION_HEADER.size
-        name = blob[offset:offset + name_length].decode()
-        offset += name_length
-        sections[name] = blob[offset:offset + data_length]
-        offset += data_length
-    return sections, offset
-
 
 def init(
     *,
@@ -124,7 +82,7 @@ class Communicator:
         self.timeout_s = timeout_s
         self.closed = False
         self._rendezvous = Rendezvous(env, timeout_s, store)
-        self._host = _host_identity()
+        self._host = host_identity()
         self._local_map = LocalMemoryMap()
         self._nixl = NixlBackend(env.rank, progress_wakeup_ms=cfg.progress_wakeup_ms)
         self._backends: dict[str, Backend] = {"nixl": self._nixl, "local": LocalBackend(self._local_map.view)}
@@ -140,7 +98,7 @@ class Communicator:
         self._notifications_awaited = [0] * self.world_size
         self._notifications_delivered = [0] * self.world_size  # remote ranges NIXL has mapped (see _touch_remote_allocations)
         self._epoch = 0
-        self._peers: dict[int, _PeerView] = {}
+        self._peers: dict[int, PeerView] = {}
         self._registrations: weakref.WeakSet[Registration] = weakref.WeakSet()
         self._transfers: weakref.WeakSet[Transfer] = weakref.WeakSet()
         self._publish_memory_map()
@@ -204,10 +162,10 @@ class Communicator:
                    for s in self._local_map.segments()]
         sections = {"host": self._host.encode()}
         sections.update({name: backend.metadata() for name, backend in self._backends.items() if name != "local"})
-        blob = _MEMORY_MAP_HEADER.pack(self._epoch, len(sections)) + _pack_sections(sections) + TensorDesc.pack(regions)
-        self._rendezvous.set(f"memmap/{self.rank}", blob)
 
-    def _peer_view(self, rank: int, min_epoch: int, timeout_s: float) -> _PeerView:
+        self._rendezvous.set(f"memmap/{self.rank}", MemoryMap(self._epoch, sections, regions).pack())
+
+    def _peer_view(self, rank: int, min_epoch: int, timeout_s: float) -> PeerView:
         """``rank``'s current memory map (at least ``min_epoch``), read from the store on every call.
 
         One store round trip per ``prepare``: a descriptor of memory the peer has deregistered since must
@@ -215,18 +173,18 @@ class Communicator:
 
         def fetch() -> bool:
             blob = self._rendezvous.get(f"memmap/{rank}", timeout_s, f"prepare: loading the memory map of rank {rank}")
-            epoch, count = _MEMORY_MAP_HEADER.unpack_from(blob)
+            epoch = MemoryMap.epoch_of(blob)
             if epoch < min_epoch:
                 return False
             view = self._peers.get(rank)
             if view is not None and view.epoch == epoch:
                 return True
-            sections, offset = _unpack_sections(blob, _MEMORY_MAP_HEADER.size, count)
-            host = sections.pop("host").decode()
-            for name, metadata in sections.items():
+            memory_map = MemoryMap.unpack(blob)
+            host = memory_map.sections.pop("host").decode()
+            for name, metadata in memory_map.sections.items():
                 if name in self._backends and (name != "cuda_ipc" or host == self._host):
                     self._backends[name].load_peer(rank, metadata)
-            self._peers[rank] = _PeerView(epoch, host, TensorDesc.unpack(blob[offset:]), frozenset(sections))
+            self._peers[rank] = PeerView(epoch, host, memory_map.regions)
             return True
 
         wait_until(fetch, timeout_s, lambda: f"prepare: memory map of rank {rank} at epoch >= {min_epoch}", self.config)
