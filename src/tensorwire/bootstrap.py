@@ -36,6 +36,7 @@ class Environment:
     master_addr: str
     master_port: int
     launcher: str
+    agent_store: bool = False  # torchrun's agent already hosts a TCPStore at MASTER_ADDR:MASTER_PORT
 
 
 def _int(value: str, name: str) -> int:
@@ -91,6 +92,8 @@ def resolve_environment(
         master_addr=addr or "127.0.0.1",
         master_port=_int(str(port), "MASTER_PORT") if port is not None else 0,
         launcher=launcher,
+        # Like torch.distributed's env:// init: under torchrun every rank is a client of the agent's store.
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and master_port is None,
     )
 
 
@@ -111,7 +114,7 @@ class Rendezvous:
                     env.master_addr,
                     env.master_port,
                     env.world_size,
-                    is_master=env.rank == 0,
+                    is_master=env.rank == 0 and not env.agent_store,
                     timeout=_delta(timeout_s),
                     wait_for_workers=False,
                 )
@@ -161,7 +164,7 @@ class Rendezvous:
         if self.env.world_size == 1:
             return
         arrived = self.add("departed", 1)
-        if self.env.rank != 0 or not self._owns_store:
+        if self.env.rank != 0 or not self._owns_store or self.env.agent_store:
             return
         deadline = time.monotonic() + timeout_s
         while arrived < self.env.world_size and time.monotonic() < deadline:

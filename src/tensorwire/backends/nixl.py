@@ -79,7 +79,15 @@ def info() -> BackendInfo:
             "nixl", False, f"NIXL has no UCX plugin (found {plugins})",
             fix="reinstall nixl; set NIXL_PLUGIN_DIR if plugins live elsewhere", version=version,
         )
-    return BackendInfo("nixl", True, "UCX plugin loaded", version=version)
+    try:  # the plugin loading is not enough: UCX must find usable transports with this environment
+        probe.create_backend("UCX", {"ucx_error_handling_mode": "peer", "num_workers": "1"})
+    except Exception as e:  # noqa: BLE001
+        return BackendInfo(
+            "nixl", False, f"NIXL could not start its UCX backend ({type(e).__name__}: {e}); UCX found no usable "
+            "transport", fix="unset or widen UCX_TLS / UCX_NET_DEVICES (UCX needs a host transport such as "
+            "tcp or shared memory); 'tensorwire doctor' lists the UCX variables in effect", version=version,
+        )
+    return BackendInfo("nixl", True, "UCX backend starts", version=version)
 
 
 def _version() -> str:
