@@ -264,3 +264,39 @@ def test_launch_can_return_a_tensor():
     """A rank function may return a CPU tensor; launch hands it back to the caller."""
     (got,) = launch(_return_tensor, 1, timeout=60)
     assert torch.equal(got, torch.arange(3))
+
+
+def _reregister_at_an_overlapping_address():
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        n = 1 << 16
+        big = sentinel(2 * n)  # rank 1 re-registers the same memory, larger, after closing the first range
+        src = rank_values(comm.rank, 2 * n)
+        with comm.register(src):
+            if comm.rank == 1:
+                first = comm.register(big[:n])
+                comm.publish("first", first.descs)
+            comm.barrier(WAIT)
+            if comm.rank == 0:
+                comm.write(src[:n], comm.lookup("first", 1, timeout=WAIT), timeout=WAIT)
+            comm.barrier(WAIT)
+            if comm.rank == 1:
+                first.close()
+                second = comm.register(big)
+                comm.publish("second", second.descs)
+            comm.barrier(WAIT)
+            outcome = None
+            if comm.rank == 0:
+                try:
+                    comm.write(src, comm.lookup("second", 1, timeout=WAIT), timeout=WAIT)
+                    outcome = "ok"
+                except tw.TransferError as e:
+                    outcome = str(e)
+            comm.barrier(WAIT)
+            if comm.rank == 1:
+                second.close()
+    return outcome
+
+
+def test_reregistering_an_overlapping_range_is_writable():
+    """A peer that closes a registration and registers a larger one at the same address can be written."""
+    assert launch(_reregister_at_an_overlapping_address, 2)[0] == "ok"

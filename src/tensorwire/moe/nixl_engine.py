@@ -293,10 +293,9 @@ class NixlEngine:
         return self._counts
 
     def _retire(self, *buffers: _Buffer) -> None:
-        """Keep outgrown buffers registered until the engine closes. Freeing one lets the allocator hand its
-        addresses to the next, larger buffer, and NIXL on the peers keeps the old range's keys beside the
-        new ones: a WRITE into the new buffer then fails with NIXL_ERR_NOT_FOUND. Growth is geometric,
-        so this costs at most as much again as the largest buffers."""
+        """Keep outgrown buffers registered until the communicator closes, so no address a peer has seen is
+        freed and handed to the next buffer mid-job. Growth is geometric: at most as much again as the
+        largest buffers."""
         self._retired.extend(buffers)
 
     def _drop_counts_transfers(self) -> None:
