@@ -46,13 +46,15 @@ from .timing import Budget, CudaEventClock, HostClock, Timing, measure, measure_
 
 __all__ = [
     "HOST_SIZES", "CUDA_SIZES", "RAW_CONFIGS", "BenchConfig", "Record", "BenchResult", "run", "rank_pattern",
-    "first_mismatch", "format_size",
+    "first_mismatch", "format_size", "TENSORWIRE_STREAM",
 ]
 
 HOST_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 CUDA_SIZES = HOST_SIZES + (256 << 20, 1 << 30)
 TENSORWIRE, TENSORWIRE_NIXL, RAW, COPY, COPY_MT = "tensorwire", "tensorwire (nixl)", "raw nixl", "copy", "copy-mt"
-_TENSORWIRE_PATHS = (TENSORWIRE, TENSORWIRE_NIXL)
+TENSORWIRE_STREAM = "tensorwire (stream)"  # stream-ordered transports timed with CUDA events, like the copy
+STREAM_ORDERED = ("cuda_ipc", "local")
+_TENSORWIRE_PATHS = (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_NIXL)
 RAW_CONFIGS = {
     "sleeping": "a bare nixl_agent per rank from tensorwire's _make_agent with NIXL's defaults (UCX, error mode "
                 "peer, 1 worker, thread sync NONE) except a sleeping progress thread, pthrDelay={delay_us} µs, "
@@ -341,7 +343,27 @@ def _bench_size(comm: Any, raw: _RawNixl, side: _Side, size: int, config: BenchC
                               threads=1 if name == COPY else None)
                     for name, (_, transport) in paths.items()]
         records += _bench_other_copies(side, size, op.value, config.budget)
+        if paths[TENSORWIRE][1] in STREAM_ORDERED:
+            records.append(_bench_on_stream(comm, side, size, op, local, remote, config.budget, checker))
     return records
+
+
+def _bench_on_stream(comm: Any, side: _Side, size: int, op: Op, local: torch.Tensor, remote: TensorDesc,
+                     budget: Budget, checker: "_InboxChecker") -> Record:
+    """A stream-ordered transport timed the way the device copy is: ``post(stream=)`` + ``wait(stream=)``
+    between two CUDA events on the current stream, so no CPU round trip sits inside the interval."""
+    stream = torch.cuda.current_stream()
+    with comm.prepare(op, local, remote) as transfer:
+
+        def once() -> None:
+            transfer.post(stream=stream)
+            transfer.wait(stream=stream)
+
+        once()
+        stream.synchronize()
+        _check_path(side, size, op, f"{TENSORWIRE_STREAM}", checker)
+        timing = measure(once, CudaEventClock(), budget)
+        return Record.of(side.memory, op.value, size, TENSORWIRE_STREAM, timing, transfer.transport)
 
 
 @contextlib.contextmanager
