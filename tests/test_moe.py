@@ -483,3 +483,33 @@ def test_cuda_backend_kernels_on_the_triton_interpreter(world, slack):
     where the receive order says, combine pulls and sums them, an overflow is flagged (not written)."""
     pytest.importorskip("triton", reason="Triton is not installed (the cuda backend's kernels need it)")
     _interpreter_job(world, slack)
+
+
+# --- user notifications beside MoE traffic ------------------------------------------------------
+def _user_notifications_beside_moe():
+    """Rank 1 notifies rank 0 (a user WRITE) right before both run a nixl dispatch/combine; the user's
+    message must wait in rank 0's inbox untouched and arrive after the MoE call."""
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        world, me = comm.world_size, comm.rank
+        buf = torch.zeros(64)
+        with comm.register(buf) as reg:
+            comm.publish("buf", reg.descs)
+            if me == 1:
+                src = torch.ones(64)
+                with comm.register(src):
+                    comm.write(src, comm.lookup("buf", 0), notify=b"user-before")
+            inputs = [make_inputs(CASES[0], r, world) for r in range(world)]
+            x, topk_idx, topk_weights = inputs[me]
+            d = moe.dispatch(x, topk_idx, topk_weights, num_experts=EXPERTS_PER_RANK * world, comm=comm,
+                             backend="nixl")
+            y = moe.combine(d.recv_x.clone(), d)
+            check_close(y, reference_combine(x, topk_idx, topk_weights, scaled=False), "combine beside user traffic")
+            message = comm.wait_notification(1, timeout=10) if me == 0 else None
+            comm.barrier()
+    return message
+
+
+def test_user_notifications_do_not_disturb_moe():
+    """MoE's notifications travel in their own channel: a user's notification neither breaks a dispatch
+    nor gets consumed by it."""
+    assert launch(_user_notifications_beside_moe, 2, timeout=90)[0] == b"user-before"

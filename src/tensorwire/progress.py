@@ -42,31 +42,46 @@ def wait_until(ready: Callable[[], bool], timeout_s: float, describe: Callable[[
 
 
 class Inbox:
-    """Per-sender FIFO of notification messages, filled by polling one backend."""
+    """Per-sender FIFOs of notification messages, filled by polling one backend.
+
+    Messages are routed by prefix into channels: a layer above (e.g. ``tensorwire.moe``, prefix
+    ``b"twmoe"``) opens its own channel so its traffic never mixes with the user's, which lands in the
+    default channel ``b""`` that ``wait_notification`` reads.
+    """
 
     def __init__(self, poll: Callable[[], list[tuple[int, bytes]]]) -> None:
         self._poll = poll
-        self._queues: dict[int, collections.deque[bytes]] = collections.defaultdict(collections.deque)
+        self._channels: dict[bytes, dict[int, collections.deque[bytes]]] = {
+            b"": collections.defaultdict(collections.deque)
+        }
         self._lock = threading.Lock()
 
+    def open_channel(self, prefix: bytes) -> None:
+        """Route messages that start with ``prefix`` to their own channel (idempotent)."""
+        with self._lock:
+            self._channels.setdefault(prefix, collections.defaultdict(collections.deque))
+
     def pump(self) -> None:
-        """Move newly arrived notifications into the per-sender queues."""
+        """Move newly arrived notifications into their channel's per-sender queues."""
         with self._lock:
             for sender, message in self._poll():
-                self._queues[sender].append(message)
+                channel = next((p for p in self._channels if p and message.startswith(p)), b"")
+                self._channels[channel][sender].append(message)
 
     def push(self, sender: int, message: bytes) -> None:
         with self._lock:
-            self._queues[sender].append(message)
+            channel = next((p for p in self._channels if p and message.startswith(p)), b"")
+            self._channels[channel][sender].append(message)
 
-    def try_pop(self, sender: int) -> bytes | None:
+    def try_pop(self, sender: int, channel: bytes = b"") -> bytes | None:
+        """The oldest message from ``sender`` in ``channel``, polling the backend once if none is queued."""
         with self._lock:
-            queue = self._queues.get(sender)
+            queue = self._channels[channel].get(sender)
             if queue:
                 return queue.popleft()
         self.pump()
         with self._lock:
-            queue = self._queues.get(sender)
+            queue = self._channels[channel].get(sender)
             return queue.popleft() if queue else None
 
 

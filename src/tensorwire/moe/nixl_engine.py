@@ -111,6 +111,7 @@ class NixlEngine:
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
+        comm._inbox.open_channel(_MAGIC)  # MoE notifications never mix with the user's
         self.rank = comm.rank
         self.world_size = comm.world_size
         self.dispatches = 0
@@ -382,7 +383,7 @@ class NixlEngine:
                 if state is Status.DONE:
                     in_flight.remove(transfer)
             for sender in list(pending):
-                while (message := self.comm._inbox.try_pop(sender)) is not None:
+                while (message := self.comm._inbox.try_pop(sender, _MAGIC)) is not None:
                     got = self._parse(message, sender, fn)
                     if got == wanted:
                         pending.remove(sender)
@@ -405,8 +406,8 @@ class NixlEngine:
     def _parse(message: bytes, sender: int, fn: str) -> tuple[int, int]:
         if len(message) != len(_MAGIC) + _MESSAGE.size or not message.startswith(_MAGIC):
             raise TransferError(
-                f"{fn}: rank {sender} sent a notification that is not tensorwire.moe's ({message[:24]!r}); "
-                "do not send notifications to a rank while it runs MoE collectives on the same communicator"
+                f"{fn}: rank {sender} sent a malformed tensorwire.moe notification ({message[:24]!r}); "
+                "messages starting with b'twmoe' are reserved for tensorwire.moe"
             )
         kind, round_ = _MESSAGE.unpack_from(message, len(_MAGIC))
         return kind, round_
