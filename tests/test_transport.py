@@ -34,6 +34,8 @@ def _self_transfer_takes_the_local_copy():
                 comm.prepare(tw.WRITE, src, reg.descs[1], transport="nixl")
             with pytest.raises(tw.InvalidArgumentError, match="transport="):
                 comm.prepare(tw.WRITE, src, reg.descs[1], transport="carrier-pigeon")
+            with pytest.raises(tw.InvalidArgumentError, match="peer_pointer: needs a TensorDesc of CUDA memory"):
+                comm.peer_pointer(reg.descs[0])
         comm.barrier(WAIT)
     return True
 

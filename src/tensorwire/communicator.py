@@ -29,7 +29,7 @@ from .backends.nixl import NixlBackend
 from .bootstrap import Rendezvous, resolve_environment
 from .descriptors import MemoryKind, TensorDesc
 from .memory_map import MemoryMap, PeerView, host_identity
-from .errors import ClosedError, InvalidArgumentError
+from .errors import BackendUnavailableError, ClosedError, InvalidArgumentError
 from .progress import Inbox, ProgressEngine, wait_until
 from .registration import LocalMemoryMap, Registration, as_tensor_list, segment_of
 from .transfer import Transfer
@@ -189,6 +189,33 @@ class Communicator:
 
         wait_until(fetch, timeout_s, lambda: f"prepare: memory map of rank {rank} at epoch >= {min_epoch}", self.config)
         return self._peers[rank]
+
+    def peer_pointer(self, desc: TensorDesc) -> int:
+        """A device pointer, valid in this process on ``self.device``, to ``desc``'s bytes in a same-host
+        peer's GPU memory (a CUDA IPC mapping, opened once per peer allocation and closed with the
+        communicator): for kernels that load and store peers' memory directly. Own memory maps to itself.
+        Blocks on first contact with the peer (bounded by the timeout); not collective."""
+        self._check_open("peer_pointer")
+        if not isinstance(desc, TensorDesc) or desc.kind is not MemoryKind.CUDA:
+            raise InvalidArgumentError(f"peer_pointer: needs a TensorDesc of CUDA memory, got {desc!r}")
+        self._check_rank(desc.rank, "peer_pointer")
+        self._check_remote_ranges(desc.rank, [desc])
+        if desc.rank == self.rank:
+            return desc.addr
+        ipc = self._backends.get("cuda_ipc")
+        if ipc is None:
+            raise BackendUnavailableError(f"peer_pointer: no CUDA IPC here: {cuda.availability()[1]}")
+        if self._peers[desc.rank].host != self._host:
+            raise BackendUnavailableError(
+                f"peer_pointer: rank {desc.rank} runs on another host; its memory is reachable with prepare() only"
+            )
+        segment = Segment(desc.addr, desc.nbytes, desc.kind, desc.device_index)
+        if not ipc.reaches(desc.rank, [segment]):
+            raise BackendUnavailableError(
+                f"peer_pointer: rank {desc.rank} could not export this range through CUDA IPC (memory from "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments cannot be); allocate it without expandable segments"
+            )
+        return ipc.pointer(desc.rank, segment, self.device.index)
 
     # --- descriptors through the store ----------------------------------------------------------
     def publish(self, key: str, descs: "Sequence[TensorDesc] | TensorDesc") -> None:

@@ -98,7 +98,7 @@ class CudaIpcBackend:
         device_index = local[0].device_index
         copies = []
         for mine, theirs in zip(local, remote):
-            pointer = self._remote_pointer(peer, theirs, device_index)
+            pointer = self.pointer(peer, theirs, device_index)
             if op is Op.READ:
                 copies.append((mine.addr, pointer, mine.nbytes))
             else:
@@ -133,7 +133,8 @@ class CudaIpcBackend:
         self._peer_exports.clear()
 
     # --- mappings -----------------------------------------------------------------------------
-    def _remote_pointer(self, peer: int, s: Segment, device_index: int) -> int:
+    def pointer(self, peer: int, s: Segment, device_index: int) -> int:
+        """``s`` (a range ``peer`` exported) mapped into this process: a device pointer on ``device_index``."""
         export = next((e for e in self._peer_exports.get(peer, []) if e.contains(s)), None)
         if export is None:
             raise TransferError(f"cuda_ipc: rank {peer} exported no IPC handle covering 0x{s.addr:x} (+{s.nbytes})")

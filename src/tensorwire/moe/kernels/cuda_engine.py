@@ -1,7 +1,7 @@
 """The host op of the ``"cuda"`` MoE backend: spaces, device-side tables, launches (see ``nvlink``).
 
 Spaces are CUDA tensors registered with the communicator (so the ``cuda_ipc`` transport exports them) and
-mapped into this process for every peer (``CudaIpcBackend._remote_pointer``). Creating one is collective
+mapped into this process for every peer (``Communicator.peer_pointer``). Creating one is collective
 (each rank publishes its space under the same key and looks up every peer's) and synchronises with the
 host, so the first call of each shape does; make it once before capturing a CUDA graph. After that:
 
@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...backends.base import Segment
 from ...errors import BackendUnavailableError, InvalidArgumentError, WaitTimeoutError
 from ..dispatch import Dispatch
 from ..exchange import (
@@ -125,21 +124,16 @@ def map_space(comm: Communicator, key: str, nbytes: int,
     torch.cuda.synchronize(device)  # zeroed flags before any peer can address them
     registration = comm.register(tensor)
     comm.publish(f"moe/cuda/{key}", registration.descs)
-    ipc = comm._backends["cuda_ipc"]
     addresses = []
     for peer in range(comm.world_size):
         if peer == comm.rank:
             addresses.append(tensor.data_ptr())
             continue
         desc = comm.lookup(f"moe/cuda/{key}", peer)[0]
-        comm._peer_view(peer, desc.epoch, comm.timeout_s)  # loads the peer's CUDA IPC exports
-        segment = Segment(desc.addr, desc.nbytes, desc.kind, desc.device_index)
-        if not ipc.reaches(peer, [segment]):
-            raise BackendUnavailableError(
-                f"backend='cuda': rank {peer}'s workspace is not exported through CUDA IPC (memory from "
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments cannot be); unset it or pass backend='nixl'"
-            )
-        addresses.append(ipc._remote_pointer(peer, segment, device.index))
+        try:
+            addresses.append(comm.peer_pointer(desc))
+        except BackendUnavailableError as e:
+            raise BackendUnavailableError(f"backend='cuda': {e}; or pass backend='nixl'") from e
     return tensor, registration, torch.tensor(addresses, dtype=torch.int64).to(device)
 
 
