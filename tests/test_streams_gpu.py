@@ -228,3 +228,31 @@ def test_wait_notification_on_stream_releases_the_consumer(transport):
     """The target's stream waits for the peer's WRITE+notify; the consumer kernel sees that round's data."""
     rounds = 20
     assert launch(_notification_on_stream, 2, transport, rounds, timeout=200, env=GPU_ENV)[0] == rounds
+
+
+def _peer_pointer_reads_the_peers_bytes():
+    from tensorwire import cuda
+
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        torch.cuda.set_device(comm.device)
+        n = 1 << 16
+        mine = torch.full((n,), comm.rank + 7, dtype=torch.uint8, device=comm.device)
+        with comm.register(mine) as reg:
+            comm.publish("mine", reg.descs)
+            torch.cuda.synchronize()
+            comm.barrier(WAIT)
+            peer = 1 - comm.rank
+            remote = comm.lookup("mine", peer, timeout=WAIT)[0].narrow(1024, 4096)
+            pointer = comm.peer_pointer(remote)
+            host = torch.zeros(4096, dtype=torch.uint8).pin_memory()
+            cu = cuda.driver()
+            cuda.check(cu.cuMemcpyDtoH(host.data_ptr(), pointer, 4096), "cuMemcpyDtoH")
+            assert comm.peer_pointer(reg.descs[0]) == mine.data_ptr()
+            comm.barrier(WAIT)
+    return int(host.min()), int(host.max())
+
+
+def test_peer_pointer_maps_a_same_host_peers_range():
+    """peer_pointer gives a device pointer in this process to a peer's registered GPU bytes."""
+    results = launch(_peer_pointer_reads_the_peers_bytes, 2, env=GPU_ENV)
+    assert results == [(8, 8), (7, 7)], results
