@@ -69,7 +69,9 @@ class Transfer(Closeable):
         if uses_cuda and self._request is not None and not self._stream_ordered:
             self._host_words()
         self._doorbell_watch = None
-        self._watches: list = []  # progress-thread watches on this transfer's request, stopped on close
+        self._watches: list = []  # progress-thread watches on this transfer's request, drained on close
+        self._streams_used: set = set()  # streams this transfer's GPU-side waits were enqueued on
+        self._closing = None  # set by close(): events the doorbell keeps being served until
         self.closed = False
 
     @property
@@ -141,6 +143,7 @@ class Transfer(Closeable):
 
     def _post_on_stream(self, stream: "torch.cuda.Stream") -> None:
         self._posted_on_stream = True
+        self._streams_used.add(stream)
         self._state = Status.IN_PROGRESS
         if self._request is None:
             return
@@ -181,10 +184,15 @@ class Transfer(Closeable):
             words.values[_DONE_FLAG] = 1
             if state is Status.ERROR:
                 raise TransferError(f"post(stream=): the {self.op.value} to rank {self.peer} over nixl failed")
-            return False  # keep serving future doorbells (graph replays)
+            return self._drained()  # otherwise keep serving future doorbells (graph replays)
 
-        self._doorbell_watch = serve
-        self._watch(serve)
+        def serve_until_drained() -> bool:
+            if not in_flight[0] and words.values[_DOORBELL] == 0 and self._drained():
+                return True
+            return serve()
+
+        self._doorbell_watch = serve_until_drained
+        self._watch(serve_until_drained)
 
     # --- completion -----------------------------------------------------------------------------
     def status(self) -> Status:
@@ -234,6 +242,7 @@ class Transfer(Closeable):
     def _wait_on_stream(self, stream: "torch.cuda.Stream") -> None:
         if self._request is None:
             return
+        self._streams_used.add(stream)
         if self._stream_ordered:
             event = self._backend.completion_event(self._request)
             if event is not None:
@@ -301,13 +310,35 @@ class Transfer(Closeable):
             return
         self.closed = True
         self._post_call, self._state = None, None
-        for poll in self._watches:  # before the request is released: a watch must never poll a freed one
-            self._comm._engine.unwatch(poll)
-        self._watches = []
         request, self._request = self._request, None
-        if request is not None:
-            self._backend.release(request)
         self._comm._forget_transfer(self)
+        if request is None:
+            return
+        engine = self._comm._engine
+        watches = [w for w in self._watches if engine.watching(w)]
+        if not watches:
+            self._backend.release(request)
+            return
+        # A stream may still be waiting on this transfer (wait(stream=), a doorbell a graph rings): let the
+        # progress thread finish what the GPU waits for, then release the request there. Never blocks.
+        events = []
+        for stream in self._streams_used:
+            events.append(torch.cuda.Event())
+            events[-1].record(stream)
+        self._closing = events  # only once recorded: an unrecorded event would read as "done"
+        backend = self._backend
+
+        def release_when_drained() -> bool:
+            if any(engine.watching(w) for w in watches):
+                return False
+            backend.release(request)
+            return True
+
+        engine.watch(release_when_drained)
+
+    def _drained(self) -> bool:
+        """Closed, and the GPU work that could still ring this transfer's doorbell has run."""
+        return self._closing is not None and all(event.query() for event in self._closing)
 
     def _check_open(self, fn: str) -> None:
         if self.closed:
