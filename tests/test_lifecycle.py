@@ -300,3 +300,40 @@ def _reregister_at_an_overlapping_address():
 def test_reregistering_an_overlapping_range_is_writable():
     """A peer that closes a registration and registers a larger one at the same address can be written."""
     assert launch(_reregister_at_an_overlapping_address, 2)[0] == "ok"
+
+
+def _stale_descriptor_of_reregistered_memory():
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        target = sentinel(4096)
+        src = rank_values(comm.rank, 4096)
+        message = None
+        with comm.register(src):
+            if comm.rank == 1:
+                first = comm.register(target)
+                comm.publish("first", first.descs)
+            comm.barrier(WAIT)
+            old = comm.lookup("first", 1, timeout=WAIT)
+            comm.barrier(WAIT)
+            if comm.rank == 1:
+                first.close()
+                second = comm.register(target)  # the same addresses, a new registration
+                comm.publish("second", second.descs)
+            comm.barrier(WAIT)
+            if comm.rank == 0:
+                try:
+                    comm.write(src, old, timeout=WAIT)
+                except tw.InvalidArgumentError as e:
+                    message = str(e)
+                comm.write(src, comm.lookup("second", 1, timeout=WAIT), timeout=WAIT)  # the fresh one works
+            comm.barrier(WAIT)
+            if comm.rank == 1:
+                assert_equal(target, rank_values(0, 4096), "WRITE through the fresh descriptor")
+                second.close()
+            comm.barrier(WAIT)
+    return message
+
+
+def test_descriptor_of_a_closed_registration_is_refused_even_at_a_reused_address():
+    """Memory registered again at the same addresses does not revive the old descriptors."""
+    message = launch(_stale_descriptor_of_reregistered_memory, 2)[0]
+    assert message is not None and "comes from a registration of rank 1 that was closed" in message, message

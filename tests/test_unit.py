@@ -451,3 +451,16 @@ def test_wait_until_times_out_with_description():
     assert len(calls) == 3
     with pytest.raises(tw.WaitTimeoutError, match="the thing I waited for"):
         wait_until(lambda: False, 0.05, lambda: "the thing I waited for", cfg)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_init_refuses_a_timeout_that_could_not_end(value):
+    """A NaN or infinite timeout would make every wait unbounded: refused before anything starts."""
+    with pytest.raises(tw.InvalidArgumentError, match="timeout="):
+        tw.init(timeout=value)
+
+
+def test_config_refuses_a_non_finite_timeout(monkeypatch):
+    monkeypatch.setenv("TENSORWIRE_TIMEOUT", "nan")
+    with pytest.raises(tw.InvalidArgumentError, match="TENSORWIRE_TIMEOUT='nan' is not finite"):
+        config.load()

@@ -14,6 +14,7 @@ the peer is this rank -> ``local``; same host and GPU memory on both sides, expo
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from typing import Sequence
@@ -53,8 +54,8 @@ def init(
     """
     cfg = config_module.load()
     timeout_s = cfg.timeout_s if timeout is None else float(timeout)
-    if timeout_s <= 0:
-        raise InvalidArgumentError(f"init: timeout={timeout!r}; give a positive number of seconds")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise InvalidArgumentError(f"init: timeout={timeout!r}; give a positive, finite number of seconds")
     env = resolve_environment(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
     if device is None:
         if torch.cuda.is_available():
@@ -158,8 +159,9 @@ class Communicator:
 
     def _publish_memory_map(self) -> None:
         self._epoch += 1
-        regions = [TensorDesc(self.rank, s.addr, s.nbytes, s.kind, s.device_index, self._epoch)
-                   for s in self._local_map.segments()]
+        # Each range keeps the epoch of the registration that made it: a descriptor is valid only while
+        # that very registration is, even if the same addresses are registered again later.
+        regions = self._local_map.descs()
         sections = {"host": self._host.encode()}
         sections.update({name: backend.metadata() for name, backend in self._backends.items() if name != "local"})
 
@@ -328,16 +330,24 @@ class Communicator:
     def _check_remote_ranges(self, peer: int, remote_descs: list[TensorDesc]) -> None:
         """Every non-empty remote range must lie inside memory ``peer`` registered (refreshing our view)."""
         if peer == self.rank:
-            regions, epoch = [TensorDesc(self.rank, s.addr, s.nbytes, s.kind, s.device_index, self._epoch)
-                              for s in self._local_map.segments()], self._epoch
+            regions, epoch = self._local_map.descs(), self._epoch
         else:
             view = self._peer_view(peer, max(d.epoch for d in remote_descs), self.timeout_s)
             regions, epoch = view.regions, view.epoch
         for i, d in enumerate(remote_descs):
-            if d.nbytes and not any(region.contains(d) for region in regions):
+            if not d.nbytes:
+                continue
+            holders = [region for region in regions if region.contains(d)]
+            if not holders:
                 raise InvalidArgumentError(
                     f"prepare: remote item {i} [0x{d.addr:x}, +{d.nbytes}) on {d.device} is outside what rank {peer} "
                     f"has registered (epoch {epoch}); use descriptors from lookup() or narrow() inside them"
+                )
+            if all(region.epoch != d.epoch for region in holders):
+                raise InvalidArgumentError(
+                    f"prepare: remote item {i} [0x{d.addr:x}, +{d.nbytes}) comes from a registration of rank {peer} "
+                    f"that was closed (descriptor epoch {d.epoch}; those bytes now belong to registration epoch "
+                    f"{holders[0].epoch}); look the descriptor up again"
                 )
 
     def _choose_transport(self, peer: int, pairs: list[tuple[Segment, Segment]], requested: str | None) -> str:
@@ -479,8 +489,8 @@ class Communicator:
     def _timeout(self, timeout: float | None) -> float:
         if timeout is None:
             return self.timeout_s
-        if not isinstance(timeout, (int, float)) or timeout < 0:
-            raise InvalidArgumentError(f"timeout={timeout!r}; give seconds >= 0 or None for the default")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout < 0:
+            raise InvalidArgumentError(f"timeout={timeout!r}; give a finite number of seconds >= 0, or None for the default")
         return float(timeout)
 
     def _check_open(self, fn: str) -> None:

@@ -12,6 +12,7 @@ The library never writes ``os.environ``.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ def _read(name: str, default: float) -> float:
         raise InvalidArgumentError(
             f"config: {name}={raw!r} is not a number; unset it or give seconds/units as a number"
         ) from None
+    if not math.isfinite(value):
+        raise InvalidArgumentError(f"config: {name}={raw!r} is not finite; unset it or give a number")
     if value < 0:
         raise InvalidArgumentError(f"config: {name}={raw!r} is negative; give a value >= 0")
     return value

@@ -67,7 +67,7 @@ class HostWords:
         import torch
 
         self._tensor = torch.zeros(count, dtype=torch.int32, pin_memory=True)
-        self.values = self._tensor.numpy()
+        self.values = self._tensor.numpy().view("uint32")  # counters wrap at 2**32, as the GPU compares
 
     def addr(self, index: int) -> int:
         return self._tensor.data_ptr() + 4 * index

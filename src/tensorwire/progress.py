@@ -100,7 +100,9 @@ class ProgressEngine:
         self._max_sleep = config.max_sleep_us * 1e-6
         self._watches: list[Callable[[], bool]] = []
         self._cond = threading.Condition()
-        self._polling = threading.Lock()  # held while watches run: unwatch() waits out a running poll
+        # Held while watches run, so unwatch() waits out a running poll; reentrant because a watch (or a
+        # finalizer the garbage collector runs on the progress thread) may unwatch.
+        self._polling = threading.RLock()
         self._thread: threading.Thread | None = None
         self._stopped = False
         self.error: BaseException | None = None

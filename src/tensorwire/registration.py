@@ -135,3 +135,7 @@ class LocalMemoryMap:
 
     def segments(self) -> list[Segment]:
         return [s for s, _, _ in self._entries]
+
+    def descs(self) -> list[TensorDesc]:
+        """Every registered range as its registration published it (with that registration's epoch)."""
+        return [reg.descs[reg.segments.index(s)] for s, reg, _ in self._entries]

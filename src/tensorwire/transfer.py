@@ -72,6 +72,7 @@ class Transfer(Closeable):
         self._watches: list = []  # progress-thread watches on this transfer's request, drained on close
         self._streams_used: set = set()  # streams this transfer's GPU-side waits were enqueued on
         self._closing = None  # set by close(): events the doorbell keeps being served until
+        self._async_error: Exception | None = None  # a failure the progress thread saw, raised by the next call
         self.closed = False
 
     @property
@@ -98,8 +99,9 @@ class Transfer(Closeable):
             return self._post_on_stream(stream)
         if self._state is Status.IN_PROGRESS and self._posted_on_stream:
             raise InvalidArgumentError(
-                f"post: the {self.op.value} to rank {self.peer} was posted on a stream; complete it with "
-                "wait(stream=...) before posting it from the CPU"
+                f"post: the {self.op.value} to rank {self.peer} was posted on a stream; a transfer posted on a "
+                "stream stays stream-driven: keep using post(stream=)/wait(stream=), or prepare a second transfer "
+                "for CPU posts"
             )
         if self._state is Status.IN_PROGRESS and self.status() is Status.IN_PROGRESS:
             raise InvalidArgumentError(
@@ -173,17 +175,19 @@ class Transfer(Closeable):
                 in_flight[0] = True
                 try:
                     state = backend.post(request, notify)
-                except BaseException:
-                    words.values[_DONE_FLAG] = 1  # release the stream: an error must not hang the GPU
-                    raise
+                except Exception as e:  # noqa: BLE001 - release the stream: an error must not hang the GPU
+                    self._async_error = e
+                    state = Status.ERROR
             else:
                 state = backend.status(request)
             if state is Status.IN_PROGRESS:
                 return False
             in_flight[0] = False
             words.values[_DONE_FLAG] = 1
-            if state is Status.ERROR:
-                raise TransferError(f"post(stream=): the {self.op.value} to rank {self.peer} over nixl failed")
+            if state is Status.ERROR:  # kept for the next CPU call on this transfer; the doorbell stays served
+                self._async_error = TransferError(
+                    f"post(stream=): the {self.op.value} to rank {self.peer} over nixl failed; the bytes that "
+                    "stream consumed are not valid")
             return self._drained()  # otherwise keep serving future doorbells (graph replays)
 
         def serve_until_drained() -> bool:
@@ -255,7 +259,7 @@ class Transfer(Closeable):
             cuda.stream_wait_value(stream, words, _DONE_FLAG, 1)
             cuda.stream_write_value(stream, words.addr(_DONE_FLAG), 0)
             return
-        sequence = self._posts & 0x7FFFFFFF
+        sequence = self._posts & 0xFFFFFFFF  # the GPU compares cyclically: (int32)(word - value) >= 0
         backend, request = self._backend, self._request
 
         def publish_completion() -> bool:
@@ -344,6 +348,9 @@ class Transfer(Closeable):
         if self.closed:
             raise ClosedError(f"{fn}: the transfer is closed; prepare a new one with comm.prepare(...)")
         self._comm._check_open(fn)
+        if self._async_error is not None:
+            error, self._async_error = self._async_error, None
+            raise error
 
     def _leak_message(self) -> str:
         return (f"a {self.op.value} Transfer to rank {self.peer} was garbage-collected without close(); "

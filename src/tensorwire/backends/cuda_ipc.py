@@ -55,7 +55,9 @@ class CudaIpcBackend:
         self._cu = cuda.driver()
         self._exports: dict[tuple[int, int], _Export] = {}  # (addr, nbytes) -> export, this process
         self._peer_exports: dict[int, list[_Export]] = {}
-        self._mapped: dict[tuple[int, int], int] = {}  # (peer, base) -> pointer here
+        # (peer, base, handle) -> pointer here: a base the peer freed and got back from cudaMalloc comes
+        # with a new handle, so it is mapped anew instead of reaching the orphaned pages.
+        self._mapped: dict[tuple[int, int, bytes], int] = {}
 
     # --- memory -------------------------------------------------------------------------------
     def register(self, segment: Segment) -> tuple[int, int] | None:
@@ -82,10 +84,10 @@ class CudaIpcBackend:
 
     def load_peer(self, rank: int, metadata: bytes) -> None:
         exports = [_Export(*_EXPORT.unpack_from(metadata, o)) for o in range(0, len(metadata), _EXPORT.size)]
-        live = {e.base for e in exports}
-        for (peer, base), pointer in list(self._mapped.items()):
-            if peer == rank and base not in live:  # the peer freed that allocation
-                self._close_mapping(peer, base, pointer)
+        live = {(e.base, e.handle) for e in exports}
+        for key in list(self._mapped):
+            if key[0] == rank and key[1:] not in live:  # the peer freed that allocation
+                self._close_mapping(key)
         self._peer_exports[rank] = exports
 
     def reaches(self, peer: int, remote: list[Segment]) -> bool:
@@ -127,8 +129,8 @@ class CudaIpcBackend:
         return []
 
     def close(self) -> None:
-        for (peer, base), pointer in list(self._mapped.items()):
-            self._close_mapping(peer, base, pointer)
+        for key in list(self._mapped):
+            self._close_mapping(key)
         self._exports.clear()
         self._peer_exports.clear()
 
@@ -138,7 +140,7 @@ class CudaIpcBackend:
         export = next((e for e in self._peer_exports.get(peer, []) if e.contains(s)), None)
         if export is None:
             raise TransferError(f"cuda_ipc: rank {peer} exported no IPC handle covering 0x{s.addr:x} (+{s.nbytes})")
-        key = (peer, export.base)
+        key = (peer, export.base, export.handle)
         if key not in self._mapped:
             handle = self._cu.CUipcMemHandle()
             handle.reserved = export.handle
@@ -148,6 +150,5 @@ class CudaIpcBackend:
             self._mapped[key] = int(pointer)
         return self._mapped[key] + (s.addr - export.base)
 
-    def _close_mapping(self, peer: int, base: int, pointer: int) -> None:
-        del self._mapped[(peer, base)]
-        self._cu.cuIpcCloseMemHandle(pointer)
+    def _close_mapping(self, key: tuple[int, int, bytes]) -> None:
+        self._cu.cuIpcCloseMemHandle(self._mapped.pop(key))
