@@ -337,3 +337,24 @@ def test_descriptor_of_a_closed_registration_is_refused_even_at_a_reused_address
     """Memory registered again at the same addresses does not revive the old descriptors."""
     message = launch(_stale_descriptor_of_reregistered_memory, 2)[0]
     assert message is not None and "comes from a registration of rank 1 that was closed" in message, message
+
+
+def _closing_a_registration_closes_its_transfers():
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        src, dst = rank_values(comm.rank, 1024), sentinel(1024)
+        with comm.register(dst) as target:
+            comm.publish("dst", target.descs)
+            remote = comm.lookup("dst", 1 - comm.rank, timeout=WAIT)
+            source = comm.register(src)
+            x = comm.prepare(tw.WRITE, src, remote)
+            source.close()
+            assert x.closed, "a transfer over deregistered local memory stayed open"
+            with pytest.raises(tw.ClosedError, match="the transfer is closed"):
+                x.post()
+            comm.barrier(WAIT)
+    return True
+
+
+def test_closing_a_registration_closes_the_transfers_prepared_on_it():
+    """No post can read or write local memory the backend no longer holds (it may be freed already)."""
+    assert launch(_closing_a_registration_closes_its_transfers, 2) == [True, True]

@@ -92,19 +92,23 @@ def test_progress_engine_runs_watches_until_done_and_sleeps_when_idle():
     assert not engine._thread.is_alive()
 
 
-def test_progress_engine_surfaces_a_failing_watch():
-    """An exception inside a watch is kept and raised to the next caller, not swallowed."""
+def test_progress_engine_hands_a_failure_to_its_owner_only():
+    """An exception inside a watch ends that watch and reaches its owner; other watches keep running and
+    registering new ones never raises someone else's error."""
     engine = ProgressEngine(Config(timeout_s=5, progress_wakeup_ms=10, spin_us=0, max_sleep_us=1000))
+    seen, later = [], threading.Event()
 
     def broken() -> bool:
         raise RuntimeError("boom")
 
-    engine.watch(broken)
+    engine.watch(broken, on_error=seen.append)
     deadline = time.monotonic() + 5
-    while engine.error is None and time.monotonic() < deadline:
+    while not seen and time.monotonic() < deadline:
         time.sleep(0.01)
-    with pytest.raises(RuntimeError, match="boom"):
-        engine.watch(lambda: True)
+    assert [str(e) for e in seen] == ["boom"]
+    assert not engine.watching(broken)
+    engine.watch(lambda: later.set() or True)  # must not raise "boom"
+    assert later.wait(5), "a watch registered after a failure never ran"
     engine.close()
 
 

@@ -119,6 +119,11 @@ class Rendezvous:
                     wait_for_workers=False,
                 )
             except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
+                if "EADDRINUSE" in str(e):
+                    raise InvalidArgumentError(
+                        f"init: rank {env.rank} cannot host the store: port {env.master_port} on {env.master_addr} "
+                        "is in use (EADDRINUSE); choose another MASTER_PORT"
+                    ) from e
                 raise PeerLostError(
                     f"init: rank {env.rank} could not reach the store at {env.master_addr}:{env.master_port} "
                     f"within {timeout_s:.0f}s ({e}); is rank 0 running and MASTER_ADDR/MASTER_PORT right?"

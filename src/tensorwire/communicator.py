@@ -102,6 +102,7 @@ class Communicator:
         self._peers: dict[int, PeerView] = {}
         self._registrations: weakref.WeakSet[Registration] = weakref.WeakSet()
         self._transfers: weakref.WeakSet[Transfer] = weakref.WeakSet()
+        self._stream_waiters: weakref.WeakSet[Transfer] = weakref.WeakSet()  # transfers with GPU-waited words
         self._publish_memory_map()
 
     # --- memory ---------------------------------------------------------------------------------
@@ -274,6 +275,7 @@ class Communicator:
             )
 
         pairs: list[tuple[Segment, Segment]] = []
+        registrations: list[Registration | None] = []
         for i, (t, d) in enumerate(zip(local_tensors, remote_descs)):
             s = segment_of(t, i, "prepare")
             if s.nbytes != d.nbytes:
@@ -283,6 +285,7 @@ class Communicator:
             if s.nbytes == 0:
                 continue
             registration = self._local_map.find(s)
+            registrations.append(registration)
             if registration is None:
                 raise InvalidArgumentError(
                     f"prepare: local tensor {i} ({s.nbytes} bytes at 0x{s.addr:x} on {t.device}) is not inside any "
@@ -306,6 +309,9 @@ class Communicator:
             request = backend.prepare(op, [s for s, _ in pairs], [r for _, r in pairs], peer, notify)
         transfer = Transfer(self, op, peer, sum(s.nbytes for s, _ in pairs), backend, request, notify, uses_cuda)
         self._transfers.add(transfer)
+        for registration in registrations:
+            if registration is not None:
+                registration.transfers.add(transfer)
         return transfer
 
     def _touch_remote_allocations(self, peer: int, pairs: list[tuple[Segment, Segment]]) -> None:
@@ -468,6 +474,7 @@ class Communicator:
         for registration in list(self._registrations):
             registration.close()
         self.closed = True
+        self._release_stream_waits()
         self._engine.close()
         for backend in self._backends.values():
             backend.close()
@@ -475,6 +482,23 @@ class Communicator:
             self._rendezvous.depart(self.timeout_s)
         except Exception:  # noqa: BLE001 - peers may be gone already; closing must not fail for that
             pass
+
+    def _release_stream_waits(self) -> None:
+        """Closing ends the progress thread: a GPU stream still waiting on a word it would have written
+        must not wait forever. Release every such word (and warn: the bytes those streams read are not
+        guaranteed)."""
+        pending = [t for t in self._stream_waiters if t._release_stream_waits()]
+        if self._notification_words is not None:
+            for rank, awaited in enumerate(self._notifications_awaited):
+                if self._notification_words.values[rank] != awaited:
+                    pending.append(rank)
+                    self._notification_words.values[rank] = awaited
+        if pending:
+            warnings.warn(
+                f"tensorwire: close() released {len(pending)} stream wait(s) that were not complete; close the "
+                "communicator only after the GPU work that waits on its transfers has run", RuntimeWarning,
+                stacklevel=3,
+            )
 
     def __enter__(self) -> "Communicator":
         return self

@@ -99,6 +99,7 @@ class ProgressEngine:
     def __init__(self, config: Config) -> None:
         self._max_sleep = config.max_sleep_us * 1e-6
         self._watches: list[Callable[[], bool]] = []
+        self._on_error: dict[Callable[[], bool], Callable[[Exception], None]] = {}
         self._cond = threading.Condition()
         # Held while watches run, so unwatch() waits out a running poll; reentrant because a watch (or a
         # finalizer the garbage collector runs on the progress thread) may unwatch.
@@ -107,11 +108,13 @@ class ProgressEngine:
         self._stopped = False
         self.error: BaseException | None = None
 
-    def watch(self, poll: Callable[[], bool]) -> None:
-        """Poll ``poll()`` from the progress thread until it returns True."""
+    def watch(self, poll: Callable[[], bool], on_error: Callable[[Exception], None] | None = None) -> None:
+        """Poll ``poll()`` from the progress thread until it returns True. If it raises, the watch ends and
+        the exception goes to ``on_error`` (its owner raises it from its next call); without an owner it is
+        kept in ``self.error`` for diagnosis. Never raises itself."""
         with self._cond:
-            if self.error is not None:
-                raise self.error
+            if on_error is not None:
+                self._on_error[poll] = on_error
             self._watches.append(poll)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tensorwire-progress", daemon=True)
@@ -127,6 +130,7 @@ class ProgressEngine:
         with self._polling, self._cond:
             if poll in self._watches:
                 self._watches.remove(poll)
+            self._on_error.pop(poll, None)
 
     def close(self) -> None:
         with self._cond:
@@ -152,14 +156,19 @@ class ProgressEngine:
                     try:
                         if poll():
                             finished.append(poll)
-                    except BaseException as e:  # noqa: BLE001 - surfaced to the next caller of watch()
-                        self.error = e
+                    except Exception as e:  # noqa: BLE001 - handed to the watch's owner
+                        handler = self._on_error.get(poll)
+                        if handler is not None:
+                            handler(e)
+                        else:
+                            self.error = e
                         finished.append(poll)
                 if finished:
                     with self._cond:
                         for poll in finished:
                             if poll in self._watches:
                                 self._watches.remove(poll)
+                            self._on_error.pop(poll, None)
             now = time.perf_counter()
             if finished:
                 idle_since = now

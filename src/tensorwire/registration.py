@@ -8,6 +8,7 @@ so that views inside a registered tensor can be transferred without registering 
 from __future__ import annotations
 
 import bisect
+import weakref
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -64,16 +65,20 @@ class Registration(Closeable):
         self._handles = handles
         self.descs: list[TensorDesc] = descs
         self.closed = False
+        self.transfers: weakref.WeakSet = weakref.WeakSet()  # prepared on this memory: closed with it
 
     @property
     def tensors(self) -> list[torch.Tensor]:
         return list(self._tensors)
 
     def close(self) -> None:
-        """Deregister the memory. Local, non-collective; a peer must not address it afterwards."""
+        """Deregister the memory, closing the transfers prepared on it. Local, non-collective; a peer must
+        not address it afterwards."""
         if self.closed:
             return
         self.closed = True
+        for transfer in list(self.transfers):  # no post may touch memory the backend no longer holds
+            transfer.close()
         self._comm._deregister(self, self._handles)
         self._tensors = []
 

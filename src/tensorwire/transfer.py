@@ -278,14 +278,31 @@ class Transfer(Closeable):
         """Have the progress thread poll ``poll`` (until it returns True or this transfer closes)."""
         engine = self._comm._engine
         self._watches = [w for w in self._watches if engine.watching(w)] + [poll]  # forget finished ones
-        engine.watch(poll)
+        engine.watch(poll, on_error=self._keep_error)
+
+    def _keep_error(self, error: Exception) -> None:
+        """A failure the progress thread saw on this transfer: raised by its next post/status/wait."""
+        self._async_error = error
 
     def _host_words(self):
         if self._words is None:
             from . import cuda
 
             self._words = cuda.HostWords(4)
+            self._comm._stream_waiters.add(self)
         return self._words
+
+    def _release_stream_waits(self) -> bool:
+        """Write the values every GPU wait on this transfer is waiting for; True if one was still pending."""
+        words = self._words
+        if words is None:
+            return False
+        sequence = self._posts & 0xFFFFFFFF
+        pending = words.values[_DONE_SEQ] != sequence or words.values[_DOORBELL] != 0
+        words.values[_DOORBELL] = 0
+        words.values[_DONE_SEQ] = sequence
+        words.values[_DONE_FLAG] = 1
+        return bool(pending)
 
     def _notify_after_copy(self) -> None:
         """Transports without a message channel deliver ``notify`` once their copy has completed."""

@@ -66,7 +66,20 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     ``fn`` must be importable (module level). A rank that exits with code 0 without returning (e.g. a test
     simulating a crash with ``os._exit(0)``) yields ``None``. Raises ``RankFailedError`` for the first
     failing rank and ``WaitTimeoutError`` after ``timeout`` seconds, killing every rank in both cases.
+    The free port is picked before the ranks start, so another process can take it meanwhile: a job that
+    fails because rank 0 found its port taken is started again on a new port (at most twice more).
     """
+    for attempt in range(3):
+        try:
+            return _launch_once(fn, world_size, args, timeout, env)
+        except RankFailedError as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float,
+                 env: dict[str, str] | None) -> list[Any]:
     ctx = mp.get_context("spawn")
     port = free_port()
     procs, conns = [], []
