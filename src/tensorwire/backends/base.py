@@ -16,7 +16,8 @@ import torch
 
 from ..descriptors import MemoryKind
 
-__all__ = ["Op", "Status", "Segment", "Capabilities", "BackendInfo", "Backend", "Poster", "StreamOrderedRequest"]
+__all__ = ["Op", "Status", "Segment", "Capabilities", "BackendInfo", "Backend", "Poster", "StreamOrderedRequest",
+           "StreamOrderedCompletion"]
 
 
 class Op(enum.Enum):
@@ -76,6 +77,20 @@ class StreamOrderedRequest:
 
     def status(self) -> "Status":
         return Status.DONE if self.event is None or self.event.query() else Status.IN_PROGRESS
+
+
+class StreamOrderedCompletion:
+    """The completion half of a stream-ordered backend, whose requests derive from ``StreamOrderedRequest``
+    and which has no message channel of its own (notifications travel through NIXL)."""
+
+    def status(self, request: StreamOrderedRequest) -> "Status":
+        return request.status()
+
+    def completion_event(self, request: StreamOrderedRequest) -> "torch.cuda.Event | None":
+        return request.event
+
+    def notifications(self) -> list[tuple[int, bytes]]:
+        return []
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 from .. import cuda
 from ..descriptors import MemoryKind
 from ..errors import TransferError
-from .base import Capabilities, Op, Segment, Status, StreamOrderedRequest
+from .base import Capabilities, Op, Segment, Status, StreamOrderedCompletion, StreamOrderedRequest
 
 __all__ = ["CudaIpcBackend"]
 
@@ -45,7 +45,7 @@ class _Request(StreamOrderedRequest):
     device_index: int
 
 
-class CudaIpcBackend:
+class CudaIpcBackend(StreamOrderedCompletion):
     """The ``Backend`` protocol over CUDA IPC between processes of one host."""
 
     name = "cuda_ipc"
@@ -116,17 +116,8 @@ class CudaIpcBackend:
             request.record(stream)
         return Status.IN_PROGRESS
 
-    def status(self, request: _Request) -> Status:
-        return request.status()
-
-    def completion_event(self, request: _Request) -> "torch.cuda.Event | None":
-        return request.event
-
     def release(self, request: _Request) -> None:
         request.copies = []
-
-    def notifications(self) -> list[tuple[int, bytes]]:
-        return []
 
     def close(self) -> None:
         for key in list(self._mapped):

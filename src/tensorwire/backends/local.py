@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from ..descriptors import MemoryKind
-from .base import Capabilities, Op, Segment, Status, StreamOrderedRequest
+from .base import Capabilities, Op, Segment, Status, StreamOrderedCompletion, StreamOrderedRequest
 
 __all__ = ["LocalBackend"]
 
@@ -25,7 +25,7 @@ class _Request(StreamOrderedRequest):
     device: torch.device | None  # the CUDA device the copies run on, None for host-only
 
 
-class LocalBackend:
+class LocalBackend(StreamOrderedCompletion):
     """The ``Backend`` protocol for ranges of this very process."""
 
     name = "local"
@@ -66,17 +66,8 @@ class LocalBackend:
             request.record(stream)
         return Status.IN_PROGRESS
 
-    def status(self, request: _Request) -> Status:
-        return request.status()
-
-    def completion_event(self, request: _Request) -> "torch.cuda.Event | None":
-        return request.event
-
     def release(self, request: _Request) -> None:
         request.pairs = []
-
-    def notifications(self) -> list[tuple[int, bytes]]:
-        return []
 
     def close(self) -> None:
         pass
