@@ -152,18 +152,8 @@ class NixlEngine:
         pack_meta(stage_meta, me, tokens, topk_weights.reshape(-1).index_select(0, layout.order[:num_sent]))
         _settle(device)
 
-        sends: dict[int, list] = {}
-        for peer, blocks in _blocks(where.send_counts, where.send_start, where.destination_start):
-            if peer == me:
-                for count, start, target in blocks:
-                    local_x[target:target + count].copy_(stage_x[start:start + count])
-                    local_meta[target:target + count].copy_(stage_meta[start:start + count])
-                continue
-            remote_x, remote_meta = self._peer_buffer(f"{family}/x", peer), self._peer_buffer(f"{family}/meta", peer)
-            sends[peer] = [item for count, start, target in blocks for item in (
-                (stage_x[start:start + count], remote_x.narrow(target * row_bytes, count * row_bytes)),
-                (stage_meta[start:start + count], remote_meta.narrow(target * _META_BYTES, count * _META_BYTES)),
-            )]
+        sends = self._route(_blocks(where.send_counts, where.send_start, where.destination_start), [
+            (stage_x, local_x, f"{family}/x", row_bytes), (stage_meta, local_meta, f"{family}/meta", _META_BYTES)])
         senders = [s for s, n in enumerate(where.recv_counts.sum(1).tolist()) if n and s != me]
         self._move(_ROWS, self._rounds, sends, senders, "dispatch")
 
@@ -195,15 +185,8 @@ class NixlEngine:
         stage.copy_(expert_out[:num_received])
         _settle(device)
 
-        sends: dict[int, list] = {}
-        for source, blocks in _blocks(where.recv_counts, where.recv_start, where.return_start):
-            if source == me:
-                for count, start, target in blocks:
-                    returned[target:target + count].copy_(stage[start:start + count])
-                continue
-            remote = self._peer_buffer(family, source)
-            sends[source] = [(stage[start:start + count], remote.narrow(target * row_bytes, count * row_bytes))
-                             for count, start, target in blocks]
+        sends = self._route(_blocks(where.recv_counts, where.recv_start, where.return_start),
+                            [(stage, returned, family, row_bytes)])
         senders = [r for r, n in enumerate(where.send_counts.sum(1).tolist()) if n and r != me and row_bytes]
         self._move(_RETURN, state.round, sends, senders, "combine")
         return weighted_sum(returned, dispatched.layout, dispatched.topk_weights)
@@ -229,15 +212,8 @@ class NixlEngine:
         stage.copy_(send.reshape(send.shape[0], row_elements).view(torch.uint8))
         _settle(device)
 
-        sends: dict[int, list] = {}
-        for peer, blocks in _blocks(where.send_counts, where.send_start, where.destination_start):
-            if peer == me:
-                for count, start, target in blocks:
-                    local[target:target + count].copy_(stage[start:start + count])
-                continue
-            remote = self._peer_buffer(family, peer)
-            sends[peer] = [(stage[start:start + count], remote.narrow(target * row_bytes, count * row_bytes))
-                           for count, start, target in blocks]
+        sends = self._route(_blocks(where.send_counts, where.send_start, where.destination_start),
+                            [(stage, local, family, row_bytes)])
         senders = [s for s, n in enumerate(recv_counts) if n and s != me]
         self._move(_ROWS, self._rounds, sends, senders, "all_to_all_v")
         recv = local.clone().view(send.dtype).view(num_received, *row_shape)
@@ -320,6 +296,22 @@ class NixlEngine:
             mine = self._receive[family] = _Buffer(self.comm, sizes[self.rank], device)
             self.comm.publish(f"moe/nixl/{family}/{mine.nbytes}", mine.desc)
         return mine
+
+    def _route(self, blocks_by_peer, streams: list[tuple[torch.Tensor, torch.Tensor, str, int]]) -> dict[int, list]:
+        """Copy this rank's own blocks in place; return, per peer, the ``(staged rows, remote range)`` items
+        to WRITE. ``blocks_by_peer`` yields ``(peer, [(count, local start, remote start)])``; ``streams`` are
+        ``(staged rows, this rank's destination rows, buffer family, bytes per row)``, moved block by block."""
+        sends: dict[int, list] = {}
+        for peer, blocks in blocks_by_peer:
+            if peer == self.rank:
+                for count, start, target in blocks:
+                    for stage, local, _, _ in streams:
+                        local[target:target + count].copy_(stage[start:start + count])
+                continue
+            remotes = [(stage, self._peer_buffer(family, peer), row_bytes) for stage, _, family, row_bytes in streams]
+            sends[peer] = [(stage[start:start + count], remote.narrow(target * row_bytes, count * row_bytes))
+                           for count, start, target in blocks for stage, remote, row_bytes in remotes]
+        return sends
 
     def _peer_buffer(self, family: str, peer: int) -> TensorDesc:
         """The descriptor of ``peer``'s current ``family`` buffer (looked up once per size)."""
