@@ -349,10 +349,12 @@ def test_layout_orders_pairs_by_rank_then_expert_then_token():
 # --- the "cuda" backend's kernels on Triton's interpreter (no GPU needed; needs triton) ------------
 def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
     """The ``"cuda"`` backend's steps (``cuda_engine``'s functions and ``nvlink``'s kernels) for ``world``
-    ranks in this one process, on host tensors standing in for the IPC-mapped spaces. Ranks run each step
-    in turn; a count exchange is run twice, since its first pass (ranks in turn) finds later ranks' rows
-    missing and gives up after a few polls; the second pass repeats the same stores and then finds them.
-    Run under TRITON_INTERPRET=1 (the flag must be set before triton is imported)."""
+    ranks in this one process, on host tensors standing in for the IPC-mapped spaces and a host check
+    standing in for the stream waits (every awaited flag word must have reached its target; it is reset to
+    0, as the stream does). Ranks run each step in turn; the count exchange runs twice, since in its first
+    pass (ranks in turn, waits skipped) earlier ranks copy their slots before later ranks stored into them;
+    the second pass repeats the same stores and then finds every row. Run under TRITON_INTERPRET=1 (the
+    flag must be set before triton is imported)."""
     from tensorwire.moe.exchange import HEADER, count_row, unpack_meta
     from tensorwire.moe.kernels import cuda_engine as ce
     from tensorwire.moe.kernels import nvlink
@@ -378,18 +380,22 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
     errors = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     layouts = [send_layout(i, num_experts, world) for _, i, _ in inputs]
 
+    problems = []
+
+    def host_wait(space, first_word, target, count):
+        flags = space.view(torch.int32)[2 * first_word:2 * (first_word + count):2]  # low halves of int64 words
+        if (flags < target).any():
+            problems.append(f"a wait for {target} at word {first_word} found flags {flags.tolist()}")
+        flags.zero_()
+
     rows_out = [None] * world
     for s in signals:
         s.round.add_(1)
     for attempt in range(2):
         for r in range(world):
             row = count_row(layouts[r].expert_counts, layouts[r].out_of_range, row_bytes, capacity, num_experts)
-            polls = 3 if attempt == 0 else 10_000
-            rows_out[r] = ce.gather_rows(nvlink, signals[r], row, errors[r], r, world, max_spins=polls)
-        if attempt == 0:
-            for e in errors:
-                e.zero_()
-    problems = [f"rank {r}: error bits {int(e)} after the count exchange" for r, e in enumerate(errors) if int(e)]
+            wait = host_wait if attempt else (lambda *args: None)
+            rows_out[r] = ce.gather_rows(nvlink, signals[r], row, r, world, wait)
     wheres = [placement(rows_out[r][:, HEADER:], r) for r in range(world)]
     for r in range(world):
         ce.flag_on_device(errors[r], rows_out[r][:, :HEADER], wheres[r].rows_per_rank, capacity, r)
@@ -401,7 +407,7 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
                       EXPERTS_PER_RANK, True, r, world)
     results = []
     for r in range(world):
-        ce.wait_for(nvlink, data[r], data[r].flags_offset, ce.PROGRAMS_PER_PEER, 0, data[r].round, errors[r], world, 10)
+        host_wait(data[r].tensor, data[r].flags_offset, ce.PROGRAMS_PER_PEER, world)
         received = (rounds[r] % 2) * capacity + torch.arange(capacity)
         recv_x = data[r].rows(torch.float32, case.hidden).index_select(0, received)
         src_rank, src_idx, weights = unpack_meta(data[r].meta().index_select(0, received), torch.float32)
@@ -421,9 +427,9 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
         own_rows = (rounds[r] % 2) * capacity + torch.arange(capacity)
         data[r].rows(torch.float32, case.hidden).index_copy_(0, own_rows, out)
     for r in range(world):
-        ce.signal_ready(nvlink, data[r], tables[r].round, r, world)
+        ce.signal_ready(nvlink, data[r], r, world)
     for r, (x, topk_idx, topk_weights) in enumerate(inputs):
-        ce.wait_for(nvlink, data[r], data[r].ready_offset, 1, world, tables[r].round, errors[r], world, 10)
+        host_wait(data[r].tensor, data[r].ready_offset, 1, world)
         y = torch.empty_like(x)
         ce.pull_combine(nvlink, y, tables[r], data[r], case.topk)
         want = reference_combine(x, topk_idx, topk_weights, scaled=True)

@@ -174,3 +174,43 @@ def test_moe_step_captured_in_a_cuda_graph_replays_with_new_routing():
     """dispatch -> expert -> combine captured once, replayed 100 times with new routing written into the
     graph's static inputs; every replay's output matches the reference."""
     assert launch(_graph_replays, 2, 100, env=GPU_ENV, timeout=600) == [0, 1]
+
+
+def _peer_never_comes(timeout_s: float):
+    """Both ranks make one step (collective set-up), then only rank 0 dispatches: its stream waits for
+    rank 1's counts, which never come. The watchdog must open the wait and ``check()`` must report it."""
+    import time
+
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        torch.cuda.set_device(comm.device)
+        world, me = comm.world_size, comm.rank
+        tokens, topk, hidden = 16, 2, 64
+        capacity = world * tokens * topk
+        inputs = _on(comm.device, _routing(0, me, world, tokens, topk, hidden))
+        _step(comm, *inputs, capacity)
+        torch.cuda.synchronize()
+        comm.barrier()
+        outcome = None
+        if me == 0:
+            comm.timeout_s = timeout_s  # the watchdog's deadline
+            d = moe.dispatch(*inputs, num_experts=EXPERTS_PER_RANK * world, comm=comm, backend="cuda",
+                             capacity=capacity)
+            done = torch.cuda.Event()
+            done.record()
+            deadline = time.monotonic() + timeout_s + 30
+            while not done.query():  # bounded: the stream must drain once the watchdog opened the wait
+                assert time.monotonic() < deadline, "the stream never drained: the watchdog did not open the wait"
+                time.sleep(0.01)
+            try:
+                d.check()
+            except tw.WaitTimeoutError as e:
+                outcome = str(e)
+        comm.barrier(timeout=timeout_s + 60)
+    return outcome
+
+
+def test_cuda_backend_reports_a_peer_that_never_comes():
+    """A dispatch whose peer never takes part: its GPU wait is opened by the watchdog after the timeout (the
+    stream drains) and ``check()`` raises WaitTimeoutError naming the cause."""
+    outcome = launch(_peer_never_comes, 2, 3.0, env=GPU_ENV, timeout=300)
+    assert outcome[1] is None and outcome[0] is not None and "not released by the peers" in outcome[0], outcome

@@ -8,6 +8,7 @@ Every rank meets a barrier before closing so that no peer disappears while anoth
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -261,6 +262,30 @@ def _notify_two_senders(messages: int):
     return comm.rank
 
 
+def _notifications_keep_posting_order():
+    """Rank 0 queues two messages to rank 1 whose copies complete out of order (a later, smaller copy first):
+    the outbox of transports without a message channel still delivers them in posting order."""
+    comm = tw.init(timeout=INIT_TIMEOUT)
+    buf = sentinel(16, torch.int64)
+    reg = comm.register(buf)
+    comm.publish("inbox", reg.descs)
+    if comm.rank == 0:
+        comm.write(buf, comm.lookup("inbox", 1, timeout=WAIT)[0], notify=b"hello", timeout=WAIT)  # connects
+        first_copy_done = threading.Event()
+        comm._notify_when(1, b"first", first_copy_done.is_set)
+        comm._notify_when(1, b"second", lambda: True)  # already complete, yet queued behind "first"
+        time.sleep(0.2)
+        first_copy_done.set()
+        comm.barrier(timeout=WAIT)
+        got = None
+    else:
+        comm.barrier(timeout=WAIT)
+        got = [comm.wait_notification(0, timeout=WAIT) for _ in range(3)]
+    comm.barrier(timeout=WAIT)
+    comm.close()
+    return got
+
+
 def _zero_bytes():
     n = 256
     comm = tw.init(timeout=INIT_TIMEOUT)
@@ -337,6 +362,11 @@ def test_notifications_follow_data_in_order(world):
 def test_notifications_from_two_senders_are_queued_separately():
     """World 4: ranks 1 and 2 both notify rank 0, whose per-sender queues keep them apart and in order."""
     assert launch(_notify_two_senders, 4, 4) == [0, 1, 2, 3]
+
+
+def test_notifications_keep_posting_order_when_copies_complete_out_of_order():
+    """A copy that completes before an earlier one does not overtake the earlier one's notification."""
+    assert launch(_notifications_keep_posting_order, 2) == [None, [b"hello", b"first", b"second"]]
 
 
 @pytest.mark.parametrize("world", WORLDS)

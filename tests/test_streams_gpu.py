@@ -89,9 +89,9 @@ def _graph_replays(transport: str, op_name: str, replays: int):
                 comm.barrier(WAIT)
                 for i in range(replays):
                     comm.barrier(WAIT)  # READ: rank 1 wrote round i's data
-                    with torch.cuda.stream(stream):
+                    with torch.cuda.stream(stream):  # the replay is ordered after the new data, on one stream
                         staging.fill_(i * 7)
-                    graph.replay()
+                        graph.replay()
                     _finish(stream)
                     correct += bool((derived == i * 7 + 1).all())
                     comm.barrier(WAIT)  # WRITE: rank 1 may check now

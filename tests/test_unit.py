@@ -464,3 +464,16 @@ def test_config_refuses_a_non_finite_timeout(monkeypatch):
     monkeypatch.setenv("TENSORWIRE_TIMEOUT", "nan")
     with pytest.raises(tw.InvalidArgumentError, match="TENSORWIRE_TIMEOUT='nan' is not finite"):
         config.load()
+
+
+def test_bench_budget_fills_the_time_but_caps_slow_calls():
+    """Fast calls fill the time budget (at least min_reps, at most max_reps); a call of seconds gets a few."""
+    from tensorwire.bench.timing import Budget
+
+    budget = Budget(time_s=0.3, min_reps=20, max_reps=100_000)
+    assert budget.reps_for(1e-3) == 300
+    assert budget.reps_for(1e-7) == 100_000
+    assert budget.reps_for(0.1) == 20  # min_reps still holds while 20 calls cost at most ten budgets
+    assert budget.reps_for(0.5) == 6
+    assert budget.reps_for(2.0) == 3
+    assert Budget(iters=7).reps_for(2.0) == 7

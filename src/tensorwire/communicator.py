@@ -14,10 +14,12 @@ the peer is this rank -> ``local``; same host and GPU memory on both sides, expo
 
 from __future__ import annotations
 
+import collections
 import math
+import threading
 import warnings
 import weakref
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -95,6 +97,8 @@ class Communicator:
         self._engine = ProgressEngine(cfg)
         self._warned: set[str] = set()
         self._touched: set[tuple] = set()
+        self._outbox: dict[int, collections.deque] = {}  # per peer: (done, message) in posting order
+        self._outbox_lock = threading.Lock()
         self._notification_words = None  # per-sender arrival counters the GPU can wait on
         self._notifications_awaited = [0] * self.world_size
         self._notifications_delivered = [0] * self.world_size  # remote ranges NIXL has mapped (see _touch_remote_allocations)
@@ -395,13 +399,32 @@ class Communicator:
             self._warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-    def _send_notification(self, peer: int, message: bytes) -> bool:
-        """Deliver ``message`` to ``peer``'s inbox (used by transports without a message channel)."""
+    def _notify_when(self, peer: int, message: bytes, done: "Callable[[], bool]") -> None:
+        """Deliver ``message`` to ``peer``'s inbox once ``done()`` (its copy completed) and after every
+        message queued to ``peer`` before it: a later copy may complete first, its message must not. Used
+        by transports without a message channel. Never blocks; the progress thread drains the queue."""
+        with self._outbox_lock:
+            queue = self._outbox.setdefault(peer, collections.deque())
+            if not queue and done():
+                self._send_notification(peer, message)
+                return
+            queue.append((done, message))
+            if len(queue) > 1:
+                return  # the watch started for the first queued message drains this one too
+        self._engine.watch(lambda: self._drain_outbox(peer))
+
+    def _drain_outbox(self, peer: int) -> bool:
+        with self._outbox_lock:
+            queue = self._outbox[peer]
+            while queue and queue[0][0]():
+                self._send_notification(peer, queue.popleft()[1])
+            return not queue
+
+    def _send_notification(self, peer: int, message: bytes) -> None:
         if peer == self.rank:
             self._inbox.push(self.rank, message)
         else:
             self._nixl.send_notification(peer, message)
-        return True
 
     def read(self, local, remote, timeout: float | None = None) -> None:
         """READ remote -> local and wait for it (prepare + post + wait + close). Blocks."""
@@ -455,7 +478,7 @@ class Communicator:
             return True
 
         self._engine.watch(deliver)
-        cuda.stream_wait_value(stream, words, from_rank, target)
+        cuda.stream_wait_value(stream, words.addr(from_rank), target)
         return None
 
     # --- collective helpers & lifetime ------------------------------------------------------------

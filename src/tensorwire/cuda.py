@@ -73,11 +73,18 @@ class HostWords:
         return self._tensor.data_ptr() + 4 * index
 
 
-def stream_wait_value(stream: Any, words: HostWords, index: int, value: int) -> None:
-    """Make ``stream`` wait until ``words[index] >= value`` (``cuStreamWaitValue32``, GEQ). Returns at
-    once; graph-capturable (stream memory operations are valid graph nodes)."""
+def stream_wait_value(stream: Any, addr: int, value: int) -> None:
+    """Make ``stream`` wait until the 32-bit word at ``addr`` (pinned host memory, or device memory of this
+    or an IPC-mapped peer allocation) reaches ``value``: ``cuStreamWaitValue32`` GEQ, which compares
+    cyclically, ``(int32)(word - value) >= 0``. Returns at once; graph-capturable (stream memory operations
+    are graph nodes).
+
+    The wait is done by the GPU's front end, not by a kernel: it occupies no SM, and a context blocked in
+    it yields its time slice to other processes sharing the GPU (a spinning kernel would hold the GPU for a
+    whole time slice, milliseconds). CUDA does not see the dependency it expresses, so the work that
+    releases it must not be enqueued behind it in this process (see docs/architecture.md)."""
     cu = driver()
-    check(cu.cuStreamWaitValue32(cu.CUstream(stream.cuda_stream), words.addr(index), value,
+    check(cu.cuStreamWaitValue32(cu.CUstream(stream.cuda_stream), addr, value,
                                  cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
 
 

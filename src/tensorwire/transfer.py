@@ -256,7 +256,7 @@ class Transfer(Closeable):
 
         words = self._host_words()
         if self._posted_on_stream:
-            cuda.stream_wait_value(stream, words, _DONE_FLAG, 1)
+            cuda.stream_wait_value(stream, words.addr(_DONE_FLAG), 1)
             cuda.stream_write_value(stream, words.addr(_DONE_FLAG), 0)
             return
         sequence = self._posts & 0xFFFFFFFF  # the GPU compares cyclically: (int32)(word - value) >= 0
@@ -272,7 +272,7 @@ class Transfer(Closeable):
             return True
 
         self._watch(publish_completion)
-        cuda.stream_wait_value(stream, words, _DONE_SEQ, sequence)
+        cuda.stream_wait_value(stream, words.addr(_DONE_SEQ), sequence)
 
     def _watch(self, poll) -> None:
         """Have the progress thread poll ``poll`` (until it returns True or this transfer closes)."""
@@ -315,14 +315,9 @@ class Transfer(Closeable):
                 f"post: notify= on the {self.transport} transport cannot be captured in a CUDA graph; "
                 "signal the peer from the graph with a nixl transfer instead"
             )
-        backend, request, peer, message = self._backend, self._request, self.peer, self._notify
-        if backend.status(request) is Status.DONE:
-            self._comm._send_notification(peer, message)
-            return
-        # Not tied to this handle's lifetime: the copy's event outlives close(), the message must not.
-        self._comm._engine.watch(
-            lambda: backend.status(request) is Status.DONE and self._comm._send_notification(peer, message)
-        )
+        # Not tied to this handle's lifetime: the copy's event outlives close(), and so does the message.
+        backend, request = self._backend, self._request
+        self._comm._notify_when(self.peer, self._notify, lambda: backend.status(request) is Status.DONE)
 
     # --- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:

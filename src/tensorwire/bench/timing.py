@@ -47,11 +47,14 @@ class Budget:
     rounds: int = 5
 
     def reps_for(self, seconds_per_call: float) -> int:
-        """How many timed calls this budget buys when one call takes ``seconds_per_call``."""
+        """How many timed calls this budget buys when one call takes ``seconds_per_call``. ``min_reps``
+        yields for slow calls (a path on TCP emulation can take seconds per GiB): never more than about
+        ten budgets' worth of calls, and never fewer than 3."""
         if self.iters is not None:
             return self.iters
-        wanted = math.ceil(self.time_s / max(seconds_per_call, 1e-9))
-        return max(self.min_reps, min(self.max_reps, wanted))
+        per_call = max(seconds_per_call, 1e-9)
+        floor = min(self.min_reps, max(3, math.ceil(10 * self.time_s / per_call)))
+        return max(floor, min(self.max_reps, math.ceil(self.time_s / per_call)))
 
 
 @dataclass(frozen=True)

@@ -6,26 +6,31 @@ mapped into this process for every peer (``Communicator.peer_pointer``). Creatin
 host, so the first call of each shape does; make it once before capturing a CUDA graph. After that:
 
 * with ``capacity``: the count exchange, the placement tables (torch ops on the device), the row stores,
-  the waits and the copies out are all stream-ordered device work: no host sync, and the sequence can be
-  captured in a CUDA graph and replayed (rounds live in device memory). Errors (an expert id out of range,
-  ranks disagreeing on shapes, a capacity overflow, a timed-out wait) are ORed into a device word that
-  ``Dispatch.check()`` (or the next exact-shape call) reads and raises.
+  the waits (stream memory operations on flag words, ``nvlink``'s docstring) and the copies out are all
+  stream-ordered device work: no host sync, and the sequence can be captured in a CUDA graph and
+  replayed (rounds live in device memory). Errors (an expert id out of range, ranks disagreeing on
+  shapes, a capacity overflow) are ORed into a device word that ``Dispatch.check()`` (or the next
+  exact-shape call) reads and raises; so is a wait the watchdog had to release.
 * without ``capacity``: one host sync reads the count matrix (and the error word) to size the outputs.
 
 Every rank issues its calls on one stream (the current one), in the same order.
 
-The steps are module functions over plain tensors (``space.tensor``, ``space.peer_bases``), so a test can
-run them on Triton's interpreter with host tensors standing in for the mapped spaces.
+The steps are module functions over plain tensors (``space.tensor``, ``space.peer_bases``) and a ``wait``
+callable, so a test can run them on Triton's interpreter with host tensors standing in for the mapped
+spaces and a host loop standing in for the stream waits.
 """
 
 from __future__ import annotations
 
+import time
+import warnings
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ... import cuda
 from ...errors import BackendUnavailableError, InvalidArgumentError, WaitTimeoutError
 from ..dispatch import Dispatch
 from ..exchange import (
@@ -59,6 +64,9 @@ def word_dtype(row_bytes: int) -> torch.dtype:
 
 
 # --- spaces ---------------------------------------------------------------------------------------
+Wait = Callable[[torch.Tensor, int, int, int], None]  # (space tensor, first flag word, target, count)
+
+
 class SignalSpace:
     """Count exchange, int64 words: round (word 0), COUNT_FLAGS [W], COUNT_SLOTS [2, W, stride]."""
 
@@ -68,6 +76,7 @@ class SignalSpace:
         self.slots_offset = self.flags_offset + _align(world * 8) // 8
         self.words = tensor.view(torch.int64)
         self.round = self.words[0:1]
+        self.slots = self.words[self.slots_offset:self.slots_offset + 2 * world * stride].view(2, world, stride)
 
     @staticmethod
     def nbytes(world: int, stride: int) -> int:
@@ -75,7 +84,7 @@ class SignalSpace:
 
 
 class DataSpace:
-    """Rows: round (word 0), DATA_FLAGS [W, P], READY_FLAGS [2, W], META [2, C, 3] (int64), ROWS [2, C, stride]."""
+    """Rows: round (word 0), DATA_FLAGS [W], READY_FLAGS [W], META [2, C, 3] (int64), ROWS [2, C, stride]."""
 
     def __init__(self, tensor: torch.Tensor, peer_bases: torch.Tensor, world: int, capacity: int,
                  row_bytes: int) -> None:
@@ -91,8 +100,8 @@ class DataSpace:
     def _offsets(world: int, capacity: int, row_bytes: int) -> tuple[int, int, int, int, int]:
         row_stride = _align(max(row_bytes, 1), 64)  # 64 bytes: 16 words of 32 bits, Triton's vector hint
         flags = _ALIGN // 8
-        ready = flags + _align(world * PROGRAMS_PER_PEER * 8) // 8
-        meta = ready + _align(2 * world * 8) // 8
+        ready = flags + _align(world * 8) // 8
+        meta = ready + _align(world * 8) // 8
         rows = _align((meta + 2 * capacity * 3) * 8)
         return row_stride, flags, ready, meta, rows
 
@@ -138,16 +147,16 @@ def map_space(comm: Communicator, key: str, nbytes: int,
 
 
 # --- steps (plain tensors in, kernels launched on the current stream; no host sync) ---------------
-def gather_rows(kernels: ModuleType, signals: SignalSpace, row: torch.Tensor, error: torch.Tensor, rank: int,
-                world: int, max_spins: int) -> torch.Tensor:
+def gather_rows(kernels: ModuleType, signals: SignalSpace, row: torch.Tensor, rank: int, world: int,
+                wait: Wait) -> torch.Tensor:
     """Every rank's count row ``[W, width]`` int64, through ``signals`` (whose round the caller bumped)."""
     width = row.numel()
-    out = torch.empty(world, width, dtype=torch.int64, device=row.device)
-    kernels.allgather_counts[(world,)](
-        signals.words, signals.peer_bases, row.contiguous(), out, error, rank, world, width, signals.stride,
-        signals.flags_offset, signals.slots_offset, max_spins, TIMED_OUT=TIMED_OUT, BLOCK=128,
+    kernels.publish_counts[(world,)](
+        signals.words, signals.peer_bases, row.contiguous(), rank, world, width, signals.stride,
+        signals.flags_offset, signals.slots_offset, BLOCK=128,
     )
-    return out
+    wait(signals.tensor, signals.flags_offset, 1, world)
+    return signals.slots.index_select(0, signals.round % 2)[0, :, :width].contiguous()
 
 
 def store_rows(kernels: ModuleType, space: DataSpace, words: torch.Tensor, token_of_row: torch.Tensor,
@@ -165,15 +174,8 @@ def store_rows(kernels: ModuleType, space: DataSpace, words: torch.Tensor, token
     )
 
 
-def wait_for(kernels: ModuleType, space: DataSpace, flags_offset: int, per_source: int, parity_stride: int,
-             target: torch.Tensor, error: torch.Tensor, world: int, max_spins: int) -> None:
-    """Make the stream wait until every rank's flags in ``space`` reach ``target`` (1-element int64)."""
-    kernels.wait_flags[(world,)](space.words, flags_offset, per_source, parity_stride, target, error, max_spins,
-                                 TIMED_OUT=TIMED_OUT)
-
-
-def signal_ready(kernels: ModuleType, space: DataSpace, round_: torch.Tensor, rank: int, world: int) -> None:
-    kernels.signal_ready[(world,)](space.peer_bases, round_, space.ready_offset, rank, world)
+def signal_ready(kernels: ModuleType, space: DataSpace, rank: int, world: int) -> None:
+    kernels.signal_ready[(world,)](space.peer_bases, space.ready_offset, rank)
 
 
 def pull_combine(kernels: ModuleType, result: torch.Tensor, tables: PairTables, space: DataSpace, topk: int) -> None:
@@ -229,8 +231,9 @@ def flag_on_device(error: torch.Tensor, header: torch.Tensor, rows_per_rank: tor
 
 def raise_errors(bits: int, fn: str, timeout_s: float) -> None:
     if bits & TIMED_OUT:
-        raise WaitTimeoutError(f"{fn}: a GPU wait of backend='cuda' gave up after about {timeout_s:.3g}s; a peer is "
-                               "stuck, dead or made different MoE calls; results since are invalid")
+        raise WaitTimeoutError(f"{fn}: a GPU wait of backend='cuda' was not released by the peers within "
+                               f"{timeout_s:.3g}s and was forced open; a peer is stuck, dead or made different MoE "
+                               "calls; results since are invalid")
     if bits & ERROR_EXPERT_OUT_OF_RANGE:
         raise InvalidArgumentError(f"{fn}: topk_idx on some rank held expert ids outside [-1, num_experts) (they were "
                                    "dropped); pass ids in [0, num_experts), or -1 for 'no expert'")
@@ -240,6 +243,57 @@ def raise_errors(bits: int, fn: str, timeout_s: float) -> None:
     if bits & OVERFLOW:
         raise InvalidArgumentError(f"{fn}: capacity was too small for the rows some rank received (rows past it were "
                                    "dropped, results are invalid); pass a larger capacity=")
+
+
+class StreamWaits:
+    """The ``wait`` of the steps on a GPU: the current stream waits until each of ``count`` flag words
+    (32-bit, 8 bytes apart from ``first_word`` of the space) reaches ``target``, then stores 0 back (stream
+    memory operations: graph-capturable, no SM busy).
+
+    Watchdog: an eager (not captured) wait is watched by the progress thread; if the stream has not passed
+    it within the communicator's ``timeout_s`` it stores the targets itself (on a stream of its own), so the GPU goes on, and
+    sets ``timed_out``, which the engine reports as ``WaitTimeoutError``. A replayed graph is not watched.
+    """
+
+    def __init__(self, comm: Communicator) -> None:
+        self._comm = comm
+        self._release_stream = None
+        self.timed_out = False
+
+    def __call__(self, space: torch.Tensor, first_word: int, target: int, count: int) -> None:
+        stream = torch.cuda.current_stream()
+        addresses = [space.data_ptr() + 8 * (first_word + i) for i in range(count)]
+        for address in addresses:
+            cuda.stream_wait_value(stream, address, target)
+            cuda.stream_write_value(stream, address, 0)
+        if not torch.cuda.is_current_stream_capturing():
+            self._watch(stream, addresses, target)
+
+    def _watch(self, stream, addresses: list[int], target: int) -> None:
+        if self._release_stream is None:
+            self._release_stream = torch.cuda.Stream(device=stream.device)  # never the stream that waits
+        passed = torch.cuda.Event()
+        passed.record(stream)
+        timeout_s = self._comm.timeout_s
+        deadline = time.monotonic() + timeout_s
+        release_stream = self._release_stream
+
+        def watchdog() -> bool:
+            if passed.query():
+                return True
+            if time.monotonic() < deadline:
+                return False
+            cu = cuda.driver()
+            for address in addresses:
+                cuda.check(cu.cuMemsetD32Async(address, target, 1, cu.CUstream(release_stream.cuda_stream)),
+                           "cuMemsetD32Async")
+            self.timed_out = True
+            warnings.warn(f"tensorwire: backend='cuda': a GPU wait was not released within {timeout_s:.3g}s; "
+                          "forced it open (a peer is stuck or dead); the next MoE call raises", RuntimeWarning,
+                          stacklevel=1)
+            return True
+
+        self._comm._engine.watch(watchdog)
 
 
 # --- the engine -----------------------------------------------------------------------------------
@@ -271,7 +325,7 @@ class CudaEngine:
         self._signals: dict[int, SignalSpace] = {}
         self._data: dict[str, DataSpace] = {}
         self._registrations: list = []  # spaces stay registered for the communicator's life
-        self._max_spins = int(min(comm.timeout_s * 1e6, 2**62))  # ~1 us per poll: about the timeout
+        self._wait = StreamWaits(comm)
 
     def dispatch(self, x: torch.Tensor, layout: SendLayout, topk_weights: torch.Tensor,
                  capacity: int | None) -> Dispatch:
@@ -299,8 +353,7 @@ class CudaEngine:
             weight_bits = topk_weights.reshape(-1).index_select(0, layout.order).to(torch.float64).view(torch.int64)
             store_rows(kernels, space, x.view(word_dtype(row_bytes)), layout.token_of_row, weight_bits, where,
                        layout.local_experts, True, me, world)
-            wait_for(kernels, space, space.flags_offset, PROGRAMS_PER_PEER, 0, space.round, self.error, world,
-                     self._max_spins)
+            self._wait(space.tensor, space.flags_offset, PROGRAMS_PER_PEER, world)
             received = (round_ % 2) * space.capacity + torch.arange(out_rows, device=device)
             recv_x = space.rows(x.dtype, hidden).index_select(0, received)
             src_rank, src_idx, weights = unpack_meta(space.meta().index_select(0, received), topk_weights.dtype)
@@ -321,9 +374,8 @@ class CudaEngine:
         with torch.cuda.device(device):
             rows = (tables.round % 2) * space.capacity + torch.arange(expert_out.shape[0], device=device)
             space.rows(expert_out.dtype, hidden).index_copy_(0, rows, expert_out)
-            signal_ready(self.kernels, space, tables.round, self.rank, world)
-            wait_for(self.kernels, space, space.ready_offset, 1, world, tables.round, self.error, world,
-                     self._max_spins)
+            signal_ready(self.kernels, space, self.rank, world)
+            self._wait(space.tensor, space.ready_offset, 1, world)
             result = torch.empty(dispatched.num_tokens, hidden, dtype=expert_out.dtype, device=device)
             pull_combine(self.kernels, result, tables, space, dispatched.layout.topk)
         return result
@@ -350,16 +402,15 @@ class CudaEngine:
             words = send.reshape(send.shape[0], row_elements).view(torch.uint8).view(word_dtype(row_bytes))
             tokens = torch.arange(send.shape[0], dtype=torch.int64, device=device)
             store_rows(self.kernels, space, words, tokens, tokens, placement(rows[:, HEADER:], me), 1, False, me, world)
-            wait_for(self.kernels, space, space.flags_offset, PROGRAMS_PER_PEER, 0, space.round, self.error, world,
-                     self._max_spins)
+            self._wait(space.tensor, space.flags_offset, PROGRAMS_PER_PEER, world)
             received = (space.round % 2) * space.capacity + torch.arange(num_received, device=device)
             recv = space.rows(torch.uint8, row_bytes).index_select(0, received)
         return recv.view(send.dtype).view(num_received, *row_shape), recv_counts
 
     def check(self, fn: str) -> None:
-        """Raise (and clear) the errors recorded on the device. Synchronises with the host."""
+        """Raise (and clear) the errors recorded on the device or by the watchdog. Synchronises with the host."""
         if self.error is not None:
-            bits = int(self.error.item())
+            bits = int(self.error.item()) | self._watchdog_bits()
             if bits:
                 self.error.zero_()
                 raise_errors(bits, fn, self.comm.timeout_s)
@@ -374,7 +425,7 @@ class CudaEngine:
             self._registrations.append(registration)
             signals = self._signals[stride] = SignalSpace(tensor, bases, self.world_size, stride)
         signals.round.add_(1)
-        return gather_rows(self.kernels, signals, row, self.error, self.rank, self.world_size, self._max_spins)
+        return gather_rows(self.kernels, signals, row, self.rank, self.world_size, self._wait)
 
     def _bind(self, device: torch.device, fn: str) -> torch.device:
         if self.device is None:
@@ -408,10 +459,16 @@ class CudaEngine:
         self._registrations.append(registration)
         return DataSpace(tensor, bases, self.world_size, capacity, row_bytes)
 
+    def _watchdog_bits(self) -> int:
+        if not self._wait.timed_out:
+            return 0
+        self._wait.timed_out = False
+        return TIMED_OUT
+
     def _sync(self, rows: torch.Tensor, fn: str) -> torch.Tensor:
         """Count rows and error word on the host (the exact path's one sync); raises what they show."""
         host = torch.cat([rows.reshape(-1), self.error]).cpu()
-        bits = int(host[-1])
+        bits = int(host[-1]) | self._watchdog_bits()
         if bits:
             self.error.zero_()
             raise_errors(bits, fn, self.comm.timeout_s)
