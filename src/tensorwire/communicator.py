@@ -411,7 +411,11 @@ class Communicator:
             queue.append((done, message))
             if len(queue) > 1:
                 return  # the watch started for the first queued message drains this one too
-        self._engine.watch(lambda: self._drain_outbox(peer))
+        self._engine.watch(lambda: self._drain_outbox(peer), on_error=self._notification_failed)
+
+    def _notification_failed(self, error: Exception) -> None:
+        """The progress thread could not send a queued notification: say so now (the peer's wait will time out)."""
+        warnings.warn(f"tensorwire: a notification could not be sent: {error}", RuntimeWarning, stacklevel=1)
 
     def _drain_outbox(self, peer: int) -> bool:
         with self._outbox_lock:

@@ -271,8 +271,10 @@ class Transfer(Closeable):
                 raise TransferError(f"wait(stream=): the {self.op.value} to rank {self.peer} over nixl failed")
             return True
 
-        self._watch(publish_completion)
+        # Enqueue the wait before waking the progress thread: the call then returns without competing with
+        # that thread (for the GIL and the driver) while it starts polling.
         cuda.stream_wait_value(stream, words.addr(_DONE_SEQ), sequence)
+        self._watch(publish_completion)
 
     def _watch(self, poll) -> None:
         """Have the progress thread poll ``poll`` (until it returns True or this transfer closes)."""

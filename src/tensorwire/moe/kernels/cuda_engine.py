@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PROGRAMS_PER_PEER", "CudaEngine", "DataSpace", "SignalSpace"]
 
-PROGRAMS_PER_PEER = 16  # part of a data space's layout: the same on every rank
+PROGRAMS_PER_PEER = 128  # programs storing rows into one peer; every rank waits for this many signals per source
 MISMATCH, OVERFLOW, TIMED_OUT = 2, 4, 8  # error bits beside ERROR_EXPERT_OUT_OF_RANGE (1)
 _ALIGN = 128
 
