@@ -101,6 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--timeout", type=_positive(float), default=900.0, metavar="S",
                        help="give up after this many seconds (default 900)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    bench.add_argument("--graphs", action="store_true",
+                       help="moe: also time the cuda backend's dispatch and combine captured in CUDA graphs")
     bench.set_defaults(handler=_bench, subparser=bench)
     return parser
 
@@ -122,7 +124,7 @@ def _bench_moe(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: 
     memory = "cuda" if args.memory != "cpu" and torch.cuda.is_available() else "cpu"
     if args.memory == "cuda" and memory != "cuda":
         parser.error(f"--memory cuda: torch {torch.__version__} sees no CUDA device; use --memory cpu")
-    records = moe.run_moe_bench(memory=memory, timeout_s=args.timeout)
+    records = moe.run_moe_bench(memory=memory, timeout_s=args.timeout, graphs=args.graphs)
     print(moe.format_moe_report(records), flush=True)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

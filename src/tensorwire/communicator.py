@@ -310,6 +310,8 @@ class Communicator:
             uses_cuda = MemoryKind.CUDA in next(iter(kinds))
             if backend is self._nixl and uses_cuda:
                 self._touch_remote_allocations(peer, pairs)
+            if notify is not None and backend is not self._nixl and peer != self.rank:
+                self._nixl.connect(peer)  # the channel its notifications will take
             request = backend.prepare(op, [s for s, _ in pairs], [r for _, r in pairs], peer, notify)
         transfer = Transfer(self, op, peer, sum(s.nbytes for s, _ in pairs), backend, request, notify, uses_cuda)
         self._transfers.add(transfer)

@@ -12,6 +12,10 @@ number stands a copy of the same bytes inside rank 0 (``dst.copy_(src)``, host m
 memory), timed in the same run, and the ratio. Times: median and p10/p90 in microseconds; host memory
 is timed with ``perf_counter``, GPU memory with CUDA events. Every rank checks its combine output
 (``x * sum of valid weights``) after timing: a backend that moved wrong bytes fails the benchmark.
+
+With ``graphs=True`` the ``cuda`` backend is also timed as ``cuda (graph)``: dispatch and combine with
+``capacity = T * topk`` (no overflow possible), each captured once in a CUDA graph and replayed, so the
+time is the device's, without the Python launch cost an eager call pays on every step.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class MoeBenchConfig:
     seed: int = 0
     timeout_s: float = 600.0
     quiet_nixl: bool = True
+    graphs: bool = False  # also time the cuda backend's steps captured in CUDA graphs
 
     def resolved(self) -> MoeBenchConfig:
         """Defaults filled in for ``memory``; checked."""
@@ -138,6 +143,13 @@ def _rank_main(config: MoeBenchConfig) -> list[dict]:
                 _check(y, x, topk_idx, topk_weights, backend, comm.rank)
                 for op, timing in (("dispatch", dispatch), ("combine", combine)):
                     records.append(_record(config, backend, op, tokens, rows, nbytes, timing, copy, device, capacity))
+                if backend == "cuda" and config.graphs:
+                    capacity = tokens * config.topk
+                    dispatch, combine, y = _time_graphs(moe, comm, x, topk_idx, topk_weights, config, capacity)
+                    _check(y, x, topk_idx, topk_weights, "cuda (graph)", comm.rank)
+                    for op, timing in (("dispatch", dispatch), ("combine", combine)):
+                        records.append(_record(config, "cuda (graph)", op, tokens, rows, nbytes, timing, copy, device,
+                                               capacity))
             comm.barrier()
     return records
 
@@ -196,6 +208,34 @@ def _time_backend(moe: Any, comm: Any, backend: str, x: torch.Tensor, topk_idx: 
     return summarize(dispatch_s), summarize(combine_s), last["y"]
 
 
+def _time_graphs(moe: Any, comm: Any, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 config: MoeBenchConfig, capacity: int):
+    """The ``cuda`` backend with ``capacity``: one eager step (sets up its buffers), then dispatch and
+    combine captured in two CUDA graphs and replayed in alternation, each replay timed with events."""
+    def dispatch():
+        return moe.dispatch(x, topk_idx, topk_weights, num_experts=config.num_experts, comm=comm, backend="cuda",
+                            capacity=capacity)
+
+    first = dispatch()
+    moe.combine(first.recv_x, first)
+    torch.cuda.synchronize()
+    dispatch_graph, combine_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(dispatch_graph, capture_error_mode="thread_local"):
+        d = dispatch()
+    with torch.cuda.graph(combine_graph, capture_error_mode="thread_local"):
+        y = moe.combine(d.recv_x, d)
+    clock = _clock(x.device)
+    dispatch_s: list[float] = []
+    combine_s: list[float] = []
+    for i in range(config.warmup + config.reps):
+        dispatch_took, combine_took = clock(dispatch_graph.replay), clock(combine_graph.replay)
+        if i >= config.warmup:
+            dispatch_s.append(dispatch_took)
+            combine_s.append(combine_took)
+    d.check()
+    return summarize(dispatch_s), summarize(combine_s), y
+
+
 def _copy_timing(nbytes: int, device: torch.device, config: MoeBenchConfig) -> Timing:
     """The same bytes copied inside this rank, the same number of times."""
     source = torch.ones(max(nbytes, 1), dtype=torch.uint8, device=device)
@@ -232,12 +272,12 @@ def _record(config: MoeBenchConfig, backend: str, op: str, tokens: int, rows: in
 
 def format_moe_report(records: list[dict]) -> str:
     """A plain table of the records."""
-    head = (f"{'backend':8} {'op':8} {'mem':4} {'T':>5} {'H':>5} {'K':>2} {'rows':>6} {'median us':>10} "
+    head = (f"{'backend':12} {'op':8} {'mem':4} {'T':>5} {'H':>5} {'K':>2} {'rows':>6} {'median us':>10} "
             f"{'p10-p90 us':>17} {'GB/s':>7} {'copy GB/s':>9} {'ratio':>6}")
     lines = [head, "-" * len(head)]
     for r in records:
         lines.append(
-            f"{r['backend']:8} {r['op']:8} {r['memory']:4} {r['tokens']:>5} {r['hidden']:>5} {r['topk']:>2} "
+            f"{r['backend']:12} {r['op']:8} {r['memory']:4} {r['tokens']:>5} {r['hidden']:>5} {r['topk']:>2} "
             f"{r['rows']:>6} {r['median_us']:>10.1f} {r['p10_us']:>8.1f}-{r['p90_us']:<8.1f} {r['gbps']:>7.2f} "
             f"{r['copy_gbps']:>9.2f} {r['ratio_to_copy']:>6.3f}"
         )
