@@ -3,8 +3,8 @@ GPU, the "cuda" backend without any host sync, and a whole MoE step captured in 
 
 Inputs and the reference are those of ``test_moe`` (every rank rebuilds every rank's inputs). The "cuda"
 backend sums in a Triton kernel (fused multiply-adds), so combine results are compared within rounding.
-Every GPU wait of the backend is bounded (it flags a timeout instead of hanging), and ``launch`` bounds
-the whole job.
+Every GPU wait of the backend is bounded (its watchdog opens a wait nobody releases and the next call
+raises), and ``launch`` bounds the whole job.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tensorwire import moe
 
 pytestmark = pytest.mark.gpu
 
-GPU_ENV = {"CUDA_MODULE_LOADING": "EAGER"}  # lazy module loading can deadlock against a spinning kernel
+GPU_ENV = {"CUDA_MODULE_LOADING": "EAGER"}  # lazy module loading can deadlock against a waiting stream
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:

@@ -56,7 +56,7 @@ def _positive(kind: type):
     def parse(text: str):
         value = kind(text)
         if value < 0:
-            raise argparse.ArgumentTypeError(f"{text!r} is negative")
+            raise argparse.ArgumentTypeError(f"{text!r} is negative; pass 0 or more")
         return value
 
     return parse

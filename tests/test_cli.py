@@ -1,0 +1,59 @@
+"""The ``tensorwire`` command line, run as a user runs it (a subprocess): ``bench`` on host memory writes
+verified records of every path, ``bench moe`` reports each backend, ``doctor`` gives a verdict, and a bad
+argument is refused with the reason."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _tensorwire(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tensorwire.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def test_bench_writes_every_path_on_host_memory(tmp_path):
+    """Each size has tensorwire, raw NIXL and the copy, with positive bandwidth; the bytes were checked on
+    the way (a path moving wrong bytes makes the command fail)."""
+    out = tmp_path / "bench.json"
+    done = _tensorwire("bench", "--memory", "cpu", "--sizes", "4K,1M", "--time-budget", "0.02", "--min-reps", "3",
+                       "--warmup", "0.01", "--idle-seconds", "0.2", "--quiet", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    seen = {(r["op"], r["size"], r["path"]) for r in result["records"]}
+    for op in ("READ", "WRITE"):
+        for size in (4096, 1 << 20):
+            for path in ("tensorwire", "raw nixl", "copy"):
+                assert (op, size, path) in seen, f"{op} {size} {path} missing from {sorted(seen)}"
+    assert all(r["gbps"] > 0 and r["reps"] >= 3 for r in result["records"])
+    assert result["header"]["command"].startswith("tensorwire bench")
+    assert len(result["idle"]) == 2 and all(i["cores"] >= 0 for i in result["idle"])
+
+
+def test_bench_moe_reports_each_backend():
+    """``bench moe`` on host memory: dispatch and combine rows for torch and nixl, checked combine output."""
+    from tensorwire.bench import moe
+
+    records = moe.run_moe_bench(memory="cpu", tokens=(32,), hidden=64, reps=2, warmup=1, timeout_s=200)
+    assert {(r["backend"], r["op"]) for r in records} == {
+        (b, op) for b in ("torch", "nixl") for op in ("dispatch", "combine")}
+    assert all(r["rows"] > 0 and r["median_us"] > 0 for r in records)
+
+
+def test_doctor_gives_a_verdict():
+    done = _tensorwire("doctor", "--timeout", "60")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "verdict" in done.stdout and "nixl" in done.stdout, done.stdout[-3000:]
+
+
+@pytest.mark.parametrize("args, words", [
+    (("bench", "--sizes", "12Q"), "size"),
+    (("bench", "--time-budget", "-1"), "pass 0 or more"),
+])
+def test_bad_arguments_are_refused_with_the_reason(args, words):
+    done = _tensorwire(*args, timeout=60)
+    assert done.returncode == 2 and words in done.stderr.lower(), done.stderr
