@@ -17,18 +17,19 @@ def _tensorwire(*args: str, timeout: float = 240) -> subprocess.CompletedProcess
 
 
 def test_bench_writes_every_path_on_host_memory(tmp_path):
-    """Each size has tensorwire, raw NIXL and the copy, with positive bandwidth; the bytes were checked on
-    the way (a path moving wrong bytes makes the command fail)."""
+    """Each size has tensorwire, raw NIXL and the copy (and tensorwire in-process for WRITE), with positive
+    bandwidth; the bytes were checked on the way (a path moving wrong bytes makes the command fail)."""
     out = tmp_path / "bench.json"
     done = _tensorwire("bench", "--memory", "cpu", "--sizes", "4K,1M", "--time-budget", "0.02", "--min-reps", "3",
                        "--warmup", "0.01", "--idle-seconds", "0.2", "--quiet", "--json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     seen = {(r["op"], r["size"], r["path"]) for r in result["records"]}
-    for op in ("READ", "WRITE"):
-        for size in (4096, 1 << 20):
-            for path in ("tensorwire", "raw nixl", "copy"):
-                assert (op, size, path) in seen, f"{op} {size} {path} missing from {sorted(seen)}"
+    for size in (4096, 1 << 20):
+        expected = {(op, size, path) for op in ("READ", "WRITE") for path in ("tensorwire", "raw nixl", "copy")}
+        expected.add(("WRITE", size, "tensorwire (in-process)"))
+        assert expected <= seen, f"missing {sorted(expected - seen)}"
+    assert {r["transport"] for r in result["records"] if r["path"] == "tensorwire (in-process)"} == {"local"}
     assert all(r["gbps"] > 0 and r["reps"] >= 3 for r in result["records"])
     assert result["header"]["command"].startswith("tensorwire bench")
     assert len(result["idle"]) == 2 and all(i["cores"] >= 0 for i in result["idle"])

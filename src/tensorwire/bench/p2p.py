@@ -12,6 +12,9 @@ measures, on the same registered buffers:
   It is built by tensorwire's own ``_make_agent`` with NIXL's defaults except a sleeping progress thread
   (``RAW_CONFIGS``: NIXL's spinning default would distort both sides on a small machine), so the comparison
   isolates what tensorwire adds: its Python layers and its choice of NIXL thread-safety mode.
+- ``tensorwire (in-process)`` (WRITE): rank 0's outbox into its own inbox through ``comm.prepare`` (the
+  ``local`` transport), timed like the copy: the wall clock around ``post()`` + ``wait()`` on the host, CUDA
+  events around ``post(stream=)`` + ``wait(stream=)`` on a GPU.
 - ``copy``: ``dst.copy_(src)`` of the same bytes inside rank 0: host memory with one thread (a transfer is
   one stream of bytes), plus torch's default thread count as ``copy-mt`` (JSON); GPU timed with CUDA events.
 
@@ -42,19 +45,20 @@ import torch
 from ..backends.base import Op
 from ..descriptors import MemoryKind, TensorDesc
 from ..errors import InvalidArgumentError, TransferError
-from .timing import Budget, CudaEventClock, HostClock, Timing, measure, measure_interleaved
+from .timing import Budget, Clock, CudaEventClock, HostClock, Timing, measure, measure_interleaved
 
 __all__ = [
     "HOST_SIZES", "CUDA_SIZES", "RAW_CONFIGS", "BenchConfig", "Record", "BenchResult", "run", "rank_pattern",
-    "first_mismatch", "format_size", "TENSORWIRE_STREAM",
+    "first_mismatch", "format_size", "TENSORWIRE_STREAM", "TENSORWIRE_IN_PROCESS",
 ]
 
 HOST_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 CUDA_SIZES = HOST_SIZES + (256 << 20, 1 << 30)
 TENSORWIRE, TENSORWIRE_NIXL, RAW, COPY, COPY_MT = "tensorwire", "tensorwire (nixl)", "raw nixl", "copy", "copy-mt"
 TENSORWIRE_STREAM = "tensorwire (stream)"  # stream-ordered transports timed with CUDA events, like the copy
+TENSORWIRE_IN_PROCESS = "tensorwire (in-process)"  # between two ranges of rank 0: the local transport
 STREAM_ORDERED = ("cuda_ipc", "local")
-_TENSORWIRE_PATHS = (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_NIXL)
+_TENSORWIRE_PATHS = (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_IN_PROCESS, TENSORWIRE_NIXL)
 RAW_CONFIGS = {
     "sleeping": "a bare nixl_agent per rank from tensorwire's _make_agent with NIXL's defaults (UCX, error mode "
                 "peer, 1 worker, thread sync NONE) except a sleeping progress thread, pthrDelay={delay_us} µs, "
@@ -345,7 +349,33 @@ def _bench_size(comm: Any, raw: _RawNixl, side: _Side, size: int, config: BenchC
         records += _bench_other_copies(side, size, op.value, config.budget)
         if paths[TENSORWIRE][1] in STREAM_ORDERED:
             records.append(_bench_on_stream(comm, side, size, op, local, remote, config.budget, checker))
+        if op is Op.WRITE:
+            records.append(_bench_in_process(comm, side, size, config.budget))
     return records
+
+
+def _bench_in_process(comm: Any, side: _Side, size: int, budget: Budget) -> Record:
+    """Rank 0's outbox into its own inbox through tensorwire (the ``local`` transport), clocked as the copy
+    is: CUDA events around ``post(stream=)`` + ``wait(stream=)`` on a GPU, the wall clock on the host."""
+    own_inbox = side.registration.descs[0].narrow(side.half, size)
+    with comm.prepare(Op.WRITE, side.outbox[:size], own_inbox) as transfer:
+        if side.buffer.is_cuda:
+            stream = torch.cuda.current_stream()
+
+            def once() -> None:
+                transfer.post(stream=stream)
+                transfer.wait(stream=stream)
+
+            clock: Clock = CudaEventClock()
+        else:
+            once, clock = _post_and_wait(transfer), HostClock()
+        what = f"{TENSORWIRE_IN_PROCESS} WRITE"
+        once()
+        _check_inbox(side, size, what, expected=side.own)
+        with _torch_threads(1):  # as the host copy it is compared with
+            timing = measure(once, clock, budget)
+        _check_inbox(side, size, what, expected=side.own)  # still the right bytes after the timing
+        return Record.of(side.memory, Op.WRITE.value, size, TENSORWIRE_IN_PROCESS, timing, transfer.transport)
 
 
 def _bench_on_stream(comm: Any, side: _Side, size: int, op: Op, local: torch.Tensor, remote: TensorDesc,
@@ -421,16 +451,17 @@ def _bench_other_copies(side: _Side, size: int, op: str, budget: Budget) -> list
                       threads=torch.get_num_threads())]
 
 
-def _check_inbox(side: _Side, size: int, what: str) -> None:
-    """The first ``size`` bytes of this rank's inbox must be the peer's outbox; then clear them for the
-    next path. Raises ``TransferError`` naming ``what`` moved wrong bytes."""
+def _check_inbox(side: _Side, size: int, what: str, expected: torch.Tensor | None = None) -> None:
+    """The first ``size`` bytes of this rank's inbox must be ``expected`` (default: the peer's outbox); then
+    clear them for the next path. Raises ``TransferError`` naming ``what`` moved wrong bytes."""
     side.sync()
-    index = first_mismatch(side.inbox[:size], side.peer[:size])
+    expected = side.peer if expected is None else expected
+    index = first_mismatch(side.inbox[:size], expected[:size])
     if index is not None:
         raise TransferError(
-            f"bench: after the {what}s of {size} bytes ({side.memory}), byte {index} of rank "
-            f"{'1' if what.endswith('WRITE') else '0'}'s inbox is {int(side.inbox[index])} but the peer's outbox "
-            f"holds {int(side.peer[index])}: the transfer moved wrong bytes or none; run 'tensorwire doctor'"
+            f"bench: after the {what}s of {size} bytes ({side.memory}), byte {index} of an inbox is "
+            f"{int(side.inbox[index])} but the source holds {int(expected[index])}: the transfer moved wrong "
+            "bytes or none; run 'tensorwire doctor'"
         )
     side.inbox[:size].zero_()
     side.sync()

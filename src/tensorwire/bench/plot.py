@@ -9,7 +9,17 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidArgumentError
-from .p2p import COPY, COPY_MT, RAW, TENSORWIRE, TENSORWIRE_NIXL, TENSORWIRE_STREAM, Record, format_size
+from .p2p import (
+    COPY,
+    COPY_MT,
+    RAW,
+    TENSORWIRE,
+    TENSORWIRE_IN_PROCESS,
+    TENSORWIRE_NIXL,
+    TENSORWIRE_STREAM,
+    Record,
+    format_size,
+)
 
 __all__ = ["require_matplotlib", "plot"]
 
@@ -17,6 +27,7 @@ _DPI = 80  # small files: a 2x2 grid stays well under 100 KB
 _STYLE = {
     TENSORWIRE: {"color": "#1f77b4", "marker": "o", "linewidth": 2.0},
     TENSORWIRE_STREAM: {"color": "#17becf", "marker": "*"},
+    TENSORWIRE_IN_PROCESS: {"color": "#8c564b", "marker": "x", "linestyle": "-."},
     TENSORWIRE_NIXL: {"color": "#9467bd", "marker": "D"},
     RAW: {"color": "#ff7f0e", "marker": "s", "linestyle": "--"},
     COPY: {"color": "#2ca02c", "marker": "^", "linestyle": ":"},

@@ -15,8 +15,18 @@ from typing import Any
 import torch
 
 from .p2p import (
-    _IDLE_BYTES, _TENSORWIRE_PATHS, COPY, RAW, TENSORWIRE, TENSORWIRE_NIXL, TENSORWIRE_STREAM, BenchConfig,
-    BenchResult, Record, format_size,
+    _IDLE_BYTES,
+    _TENSORWIRE_PATHS,
+    COPY,
+    RAW,
+    TENSORWIRE,
+    TENSORWIRE_IN_PROCESS,
+    TENSORWIRE_NIXL,
+    TENSORWIRE_STREAM,
+    BenchConfig,
+    BenchResult,
+    Record,
+    format_size,
 )
 
 __all__ = ["header", "comparisons", "summary", "format_report", "to_json"]
@@ -139,7 +149,7 @@ def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig
     ratios = {(c["memory"], c["op"], c["size"], c["path"]): c for c in comparisons(result.records)}
     for (memory, op, size), paths in _cases(result.records).items():
         first = True
-        for path in (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_NIXL, RAW, COPY):
+        for path in (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_IN_PROCESS, TENSORWIRE_NIXL, RAW, COPY):
             r = paths.get(path)
             if r is None:
                 continue
