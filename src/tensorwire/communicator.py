@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
+import time
 import warnings
 import weakref
 from typing import Callable, Sequence
@@ -32,7 +33,7 @@ from .backends.nixl import NixlBackend
 from .bootstrap import Rendezvous, resolve_environment
 from .descriptors import MemoryKind, TensorDesc
 from .memory_map import MemoryMap, PeerView, host_identity
-from .errors import BackendUnavailableError, ClosedError, InvalidArgumentError
+from .errors import BackendUnavailableError, ClosedError, InvalidArgumentError, WaitTimeoutError
 from .progress import Inbox, ProgressEngine, wait_until
 from .registration import LocalMemoryMap, Registration, as_tensor_list, segment_of
 from .transfer import Transfer
@@ -99,7 +100,8 @@ class Communicator:
         self._touched: set[tuple] = set()
         self._outbox: dict[int, collections.deque] = {}  # per peer: (done, message) in posting order
         self._outbox_lock = threading.Lock()
-        self._notification_words = None  # per-sender arrival counters the GPU can wait on
+        self._notification_words = None
+        self._stream_notification_error: Exception | None = None  # raised by the next wait_notification  # per-sender arrival counters the GPU can wait on
         self._notifications_awaited = [0] * self.world_size
         self._notifications_delivered = [0] * self.world_size  # remote ranges NIXL has mapped (see _touch_remote_allocations)
         self._epoch = 0
@@ -401,6 +403,10 @@ class Communicator:
             self._warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
+    def _keep_stream_notification_error(self, error: Exception) -> None:
+        self._stream_notification_error = error
+        warnings.warn(f"tensorwire: {error}", RuntimeWarning, stacklevel=1)
+
     def _notify_when(self, peer: int, message: bytes, done: "Callable[[], bool]") -> None:
         """Deliver ``message`` to ``peer``'s inbox once ``done()`` (its copy completed) and after every
         message queued to ``peer`` before it: a later copy may complete first, its message must not. Used
@@ -451,9 +457,14 @@ class Communicator:
 
         With ``stream``: returns None at once and makes ``stream`` wait until that next notification has
         arrived (the message is consumed; the data of the WRITE it followed is in place), so a consumer
-        kernel starts with no CPU in the loop. Do not mix CPU and stream waits for the same sender."""
+        kernel starts with no CPU in the loop. Do not mix CPU and stream waits for the same sender. If no
+        notification arrives within the communicator's timeout, the stream is released anyway (what it then
+        reads is not valid) and the next ``wait_notification`` raises ``WaitTimeoutError``."""
         self._check_open("wait_notification")
         self._check_rank(from_rank, "wait_notification")
+        if self._stream_notification_error is not None:
+            error, self._stream_notification_error = self._stream_notification_error, None
+            raise error
         if stream is not None:
             return self._wait_notification_on_stream(from_rank, stream)
         message: list[bytes] = []
@@ -474,17 +485,25 @@ class Communicator:
         self._notifications_awaited[from_rank] += 1
         target = self._notifications_awaited[from_rank]
         delivered = self._notifications_delivered
+        deadline = time.monotonic() + self.timeout_s
 
         def deliver() -> bool:  # progress thread: count arrivals into the word the stream waits on
             while delivered[from_rank] < target:
-                if self._inbox.try_pop(from_rank) is None:
+                if self._inbox.try_pop(from_rank) is not None:
+                    delivered[from_rank] += 1
+                    words.values[from_rank] = delivered[from_rank]
+                elif time.monotonic() < deadline:
                     return False
-                delivered[from_rank] += 1
-                words.values[from_rank] = delivered[from_rank]
+                else:  # a stuck or dead peer must not hold the GPU forever
+                    delivered[from_rank] = target
+                    words.values[from_rank] = target
+                    raise WaitTimeoutError(
+                        f"wait_notification(stream=): nothing from rank {from_rank} within {self.timeout_s:.3g}s; the "
+                        "stream was released and what it read since is not valid; check that rank")
             return True
 
-        self._engine.watch(deliver)
-        cuda.stream_wait_value(stream, words.addr(from_rank), target)
+        cuda.stream_wait_value(stream, words.addr(from_rank), target)  # before waking the progress thread
+        self._engine.watch(deliver, on_error=self._keep_stream_notification_error)
         return None
 
     # --- collective helpers & lifetime ------------------------------------------------------------
