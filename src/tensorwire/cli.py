@@ -102,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="give up after this many seconds (default 900)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     bench.add_argument("--graphs", action="store_true",
-                       help="moe: also time the cuda backend's dispatch and combine captured in CUDA graphs")
+                       help="GPU: also time transfers (p2p) and the cuda backend's dispatch and combine (moe) "
+                            "captured in CUDA graphs and replayed")
     bench.set_defaults(handler=_bench, subparser=bench)
     return parser
 
@@ -165,6 +166,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list
         quiet_nixl=True,
         progress=not args.quiet,
         timeout_s=args.timeout,
+        graphs=args.graphs,
     )
     head = report.header(argv)
     result = p2p.run(config)

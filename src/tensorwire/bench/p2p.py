@@ -15,6 +15,9 @@ measures, on the same registered buffers:
 - ``tensorwire (in-process)`` (WRITE): rank 0's outbox into its own inbox through ``comm.prepare`` (the
   ``local`` transport), timed like the copy: the wall clock around ``post()`` + ``wait()`` on the host, CUDA
   events around ``post(stream=)`` + ``wait(stream=)`` on a GPU.
+- ``tensorwire (graph)`` (GPU, ``graphs=True``): ``post(stream=)`` + ``wait(stream=)`` captured once in a
+  CUDA graph, each replay timed with CUDA events: the post-to-completion time on the stream, without the
+  CPU's launch cost (which an eager 4 KiB transfer is mostly made of).
 - ``copy``: ``dst.copy_(src)`` of the same bytes inside rank 0: host memory with one thread (a transfer is
   one stream of bytes), plus torch's default thread count as ``copy-mt`` (JSON); GPU timed with CUDA events.
 
@@ -49,7 +52,7 @@ from .timing import Budget, Clock, CudaEventClock, HostClock, Timing, measure, m
 
 __all__ = [
     "HOST_SIZES", "CUDA_SIZES", "RAW_CONFIGS", "BenchConfig", "Record", "BenchResult", "run", "rank_pattern",
-    "first_mismatch", "format_size", "TENSORWIRE_STREAM", "TENSORWIRE_IN_PROCESS",
+    "first_mismatch", "format_size", "TENSORWIRE_STREAM", "TENSORWIRE_IN_PROCESS", "TENSORWIRE_GRAPH",
 ]
 
 HOST_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
@@ -57,8 +60,9 @@ CUDA_SIZES = HOST_SIZES + (256 << 20, 1 << 30)
 TENSORWIRE, TENSORWIRE_NIXL, RAW, COPY, COPY_MT = "tensorwire", "tensorwire (nixl)", "raw nixl", "copy", "copy-mt"
 TENSORWIRE_STREAM = "tensorwire (stream)"  # stream-ordered transports timed with CUDA events, like the copy
 TENSORWIRE_IN_PROCESS = "tensorwire (in-process)"  # between two ranges of rank 0: the local transport
+TENSORWIRE_GRAPH = "tensorwire (graph)"  # post(stream=) + wait(stream=) captured in a CUDA graph, replayed
 STREAM_ORDERED = ("cuda_ipc", "local")
-_TENSORWIRE_PATHS = (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_IN_PROCESS, TENSORWIRE_NIXL)
+_TENSORWIRE_PATHS = (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_GRAPH, TENSORWIRE_IN_PROCESS, TENSORWIRE_NIXL)
 RAW_CONFIGS = {
     "sleeping": "a bare nixl_agent per rank from tensorwire's _make_agent with NIXL's defaults (UCX, error mode "
                 "peer, 1 worker, thread sync NONE) except a sleeping progress thread, pthrDelay={delay_us} µs, "
@@ -85,6 +89,7 @@ class BenchConfig:
     quiet_nixl: bool = False
     progress: bool = True
     timeout_s: float = 600.0
+    graphs: bool = False  # GPU: also time post(stream=) + wait(stream=) replayed from a CUDA graph
 
     def sizes(self, memory: str) -> tuple[int, ...]:
         return self.host_sizes if memory == "cpu" else self.cuda_sizes
@@ -349,6 +354,8 @@ def _bench_size(comm: Any, raw: _RawNixl, side: _Side, size: int, config: BenchC
         records += _bench_other_copies(side, size, op.value, config.budget)
         if paths[TENSORWIRE][1] in STREAM_ORDERED:
             records.append(_bench_on_stream(comm, side, size, op, local, remote, config.budget, checker))
+            if config.graphs:
+                records.append(_bench_graph(comm, side, size, op, local, remote, config.budget, checker))
         if op is Op.WRITE:
             records.append(_bench_in_process(comm, side, size, config.budget))
     return records
@@ -394,6 +401,24 @@ def _bench_on_stream(comm: Any, side: _Side, size: int, op: Op, local: torch.Ten
         _check_path(side, size, op, f"{TENSORWIRE_STREAM}", checker)
         timing = measure(once, CudaEventClock(), budget)
         return Record.of(side.memory, op.value, size, TENSORWIRE_STREAM, timing, transfer.transport)
+
+
+def _bench_graph(comm: Any, side: _Side, size: int, op: Op, local: torch.Tensor, remote: TensorDesc,
+                 budget: Budget, checker: "_InboxChecker") -> Record:
+    """``post(stream=)`` + ``wait(stream=)`` captured once in a CUDA graph; each replay timed with CUDA
+    events on the current stream (the graph replays there)."""
+    with comm.prepare(op, local, remote) as transfer:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            capture = torch.cuda.current_stream()
+            transfer.post(stream=capture)
+            transfer.wait(stream=capture)
+        graph.replay()
+        torch.cuda.current_stream().synchronize()
+        _check_path(side, size, op, TENSORWIRE_GRAPH, checker)
+        timing = measure(graph.replay, CudaEventClock(), budget)
+        torch.cuda.current_stream().synchronize()  # no replay may still run when the handle closes
+        return Record.of(side.memory, op.value, size, TENSORWIRE_GRAPH, timing, transfer.transport)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from .p2p import (
     COPY,
     RAW,
     TENSORWIRE,
+    TENSORWIRE_GRAPH,
     TENSORWIRE_IN_PROCESS,
     TENSORWIRE_NIXL,
     TENSORWIRE_STREAM,
@@ -149,7 +150,7 @@ def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig
     ratios = {(c["memory"], c["op"], c["size"], c["path"]): c for c in comparisons(result.records)}
     for (memory, op, size), paths in _cases(result.records).items():
         first = True
-        for path in (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_IN_PROCESS, TENSORWIRE_NIXL, RAW, COPY):
+        for path in (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_GRAPH, TENSORWIRE_IN_PROCESS, TENSORWIRE_NIXL, RAW, COPY):
             r = paths.get(path)
             if r is None:
                 continue
