@@ -251,8 +251,9 @@ class StreamWaits:
     memory operations: graph-capturable, no SM busy).
 
     Watchdog: an eager (not captured) wait is watched by the progress thread; if the stream has not passed
-    it within the communicator's ``timeout_s`` it stores the targets itself (on a stream of its own), so the GPU goes on, and
-    sets ``timed_out``, which the engine reports as ``WaitTimeoutError``. A replayed graph is not watched.
+    it within the communicator's ``timeout_s``, the watchdog stores the targets itself (on a stream of its
+    own) so that the GPU goes on, and sets ``timed_out``, which the engine reports as ``WaitTimeoutError``
+    (every result since is invalid). A replayed graph is not watched.
     """
 
     def __init__(self, comm: Communicator) -> None:
@@ -284,9 +285,10 @@ class StreamWaits:
             if time.monotonic() < deadline:
                 return False
             cu = cuda.driver()
-            for address in addresses:
-                cuda.check(cu.cuMemsetD32Async(address, target, 1, cu.CUstream(release_stream.cuda_stream)),
-                           "cuMemsetD32Async")
+            with torch.cuda.device(release_stream.device):  # the context current on this (progress) thread
+                for address in addresses:
+                    cuda.check(cu.cuMemsetD32Async(address, target, 1, cu.CUstream(release_stream.cuda_stream)),
+                               "cuMemsetD32Async")
             self.timed_out = True
             warnings.warn(f"tensorwire: backend='cuda': a GPU wait was not released within {timeout_s:.3g}s; "
                           "forced it open (a peer is stuck or dead); the next MoE call raises", RuntimeWarning,
