@@ -97,13 +97,13 @@ class Communicator:
         self._inbox = Inbox(self._nixl.notifications)
         self._engine = ProgressEngine(cfg)
         self._warned: set[str] = set()
-        self._touched: set[tuple] = set()
+        self._touched: set[tuple] = set()  # remote ranges NIXL has mapped (see _touch_remote_allocations)
         self._outbox: dict[int, collections.deque] = {}  # per peer: (done, message) in posting order
         self._outbox_lock = threading.Lock()
-        self._notification_words = None
-        self._stream_notification_error: Exception | None = None  # raised by the next wait_notification  # per-sender arrival counters the GPU can wait on
+        self._notification_words = None  # per-sender arrival counters the GPU can wait on
         self._notifications_awaited = [0] * self.world_size
-        self._notifications_delivered = [0] * self.world_size  # remote ranges NIXL has mapped (see _touch_remote_allocations)
+        self._notifications_delivered = [0] * self.world_size
+        self._stream_notification_error: Exception | None = None  # raised by the next wait_notification
         self._epoch = 0
         self._peers: dict[int, PeerView] = {}
         self._registrations: weakref.WeakSet[Registration] = weakref.WeakSet()
