@@ -350,8 +350,8 @@ def test_layout_orders_pairs_by_rank_then_expert_then_token():
 def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
     """The ``"cuda"`` backend's steps (``cuda_engine``'s functions and ``nvlink``'s kernels) for ``world``
     ranks in this one process, on host tensors standing in for the IPC-mapped spaces and a host check
-    standing in for the stream waits (every awaited flag word must have reached its target; it is reset to
-    0, as the stream does). Ranks run each step in turn; the count exchange runs twice, since in its first
+    standing in for the stream waits (every awaited flag word must have reached its target), followed by
+    the ``consume_flags`` kernel, as on the stream. Ranks run each step in turn; the count exchange runs twice, since in its first
     pass (ranks in turn, waits skipped) earlier ranks copy their slots before later ranks stored into them;
     the second pass repeats the same stores and then finds every row. Run under TRITON_INTERPRET=1 (the
     flag must be set before triton is imported)."""
@@ -386,7 +386,10 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
         flags = space.view(torch.int32)[2 * first_word:2 * (first_word + count):2]  # low halves of int64 words
         if (flags < target).any():
             problems.append(f"a wait for {target} at word {first_word} found flags {flags.tolist()}")
-        flags.zero_()
+        before = flags.clone()
+        nvlink.consume_flags[(1,)](space.view(torch.int64), first_word, target, count, BLOCK=4)
+        if not torch.equal(flags, before - target):
+            problems.append(f"consume_flags({target}) turned {before.tolist()} into {flags.tolist()}")
 
     rows_out = [None] * world
     for s in signals:
@@ -435,6 +438,14 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
         want = reference_combine(x, topk_idx, topk_weights, scaled=True)
         if capacity_slack >= 0 and not torch.allclose(y, want, rtol=1e-6, atol=1e-4):
             problems.append(f"rank {r}: combine differs by {float((y - want).abs().max())}")
+    # A peer that runs ahead signals the next combine before this rank consumed the current one: both
+    # signals must survive (two combines in a row).
+    for _ in range(2):
+        for r in range(world):
+            ce.signal_ready(nvlink, data[r], r, world)
+    for _ in range(2):
+        for r in range(world):
+            host_wait(data[r].tensor, data[r].ready_offset, 1, world)
     bits = [int(e) for e in errors]
     if capacity_slack >= 0:
         problems += [f"rank {r}: error bits {b}" for r, b in enumerate(bits) if b]

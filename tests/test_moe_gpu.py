@@ -214,3 +214,26 @@ def test_cuda_backend_reports_a_peer_that_never_comes():
     stream drains) and ``check()`` raises WaitTimeoutError naming the cause."""
     outcome = launch(_peer_never_comes, 2, 3.0, env=GPU_ENV, timeout=300)
     assert outcome[1] is None and outcome[0] is not None and "not released by the peers" in outcome[0], outcome
+
+
+def _in_flight_on_one_gpu():
+    """Two dispatches in flight, then two combines in a row: a rank that runs ahead signals the second
+    combine before its peer consumed the first one's signal; no signal may be lost (that would hang)."""
+    with tw.init(timeout=60) as comm:
+        torch.cuda.set_device(comm.device)
+        world, me = comm.world_size, comm.rank
+        num_experts = EXPERTS_PER_RANK * world
+        for _ in range(20):
+            batches = [_on(comm.device, make_inputs(CASES[i], me, world)) for i in (0, 2)]
+            pending = [moe.dispatch(x, i, w, num_experts=num_experts, comm=comm, backend="cuda") for x, i, w in batches]
+            for (x, topk_idx, topk_weights), d in zip(batches, pending):
+                y = moe.combine(scaled_expert(d.recv_x, d.tokens_per_expert, me), d)
+                _close(y, reference_combine(x.cpu(), topk_idx.cpu(), topk_weights.cpu(), scaled=True),
+                       f"in flight, rank {me}")
+        pending[-1].check()
+        comm.barrier()
+    return me
+
+
+def test_cuda_backend_two_dispatches_in_flight_then_two_combines():
+    assert launch(_in_flight_on_one_gpu, 2, env=GPU_ENV, timeout=300) == [0, 1]

@@ -286,6 +286,29 @@ def _notifications_keep_posting_order():
     return got
 
 
+def _a_failed_notification_does_not_strand_the_next():
+    """A queued message whose completion check fails is dropped with a warning; the one behind it still
+    goes out (here to this rank itself, which needs no connection)."""
+    import warnings
+
+    comm = tw.init(timeout=INIT_TIMEOUT)
+    checks = []
+
+    def broken() -> bool:
+        checks.append(1)
+        if len(checks) == 1:
+            return False  # still copying: the message waits in the outbox
+        raise RuntimeError("the copy's event failed")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comm._notify_when(0, b"lost", broken)
+        comm._notify_when(0, b"next", lambda: True)
+        got = comm.wait_notification(0, timeout=WAIT)
+    comm.close()
+    return got, any("could not be sent" in str(w.message) for w in caught)
+
+
 def _zero_bytes():
     n = 256
     comm = tw.init(timeout=INIT_TIMEOUT)
@@ -367,6 +390,10 @@ def test_notifications_from_two_senders_are_queued_separately():
 def test_notifications_keep_posting_order_when_copies_complete_out_of_order():
     """A copy that completes before an earlier one does not overtake the earlier one's notification."""
     assert launch(_notifications_keep_posting_order, 2) == [None, [b"hello", b"first", b"second"]]
+
+
+def test_a_failed_notification_does_not_strand_the_next():
+    assert launch(_a_failed_notification_does_not_strand_the_next, 1) == [(b"next", True)]
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -103,12 +103,14 @@ class Communicator:
         self._notification_words = None  # per-sender arrival counters the GPU can wait on
         self._notifications_awaited = [0] * self.world_size
         self._notifications_delivered = [0] * self.world_size
-        self._stream_notification_error: Exception | None = None  # raised by the next wait_notification
+        self._stream_notification_errors: collections.deque = collections.deque()  # raised by wait_notification
         self._epoch = 0
         self._peers: dict[int, PeerView] = {}
         self._registrations: weakref.WeakSet[Registration] = weakref.WeakSet()
         self._transfers: weakref.WeakSet[Transfer] = weakref.WeakSet()
-        self._stream_waiters: weakref.WeakSet[Transfer] = weakref.WeakSet()  # transfers with GPU-waited words
+        # Whatever GPU streams may wait on (transfers' pinned words, the MoE cuda backend's flags): each has
+        # _release_stream_waits(), which close() calls before the progress thread stops.
+        self._stream_waiters: weakref.WeakSet = weakref.WeakSet()
         self._publish_memory_map()
 
     # --- memory ---------------------------------------------------------------------------------
@@ -404,7 +406,7 @@ class Communicator:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def _keep_stream_notification_error(self, error: Exception) -> None:
-        self._stream_notification_error = error
+        self._stream_notification_errors.append(error)
         warnings.warn(f"tensorwire: {error}", RuntimeWarning, stacklevel=1)
 
     def _notify_when(self, peer: int, message: bytes, done: "Callable[[], bool]") -> None:
@@ -419,17 +421,26 @@ class Communicator:
             queue.append((done, message))
             if len(queue) > 1:
                 return  # the watch started for the first queued message drains this one too
-        self._engine.watch(lambda: self._drain_outbox(peer), on_error=self._notification_failed)
+        self._engine.watch(lambda: self._drain_outbox(peer))
 
     def _notification_failed(self, error: Exception) -> None:
-        """The progress thread could not send a queued notification: say so now (the peer's wait will time out)."""
+        """A queued notification could not be sent: say so now (the peer's wait for it will time out)."""
         warnings.warn(f"tensorwire: a notification could not be sent: {error}", RuntimeWarning, stacklevel=1)
 
     def _drain_outbox(self, peer: int) -> bool:
         with self._outbox_lock:
             queue = self._outbox[peer]
-            while queue and queue[0][0]():
-                self._send_notification(peer, queue.popleft()[1])
+            while queue:
+                done, message = queue[0]
+                try:
+                    if not done():
+                        break
+                    queue.popleft()
+                    self._send_notification(peer, message)
+                except Exception as e:  # noqa: BLE001 - one lost message must not strand the ones behind it
+                    if queue and queue[0][1] is message:
+                        queue.popleft()
+                    self._notification_failed(e)
             return not queue
 
     def _send_notification(self, peer: int, message: bytes) -> None:
@@ -462,9 +473,8 @@ class Communicator:
         reads is not valid) and the next ``wait_notification`` raises ``WaitTimeoutError``."""
         self._check_open("wait_notification")
         self._check_rank(from_rank, "wait_notification")
-        if self._stream_notification_error is not None:
-            error, self._stream_notification_error = self._stream_notification_error, None
-            raise error
+        if self._stream_notification_errors:
+            raise self._stream_notification_errors.popleft()
         if stream is not None:
             return self._wait_notification_on_stream(from_rank, stream)
         message: list[bytes] = []

@@ -14,8 +14,9 @@ is timed with ``perf_counter``, GPU memory with CUDA events. Every rank checks i
 (``x * sum of valid weights``) after timing: a backend that moved wrong bytes fails the benchmark.
 
 With ``graphs=True`` the ``cuda`` backend is also timed as ``cuda (graph)``: dispatch and combine with
-``capacity = T * topk`` (no overflow possible), each captured once in a CUDA graph and replayed, so the
-time is the device's, without the Python launch cost an eager call pays on every step.
+``capacity = world_size * T * topk`` (the most a rank can receive: no overflow possible), each captured
+once in a CUDA graph and replayed, so the time is the device's, without the Python launch cost an eager
+call pays on every step.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def _rank_main(config: MoeBenchConfig) -> list[dict]:
                 for op, timing in (("dispatch", dispatch), ("combine", combine)):
                     records.append(_record(config, backend, op, tokens, rows, nbytes, timing, copy, device, capacity))
                 if backend == "cuda" and config.graphs:
-                    capacity = tokens * config.topk
+                    capacity = config.world_size * tokens * config.topk
                     dispatch, combine, y = _time_graphs(moe, comm, x, topk_idx, topk_weights, config, capacity)
                     _check(y, x, topk_idx, topk_weights, "cuda (graph)", comm.rank)
                     for op, timing in (("dispatch", dispatch), ("combine", combine)):

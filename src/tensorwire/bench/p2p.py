@@ -409,7 +409,7 @@ def _bench_graph(comm: Any, side: _Side, size: int, op: Op, local: torch.Tensor,
     events on the current stream (the graph replays there)."""
     with comm.prepare(op, local, remote) as transfer:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may use CUDA meanwhile
             capture = torch.cuda.current_stream()
             transfer.post(stream=capture)
             transfer.wait(stream=capture)

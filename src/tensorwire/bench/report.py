@@ -32,6 +32,8 @@ from .p2p import (
 
 __all__ = ["header", "comparisons", "summary", "format_report", "to_json"]
 
+_ROW_ORDER = (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_GRAPH, TENSORWIRE_IN_PROCESS, TENSORWIRE_NIXL, RAW, COPY)
+
 
 def header(argv: list[str]) -> dict[str, Any]:
     """Where and with what the benchmark ran (the JSON header)."""
@@ -150,7 +152,7 @@ def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig
     ratios = {(c["memory"], c["op"], c["size"], c["path"]): c for c in comparisons(result.records)}
     for (memory, op, size), paths in _cases(result.records).items():
         first = True
-        for path in (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_GRAPH, TENSORWIRE_IN_PROCESS, TENSORWIRE_NIXL, RAW, COPY):
+        for path in _ROW_ORDER:
             r = paths.get(path)
             if r is None:
                 continue

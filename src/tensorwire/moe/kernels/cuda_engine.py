@@ -233,7 +233,8 @@ def raise_errors(bits: int, fn: str, timeout_s: float) -> None:
     if bits & TIMED_OUT:
         raise WaitTimeoutError(f"{fn}: a GPU wait of backend='cuda' was not released by the peers within "
                                f"{timeout_s:.3g}s and was forced open; a peer is stuck, dead or made different MoE "
-                               "calls; results since are invalid")
+                               "calls; results since are invalid and this communicator's cuda backend is unusable: "
+                               "close it and init a new one")
     if bits & ERROR_EXPERT_OUT_OF_RANGE:
         raise InvalidArgumentError(f"{fn}: topk_idx on some rank held expert ids outside [-1, num_experts) (they were "
                                    "dropped); pass ids in [0, num_experts), or -1 for 'no expert'")
@@ -247,26 +248,30 @@ def raise_errors(bits: int, fn: str, timeout_s: float) -> None:
 
 class StreamWaits:
     """The ``wait`` of the steps on a GPU: the current stream waits until each of ``count`` flag words
-    (32-bit, 8 bytes apart from ``first_word`` of the space) reaches ``target``, then stores 0 back (stream
-    memory operations: graph-capturable, no SM busy).
+    (32-bit, 8 bytes apart from ``first_word`` of the space) reaches ``target`` (stream memory operations:
+    graph-capturable, no SM busy), then ``consume_flags`` subtracts ``target`` from each.
 
     Watchdog: an eager (not captured) wait is watched by the progress thread; if the stream has not passed
     it within the communicator's ``timeout_s``, the watchdog stores the targets itself (on a stream of its
-    own) so that the GPU goes on, and sets ``timed_out``, which the engine reports as ``WaitTimeoutError``
-    (every result since is invalid). A replayed graph is not watched.
+    own) so that the GPU goes on, and sets ``timed_out``: from then on the engine refuses every call (the
+    flags no longer match the peers'). The deadline counts from when the wait was enqueued. Closing the
+    communicator opens every eager wait still pending the same way. A replayed graph is not watched.
     """
 
-    def __init__(self, comm: Communicator) -> None:
-        self._comm = comm
+    def __init__(self, comm: Communicator, kernels: ModuleType) -> None:
+        self._comm, self._kernels = comm, kernels
         self._release_stream = None
+        self._pending: list[tuple[torch.cuda.Event, list[int], int]] = []  # eager waits not yet passed
         self.timed_out = False
+        comm._stream_waiters.add(self)  # close() calls _release_stream_waits
 
     def __call__(self, space: torch.Tensor, first_word: int, target: int, count: int) -> None:
         stream = torch.cuda.current_stream()
         addresses = [space.data_ptr() + 8 * (first_word + i) for i in range(count)]
         for address in addresses:
             cuda.stream_wait_value(stream, address, target)
-            cuda.stream_write_value(stream, address, 0)
+        self._kernels.consume_flags[(1,)](space.view(torch.int64), first_word, target, count,
+                                          BLOCK=next_power_of_two(count))
         if not torch.cuda.is_current_stream_capturing():
             self._watch(stream, addresses, target)
 
@@ -275,27 +280,47 @@ class StreamWaits:
             self._release_stream = torch.cuda.Stream(device=stream.device)  # never the stream that waits
         passed = torch.cuda.Event()
         passed.record(stream)
+        waiting = (passed, addresses, target)
+        self._pending = [w for w in self._pending if not w[0].query()] + [waiting]
         timeout_s = self._comm.timeout_s
         deadline = time.monotonic() + timeout_s
-        release_stream = self._release_stream
 
         def watchdog() -> bool:
             if passed.query():
                 return True
             if time.monotonic() < deadline:
                 return False
-            cu = cuda.driver()
-            with torch.cuda.device(release_stream.device):  # the context current on this (progress) thread
-                for address in addresses:
-                    cuda.check(cu.cuMemsetD32Async(address, target, 1, cu.CUstream(release_stream.cuda_stream)),
-                               "cuMemsetD32Async")
-            self.timed_out = True
-            warnings.warn(f"tensorwire: backend='cuda': a GPU wait was not released within {timeout_s:.3g}s; "
-                          "forced it open (a peer is stuck or dead); the next MoE call raises", RuntimeWarning,
-                          stacklevel=1)
+            self._force_open([waiting], f"a GPU wait was not released within {timeout_s:.3g}s (a peer is stuck or "
+                                        "dead)")
             return True
 
-        self._comm._engine.watch(watchdog)
+        self._comm._engine.watch(watchdog, on_error=self._watchdog_failed)
+
+    def _force_open(self, waits: list, why: str) -> None:
+        """Store the awaited values from a stream of our own, so the waiting streams go on; the engine is
+        unusable from then on."""
+        self.timed_out = True  # before the stores: a host sync that returns sees it
+        cu = cuda.driver()
+        with torch.cuda.device(self._release_stream.device):  # the context current on this thread
+            handle = cu.CUstream(self._release_stream.cuda_stream)
+            for _, addresses, target in waits:
+                for address in addresses:
+                    cuda.check(cu.cuMemsetD32Async(address, target, 1, handle), "cuMemsetD32Async")
+        warnings.warn(f"tensorwire: backend='cuda': {why}; forced it open, MoE calls on this communicator raise "
+                      "from now on", RuntimeWarning, stacklevel=2)
+
+    def _watchdog_failed(self, error: Exception) -> None:
+        self.timed_out = True
+        warnings.warn(f"tensorwire: backend='cuda': the watchdog could not open a GPU wait: {error}", RuntimeWarning,
+                      stacklevel=2)
+
+    def _release_stream_waits(self) -> bool:
+        """Communicator close: open every eager wait the stream has not passed. True if there was one."""
+        waits = [w for w in self._pending if not w[0].query()]
+        self._pending = []
+        if waits:
+            self._force_open(waits, f"{len(waits)} GPU wait(s) were still pending when the communicator closed")
+        return bool(waits)
 
 
 # --- the engine -----------------------------------------------------------------------------------
@@ -327,7 +352,7 @@ class CudaEngine:
         self._signals: dict[int, SignalSpace] = {}
         self._data: dict[str, DataSpace] = {}
         self._registrations: list = []  # spaces stay registered for the communicator's life
-        self._wait = StreamWaits(comm)
+        self._wait = StreamWaits(comm, nvlink)
 
     def dispatch(self, x: torch.Tensor, layout: SendLayout, topk_weights: torch.Tensor,
                  capacity: int | None) -> Dispatch:
@@ -430,6 +455,8 @@ class CudaEngine:
         return gather_rows(self.kernels, signals, row, self.rank, self.world_size, self._wait)
 
     def _bind(self, device: torch.device, fn: str) -> torch.device:
+        if self._wait.timed_out:
+            raise_errors(TIMED_OUT, fn, self.comm.timeout_s)
         if self.device is None:
             self.device = device
             self.error = torch.zeros(1, dtype=torch.int64, device=device)
@@ -462,10 +489,8 @@ class CudaEngine:
         return DataSpace(tensor, bases, self.world_size, capacity, row_bytes)
 
     def _watchdog_bits(self) -> int:
-        if not self._wait.timed_out:
-            return 0
-        self._wait.timed_out = False
-        return TIMED_OUT
+        """TIMED_OUT once the watchdog forced a wait open: sticky, the flags no longer match the peers'."""
+        return TIMED_OUT if self._wait.timed_out else 0
 
     def _sync(self, rows: torch.Tensor, fn: str) -> torch.Tensor:
         """Count rows and error word on the host (the exact path's one sync); raises what they show."""

@@ -9,29 +9,29 @@ of rank r's space *in this process*. A kernel stores into a peer's space directl
 Signal space (count exchange; one per count-row width)::
 
     word 0                      round     count exchanges so far (this rank only; bumped before each)
-    COUNT_FLAGS [W]             word s:   1 once rank s stored its count row here (reset by this rank)
+    COUNT_FLAGS [W]             word s:   count rows rank s stored here and this rank has not consumed
     COUNT_SLOTS [2, W, stride]  [round % 2, s]: rank s's count row of that round
 
 Data space (rows; one per (purpose, capacity C, row bytes))::
 
     word 0                      round     dispatches into this space so far (this rank only)
-    DATA_FLAGS  [W]             word s:   how many of rank s's P programs finished storing their rows here
-    READY_FLAGS [W]             word r:   1 once rank r's expert outputs are in place (reset by this rank)
+    DATA_FLAGS  [W]             word s:   programs of rank s that finished storing rows here, not consumed
+    READY_FLAGS [W]             word r:   combines whose expert outputs rank r has in place, not consumed
     META        [2, C, 3]       int64 (source rank, token, weight bits) per received row
     ROWS        [2, C, row]     the rows (row padded to 16 bytes)
 
 Flags are 32-bit words (the low half of an int64 slot). Data flow of one dispatch (P programs per peer)::
 
     rank s                                   rank r
-    publish_counts:   row -> r.COUNT_SLOTS[round%2][s], release r.COUNT_FLAGS[s] = 1
-    (stream waits until every COUNT_FLAGS[s] >= 1 here, resets them, copies COUNT_SLOTS[round%2] out;
-     torch ops on the device: placement tables from the count matrix)
+    publish_counts:   row -> r.COUNT_SLOTS[round%2][s], release-add r.COUNT_FLAGS[s] += 1
+    (stream waits until every COUNT_FLAGS[s] >= 1 here, consume_flags subtracts 1 from each, copies
+     COUNT_SLOTS[round%2] out; torch ops on the device: placement tables from the count matrix)
     dispatch_rows:    x[token] -> r.ROWS[round%2][its final row], meta -> r.META[...]
                       release-add r.DATA_FLAGS[s] += 1 per program     stream waits until every
-                                                                      DATA_FLAGS[s] >= P, resets them
-    combine:          (r copies its expert outputs into its own ROWS[round%2] and release-stores
-                      s.READY_FLAGS[r] = 1 for every s)
-    stream waits until every READY_FLAGS[r] >= 1, resets them
+                                                                      DATA_FLAGS[s] >= P, subtracts P
+    combine:          (r copies its expert outputs into its own ROWS[round%2] and release-adds
+                      s.READY_FLAGS[r] += 1 for every s)
+    stream waits until every READY_FLAGS[r] >= 1, subtracts 1
     combine_pull:     y[t] = sum_k w[t,k] * r.ROWS[round%2][row(t,k)], loads straight from the peers
 
 Memory-ordering contract.
@@ -41,11 +41,13 @@ Memory-ordering contract.
     complete before the releasing kernel starts.
   * A consumer's stream waits for the flag with a stream memory operation (``cuStreamWaitValue32``, done
     by the GPU's front end: no SM spins, and on a GPU shared by several processes the waiting context
-    yields its time slice instead of holding it), then stores 0 back; kernels after the wait see the
-    producer's stores.
-  * Resetting is race-free because a producer signals round n+1 only after it finished round n, which
-    needed this rank's later signals, which this rank's stream issues after its resets. The waited values
-    never change (1, or P), so a CUDA graph replays unchanged; rounds (row parity) live in device memory.
+    yields its time slice instead of holding it), then ``consume_flags`` atomically subtracts what it
+    waited for; kernels after the wait see the producer's stores.
+  * Flags count signals, and a consumer takes away exactly its own: a peer that runs ahead and signals
+    the next call before this rank consumed the current one (two combines in a row, two count exchanges
+    with no rows between them) leaves its signal standing for the next wait instead of being erased.
+    The waited values never change (1, or P), so a CUDA graph replays unchanged; rounds (row parity)
+    live in device memory.
   * Reuse: rows of round n+1 are stored only after every rank has sent its round n+1 count row, i.e.
     finished round n; count slots and row regions alternate between two rounds (``round % 2``), which is
     why a dispatch must be combined before the second dispatch after it.
@@ -59,14 +61,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["combine_pull", "dispatch_rows", "publish_counts", "signal_ready"]
+__all__ = ["combine_pull", "consume_flags", "dispatch_rows", "publish_counts", "signal_ready"]
 
 
 @triton.jit
 def publish_counts(space_ptr, peer_bases_ptr, row_ptr, rank, world, width, stride, flags_offset, slots_offset,
                    BLOCK: tl.constexpr):
-    """Grid (W,). Program p stores this rank's count row into rank p's slot of this round and release-stores
-    1 into p's COUNT_FLAGS[rank]. ``space_ptr``: this rank's signal space (int64 words; word 0 is the round,
+    """Grid (W,). Program p stores this rank's count row into rank p's slot of this round and release-adds
+    1 to p's COUNT_FLAGS[rank]. ``space_ptr``: this rank's signal space (int64 words; word 0 is the round,
     already bumped); offsets in int64 words."""
     peer = tl.program_id(0)
     parity = tl.load(space_ptr) % 2
@@ -78,7 +80,7 @@ def publish_counts(space_ptr, peer_bases_ptr, row_ptr, rank, world, width, strid
         tl.store(slot + start + lanes, tl.load(row_ptr + start + lanes, mask=mask), mask=mask)
     tl.debug_barrier()
     flag = (remote + flags_offset + rank).to(tl.pointer_type(tl.int32))
-    tl.atomic_xchg(flag, 1, sem="release", scope="sys")
+    tl.atomic_add(flag, 1, sem="release", scope="sys")
 
 
 @triton.jit
@@ -130,11 +132,20 @@ def dispatch_rows(words_ptr, token_ptr, weight_bits_ptr, send_counts_ptr, send_s
 
 @triton.jit
 def signal_ready(peer_bases_ptr, ready_offset, rank):
-    """Grid (W,). Program p release-stores ``p.READY_FLAGS[rank] = 1``: this rank's expert outputs (stored
+    """Grid (W,). Program p release-adds 1 to ``p.READY_FLAGS[rank]``: this rank's expert outputs (stored
     into its own ROWS by the previous kernels of this stream) may be pulled."""
     peer = tl.program_id(0)
     remote = tl.load(peer_bases_ptr + peer).to(tl.pointer_type(tl.int64))
-    tl.atomic_xchg((remote + ready_offset + rank).to(tl.pointer_type(tl.int32)), 1, sem="release", scope="sys")
+    tl.atomic_add((remote + ready_offset + rank).to(tl.pointer_type(tl.int32)), 1, sem="release", scope="sys")
+
+
+@triton.jit
+def consume_flags(space_ptr, first_word, target, count, BLOCK: tl.constexpr):
+    """Grid (1,). Subtract ``target`` from the ``count`` flags (32-bit, in the low halves of int64 words)
+    from ``first_word`` of this rank's space, once the stream's waits saw each reach ``target``."""
+    lanes = tl.arange(0, BLOCK)
+    flags = space_ptr.to(tl.pointer_type(tl.int32)) + 2 * (first_word + lanes)
+    tl.atomic_add(flags, tl.full([BLOCK], 0, tl.int32) - target, mask=lanes < count, sem="relaxed", scope="sys")
 
 
 @triton.jit
