@@ -261,7 +261,9 @@ class StreamWaits:
     def __init__(self, comm: Communicator, kernels: ModuleType) -> None:
         self._comm, self._kernels = comm, kernels
         self._release_stream = None
-        self._pending: list[tuple[torch.cuda.Event, list[int], int]] = []  # eager waits not yet passed
+        # Eager waits whose watchdog has not seen them passed: {key: (event, addresses, target)}. Only the
+        # progress thread queries the events (a query on the calling thread would count as a host sync).
+        self._pending: dict[int, tuple[torch.cuda.Event, list[int], int]] = {}
         self.timed_out = False
         comm._stream_waiters.add(self)  # close() calls _release_stream_waits
 
@@ -281,15 +283,18 @@ class StreamWaits:
         passed = torch.cuda.Event()
         passed.record(stream)
         waiting = (passed, addresses, target)
-        self._pending = [w for w in self._pending if not w[0].query()] + [waiting]
+        key = id(waiting)
+        self._pending[key] = waiting
         timeout_s = self._comm.timeout_s
         deadline = time.monotonic() + timeout_s
 
         def watchdog() -> bool:
             if passed.query():
+                self._pending.pop(key, None)
                 return True
             if time.monotonic() < deadline:
                 return False
+            self._pending.pop(key, None)
             self._force_open([waiting], f"a GPU wait was not released within {timeout_s:.3g}s (a peer is stuck or "
                                         "dead)")
             return True
@@ -316,8 +321,8 @@ class StreamWaits:
 
     def _release_stream_waits(self) -> bool:
         """Communicator close: open every eager wait the stream has not passed. True if there was one."""
-        waits = [w for w in self._pending if not w[0].query()]
-        self._pending = []
+        waits = [w for w in list(self._pending.values()) if not w[0].query()]
+        self._pending.clear()
         if waits:
             self._force_open(waits, f"{len(waits)} GPU wait(s) were still pending when the communicator closed")
         return bool(waits)
