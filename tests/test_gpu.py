@@ -11,6 +11,7 @@ import torch
 
 import tensorwire as tw
 from conftest import INIT_TIMEOUT, WAIT, assert_equal, launch, rank_values, ring_peers, sentinel
+from test_p2p import _repost
 
 pytestmark = pytest.mark.gpu
 
@@ -48,39 +49,6 @@ def _gpu_ring(n: int):
     comm.barrier(timeout=WAIT)
     comm.close()
     return transport
-
-
-def _gpu_repost(rounds: int):
-    n = 1 << 16
-    comm = _gpu_comm()
-    dev = comm.device
-    nxt, prv = ring_peers(comm)
-    wsrc, wdst = rank_values(comm.rank, n, torch.int64, dev), sentinel(n, torch.int64, dev)
-    rsrc, rdst = rank_values(comm.rank, n, torch.int64, dev), sentinel(n, torch.int64, dev)
-    reg = comm.register([wsrc, wdst, rsrc, rdst])
-    comm.publish("bufs", reg.descs)
-    _, remote_wdst, remote_rsrc, _ = comm.lookup("bufs", nxt, timeout=WAIT)
-    write = comm.prepare(tw.WRITE, wsrc, remote_wdst)
-    read = comm.prepare(tw.READ, rdst, remote_rsrc)
-    for r in range(rounds):
-        offset = 1_000_000 * (r + 1)
-        wsrc.copy_(rank_values(comm.rank, n, torch.int64, dev, offset=offset))
-        torch.cuda.synchronize()
-        write.post()
-        write.wait(timeout=WAIT)
-        comm.barrier(timeout=WAIT)
-        assert_equal(wdst, rank_values(prv, n, torch.int64, dev, offset=offset), f"round {r}: GPU re-posted WRITE")
-        rsrc.copy_(rank_values(comm.rank, n, torch.int64, dev, offset=offset))
-        torch.cuda.synchronize()
-        comm.barrier(timeout=WAIT)
-        read.post()
-        read.wait(timeout=WAIT)
-        assert_equal(rdst, rank_values(nxt, n, torch.int64, dev, offset=offset), f"round {r}: GPU re-posted READ")
-        comm.barrier(timeout=WAIT)
-    write.close()
-    read.close()
-    comm.close()
-    return rounds
 
 
 def _gpu_notify(messages: int):
@@ -163,7 +131,7 @@ def test_gpu_ring_read_write(world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_gpu_repost(world):
     """CUDA tensors: one prepared READ and one WRITE re-posted 10 times carry each round's new data."""
-    assert launch(_gpu_repost, world, 10) == [10] * world
+    assert launch(_repost, world, 10, "cuda") == [10] * world
 
 
 @pytest.mark.parametrize("world", WORLDS)

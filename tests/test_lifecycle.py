@@ -49,17 +49,22 @@ def _register_cycles(cycles: int):
     return cycles
 
 
+def _times_out(call, what: str) -> tuple[float, str]:
+    """``call()`` must raise WaitTimeoutError: how long it took, and the message."""
+    t0 = time.perf_counter()
+    try:
+        call()
+    except tw.WaitTimeoutError as e:
+        return time.perf_counter() - t0, str(e)
+    raise AssertionError(f"{what} returned")
+
+
 def _lookup_unpublished():
     comm = tw.init(timeout=INIT_TIMEOUT)
     result = None
     if comm.rank == 0:
-        t0 = time.perf_counter()
-        try:
-            comm.lookup("nobody-publishes-this", 1, timeout=0.5)
-        except tw.WaitTimeoutError as e:
-            result = (time.perf_counter() - t0, str(e))
-        else:
-            raise AssertionError("lookup of an unpublished key returned")
+        result = _times_out(lambda: comm.lookup("nobody-publishes-this", 1, timeout=0.5),
+                            "lookup of an unpublished key")
     comm.barrier(timeout=WAIT)
     comm.close()
     return result
@@ -69,13 +74,7 @@ def _barrier_absent_rank():
     comm = tw.init(timeout=INIT_TIMEOUT)
     result = None
     if comm.rank == 0:
-        t0 = time.perf_counter()
-        try:
-            comm.barrier(timeout=1.0)
-        except tw.WaitTimeoutError as e:
-            result = (time.perf_counter() - t0, str(e))
-        else:
-            raise AssertionError("barrier returned although rank 1 never entered it")
+        result = _times_out(lambda: comm.barrier(timeout=1.0), "barrier although rank 1 never entered it")
     else:
         time.sleep(2.0)  # rank 1 never enters the barrier
     comm.close()

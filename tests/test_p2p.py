@@ -21,12 +21,16 @@ WORLDS = [pytest.param(2, id="world2"), pytest.param(4, id="world4")]
 
 
 # --- rank functions (module level: they are pickled by reference into the spawned ranks) ----------
-def _ring_read(n: int):
+def _ring_setup(n: int):
+    """A communicator, its ring neighbours, a registered source (this rank's values) and sentinel target."""
     comm = tw.init(timeout=INIT_TIMEOUT)
-    nxt, _ = ring_peers(comm)
-    src = rank_values(comm.rank, n)
-    dst = sentinel(n)
-    reg = comm.register([src, dst])
+    nxt, prv = ring_peers(comm)
+    src, dst = rank_values(comm.rank, n), sentinel(n)
+    return comm, nxt, prv, src, dst, comm.register([src, dst])
+
+
+def _ring_read(n: int):
+    comm, nxt, _, src, dst, reg = _ring_setup(n)
     comm.publish("src", reg.descs[0])
     remote = comm.lookup("src", nxt, timeout=WAIT)
     assert len(remote) == 1 and remote[0].rank == nxt and remote[0].nbytes == src.nbytes
@@ -40,11 +44,7 @@ def _ring_read(n: int):
 
 
 def _ring_write(n: int):
-    comm = tw.init(timeout=INIT_TIMEOUT)
-    nxt, prv = ring_peers(comm)
-    src = rank_values(comm.rank, n)
-    dst = sentinel(n)
-    reg = comm.register([src, dst])
+    comm, nxt, prv, src, dst, reg = _ring_setup(n)
     comm.publish("dst", reg.descs[1])
     remote = comm.lookup("dst", nxt, timeout=WAIT)
     comm.barrier(timeout=WAIT)
@@ -145,12 +145,24 @@ def _dtypes_and_sizes():
     return comm.rank
 
 
-def _repost(rounds: int):
+def _repost(rounds: int, memory: str = "cpu"):
+    """Also the GPU suite's re-post test (``memory="cuda"``: tensors on ``comm.device``)."""
     n = 4096
     comm = tw.init(timeout=INIT_TIMEOUT)
+    device = comm.device if memory == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+    def values(rank: int, offset: int = 0) -> torch.Tensor:
+        return rank_values(rank, n, torch.int64, device, offset=offset)
+
+    def settle() -> None:  # kernels that filled a buffer are done before a peer reads it
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     nxt, prv = ring_peers(comm)
-    wsrc, wdst = rank_values(comm.rank, n, torch.int64), sentinel(n, torch.int64)
-    rsrc, rdst = rank_values(comm.rank, n, torch.int64), sentinel(n, torch.int64)
+    wsrc, wdst = values(comm.rank), sentinel(n, torch.int64, device)
+    rsrc, rdst = values(comm.rank), sentinel(n, torch.int64, device)
     reg = comm.register([wsrc, wdst, rsrc, rdst])
     comm.publish("bufs", reg.descs)
     _, remote_wdst, remote_rsrc, _ = comm.lookup("bufs", nxt, timeout=WAIT)
@@ -159,19 +171,21 @@ def _repost(rounds: int):
     for r in range(rounds):
         offset = 1_000_000 * (r + 1)
         # WRITE re-post: new data in the same source tensor, the same prepared transfer.
-        wsrc.copy_(rank_values(comm.rank, n, torch.int64, offset=offset))
+        wsrc.copy_(values(comm.rank, offset))
+        settle()
         write.post()
         write.wait(timeout=WAIT)
         assert write.status() is tw.Status.DONE
         comm.barrier(timeout=WAIT)
-        assert_equal(wdst, rank_values(prv, n, torch.int64, offset=offset), f"round {r}: re-posted WRITE from {prv}")
+        assert_equal(wdst, values(prv, offset), f"round {r}: re-posted WRITE from {prv}")
         # READ re-post: the owner changes its data between rounds; the reader sees the new values.
-        rsrc.copy_(rank_values(comm.rank, n, torch.int64, offset=offset))
+        rsrc.copy_(values(comm.rank, offset))
+        settle()
         comm.barrier(timeout=WAIT)
         read.post()
         read.wait(timeout=WAIT)
         assert read.status() is tw.Status.DONE
-        assert_equal(rdst, rank_values(nxt, n, torch.int64, offset=offset), f"round {r}: re-posted READ from {nxt}")
+        assert_equal(rdst, values(nxt, offset), f"round {r}: re-posted READ from {nxt}")
         comm.barrier(timeout=WAIT)  # nobody overwrites a source before its reader is done
     write.close()
     read.close()

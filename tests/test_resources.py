@@ -53,18 +53,14 @@ def _churn(transfer_cycles: int, register_cycles: int):
             register_cycle(i)
         gc.collect()
         numbers["rss_start"] = rss_bytes()
-        t0 = time.perf_counter()
-        for i in range(transfer_cycles):
-            transfer_cycle(i)
-        numbers["transfer_s"] = time.perf_counter() - t0
-        gc.collect()
-        numbers["rss_after_transfers"] = rss_bytes()
-        t0 = time.perf_counter()
-        for i in range(register_cycles):
-            register_cycle(i)
-        numbers["register_s"] = time.perf_counter() - t0
-        gc.collect()
-        numbers["rss_after_registers"] = rss_bytes()
+        for name, cycle, count in (("transfer", transfer_cycle, transfer_cycles),
+                                   ("register", register_cycle, register_cycles)):
+            t0 = time.perf_counter()
+            for i in range(count):
+                cycle(i)
+            numbers[f"{name}_s"] = time.perf_counter() - t0
+            gc.collect()
+            numbers[f"rss_after_{name}s"] = rss_bytes()
         # Still correct after all that.
         comm.read(dst, remote_src, timeout=WAIT)
         assert_equal(dst, rank_values(peer, n, torch.int64), "READ after the churn")

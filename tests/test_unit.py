@@ -188,28 +188,22 @@ def _env(rank, world, local_rank, local_world, addr, port, launcher):
     return bootstrap.Environment(rank, world, local_rank, local_world, addr, port, launcher)
 
 
-def test_environment_torchrun(clean_env):
-    """torchrun's RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_* are read."""
-    for k, v in dict(RANK="3", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
-                     MASTER_ADDR="10.0.0.1", MASTER_PORT="29500").items():
+@pytest.mark.parametrize("variables, expected", [
+    (dict(RANK="3", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="10.0.0.1", MASTER_PORT="29500"),
+     _env(3, 8, 1, 2, "10.0.0.1", 29500, "torchrun")),
+    (dict(OMPI_COMM_WORLD_RANK="5", OMPI_COMM_WORLD_SIZE="6", OMPI_COMM_WORLD_LOCAL_RANK="2",
+          OMPI_COMM_WORLD_LOCAL_SIZE="3", MASTER_ADDR="node0", MASTER_PORT="1234"),
+     _env(5, 6, 2, 3, "node0", 1234, "mpirun")),
+    # SLURM's '4(x2)' tasks-per-node syntax
+    (dict(SLURM_PROCID="7", SLURM_NTASKS="8", SLURM_LOCALID="3", SLURM_NTASKS_PER_NODE="4(x2)",
+          MASTER_ADDR="head", MASTER_PORT="4000"),
+     _env(7, 8, 3, 4, "head", 4000, "slurm")),
+], ids=["torchrun", "openmpi", "slurm"])
+def test_environment_of_each_launcher(clean_env, variables, expected):
+    """torchrun's RANK/..., mpirun's OMPI_COMM_WORLD_* and SLURM_* variables are read."""
+    for k, v in variables.items():
         clean_env.setenv(k, v)
-    assert bootstrap.resolve_environment() == _env(3, 8, 1, 2, "10.0.0.1", 29500, "torchrun")
-
-
-def test_environment_openmpi(clean_env):
-    """mpirun's OMPI_COMM_WORLD_* variables are read."""
-    for k, v in dict(OMPI_COMM_WORLD_RANK="5", OMPI_COMM_WORLD_SIZE="6", OMPI_COMM_WORLD_LOCAL_RANK="2",
-                     OMPI_COMM_WORLD_LOCAL_SIZE="3", MASTER_ADDR="node0", MASTER_PORT="1234").items():
-        clean_env.setenv(k, v)
-    assert bootstrap.resolve_environment() == _env(5, 6, 2, 3, "node0", 1234, "mpirun")
-
-
-def test_environment_slurm(clean_env):
-    """SLURM_* variables are read, including SLURM's '4(x2)' tasks-per-node syntax."""
-    for k, v in dict(SLURM_PROCID="7", SLURM_NTASKS="8", SLURM_LOCALID="3", SLURM_NTASKS_PER_NODE="4(x2)",
-                     MASTER_ADDR="head", MASTER_PORT="4000").items():
-        clean_env.setenv(k, v)
-    assert bootstrap.resolve_environment() == _env(7, 8, 3, 4, "head", 4000, "slurm")
+    assert bootstrap.resolve_environment() == expected
 
 
 def test_environment_torchrun_wins_over_openmpi(clean_env):

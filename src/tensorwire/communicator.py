@@ -425,7 +425,9 @@ class Communicator:
 
     def _notification_failed(self, error: Exception) -> None:
         """A queued notification could not be sent: say so now (the peer's wait for it will time out)."""
-        warnings.warn(f"tensorwire: a notification could not be sent: {error}", RuntimeWarning, stacklevel=1)
+        warnings.warn(f"tensorwire: a notification could not be sent and was dropped ({error}); the peer's "
+                      "wait_notification for it will time out: check that the peer is alive and reachable "
+                      "('tensorwire doctor')", RuntimeWarning, stacklevel=1)
 
     def _drain_outbox(self, peer: int) -> bool:
         with self._outbox_lock:
