@@ -402,18 +402,23 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
     wheres = [placement(rows_out[r][:, HEADER:], r) for r in range(world)]
     for r in range(world):
         ce.flag_on_device(errors[r], rows_out[r][:, :HEADER], wheres[r].rows_per_rank, capacity, r)
-        data[r].round.add_(1)
-    rounds = [d.round.clone() for d in data]
+        data[r].next_half()  # the second dispatch into a space: half 1
+    halves = [d.next_half() for d in data]
     for r, (x, _, weights) in enumerate(inputs):
-        bits = weights.reshape(-1).index_select(0, layouts[r].order).to(torch.float64).view(torch.int64)
-        ce.store_rows(nvlink, data[r], x.view(ce.word_dtype(row_bytes)), layouts[r].token_of_row, bits, wheres[r],
-                      EXPERTS_PER_RANK, True, r, world)
+        layout = layouts[r]
+        bits = weights.reshape(-1).index_select(0, layout.order).to(torch.float64).view(torch.int64)
+        targets = ce.row_targets(layout.expert_of_pair.reshape(-1).index_select(0, layout.order), wheres[r],
+                                 EXPERTS_PER_RANK)
+        ce.store_rows(nvlink, data[r], x.view(ce.word_dtype(row_bytes)), layout.token_of_row, targets, bits,
+                      halves[r], True, r, world)
     results = []
     for r in range(world):
-        host_wait(data[r].tensor, data[r].flags_offset, ce.PROGRAMS_PER_PEER, world)
-        received = (rounds[r] % 2) * capacity + torch.arange(capacity)
-        recv_x = data[r].rows(torch.float32, case.hidden).index_select(0, received)
-        src_rank, src_idx, weights = unpack_meta(data[r].meta().index_select(0, received), torch.float32)
+        host_wait(data[r].tensor, data[r].flags_offset, ce.SCATTER_PROGRAMS, world)
+        recv_x = data[r].rows(torch.float32, case.hidden, halves[r])
+        src_rank, src_idx, weights = unpack_meta(data[r].meta(halves[r]), torch.float32)
+        untouched = data[r].rows(torch.float32, case.hidden, 1 - halves[r])
+        if untouched.any():
+            problems.append(f"rank {r}: rows landed in the other half of the space")
         n = min(expected[r]["recv_src_rank"].numel(), capacity)  # an overflow drops the rows past capacity
         for name, got, want in (("recv_x", recv_x[:n], expected[r]["recv_x"][:n]),
                                 ("recv_src_rank", src_rank[:n], expected[r]["recv_src_rank"][:n]),
@@ -424,11 +429,10 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
                 problems.append(f"rank {r}: {name} differs: {got.tolist()} != {want.tolist()}")
         results.append((recv_x, wheres[r].tokens_per_expert))
     # combine: outputs into each rank's own ROWS, ready signals, waits, pulls
-    tables = [ce.pair_tables(layouts[r], wheres[r], inputs[r][2], capacity, r, rounds[r]) for r in range(world)]
+    tables = [ce.pair_tables(layouts[r], wheres[r], inputs[r][2], capacity, r, halves[r]) for r in range(world)]
     for r, (recv_x, per_expert) in enumerate(results):
         out = scaled_expert(recv_x, per_expert, r) if capacity_slack >= 0 else recv_x * 2
-        own_rows = (rounds[r] % 2) * capacity + torch.arange(capacity)
-        data[r].rows(torch.float32, case.hidden).index_copy_(0, own_rows, out)
+        recv_x.copy_(out)  # what combine does with outputs not computed in place
     for r in range(world):
         ce.signal_ready(nvlink, data[r], r, world)
     for r, (x, topk_idx, topk_weights) in enumerate(inputs):

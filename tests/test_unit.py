@@ -6,7 +6,6 @@ import dataclasses
 import struct
 
 import pytest
-import torch
 
 import tensorwire as tw
 from tensorwire import bootstrap, config, errors

@@ -8,7 +8,6 @@ call raised; the parametrized tests below check them one by one, so a failure na
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch

@@ -22,7 +22,8 @@ def combine(expert_out: torch.Tensor, dispatched: Dispatch) -> torch.Tensor:
     ``expert_out`` is ``[N, H]`` shaped, typed and placed like ``dispatched.recv_x``: row ``i`` is the expert
     output for ``recv_x[i]`` (rows past ``num_recv_rows`` are ignored). Collective, in dispatch order; each
     ``Dispatch`` is combined once, before the second dispatch after it. Host syncs and graph safety are
-    those of the dispatch: none on ``"cuda"`` with ``capacity``, else the call blocks until done.
+    those of the dispatch: none on ``"cuda"`` with ``capacity``, else the call blocks until done. On
+    ``"cuda"`` the outputs are stored into ``recv_x``'s rows first, unless ``expert_out`` is ``recv_x`` itself.
     """
     if not isinstance(dispatched, Dispatch):
         raise InvalidArgumentError(

@@ -5,15 +5,19 @@ mapped into this process for every peer (``Communicator.peer_pointer``). Creatin
 (each rank publishes its space under the same key and looks up every peer's) and synchronises with the
 host, so the first call of each shape does; make it once before capturing a CUDA graph. After that:
 
-* with ``capacity``: the count exchange, the placement tables (torch ops on the device), the row stores,
-  the waits (stream memory operations on flag words, ``nvlink``'s docstring) and the copies out are all
-  stream-ordered device work: no host sync, and the sequence can be captured in a CUDA graph and
-  replayed (rounds live in device memory). Errors (an expert id out of range, ranks disagreeing on
+* with ``capacity``: the count exchange, the placement tables (torch ops on the device), the row stores
+  and the waits (stream memory operations on flag words, ``nvlink``'s docstring) are all stream-ordered
+  device work: no host sync, and the sequence can be captured in a CUDA graph and replayed (a replay
+  uses the buffer half its capture used). Errors (an expert id out of range, ranks disagreeing on
   shapes, a capacity overflow) are ORed into a device word that ``Dispatch.check()`` (or the next
   exact-shape call) reads and raises; so is a wait the watchdog had to release.
 * without ``capacity``: one host sync reads the count matrix (and the error word) to size the outputs.
 
 Every rank issues its calls on one stream (the current one), in the same order.
+
+``recv_x`` is a view of the receive buffer (no copy out); combine stores the expert outputs into the same
+rows (no copy when they were computed in place into ``recv_x``) and the sources pull their weighted sums
+from there.
 
 The steps are module functions over plain tensors (``space.tensor``, ``space.peer_bases``) and a ``wait``
 callable, so a test can run them on Triton's interpreter with host tensors standing in for the mapped
@@ -47,9 +51,11 @@ from ..layout import Placement, SendLayout, placement
 if TYPE_CHECKING:
     from ...communicator import Communicator
 
-__all__ = ["PROGRAMS_PER_PEER", "CudaEngine", "DataSpace", "SignalSpace"]
+__all__ = ["SCATTER_PROGRAMS", "CudaEngine", "DataSpace", "SignalSpace"]
 
-PROGRAMS_PER_PEER = 128  # programs storing rows into one peer; every rank waits for this many signals per source
+# Programs of one scatter_rows launch: enough resident warps to keep a GPU's memory busy (8 per SM on a
+# 132-SM H200), and the same on every rank, since each rank waits for this many signals from each source.
+SCATTER_PROGRAMS = 1024
 MISMATCH, OVERFLOW, TIMED_OUT = 2, 4, 8  # error bits beside ERROR_EXPERT_OUT_OF_RANGE (1)
 _ALIGN = 128
 
@@ -84,7 +90,7 @@ class SignalSpace:
 
 
 class DataSpace:
-    """Rows: round (word 0), DATA_FLAGS [W], READY_FLAGS [W], META [2, C, 3] (int64), ROWS [2, C, stride]."""
+    """Rows: DATA_FLAGS [W], READY_FLAGS [W], META [2, C, 3] (int64), ROWS [2, C, stride] (``nvlink``)."""
 
     def __init__(self, tensor: torch.Tensor, peer_bases: torch.Tensor, world: int, capacity: int,
                  row_bytes: int) -> None:
@@ -93,13 +99,17 @@ class DataSpace:
         self.row_stride_bytes, self.flags_offset, self.ready_offset, self.meta_offset, self.rows_offset_bytes = \
             self._offsets(world, capacity, row_bytes)
         self.words = tensor.view(torch.int64)
-        self.round = self.words[0:1]
-        self.dispatches = 0
+        self.dispatches = 0  # counted on the host, the same on every rank: dispatch n uses half n % 2
+
+    def next_half(self) -> int:
+        half = self.dispatches % 2
+        self.dispatches += 1
+        return half
 
     @staticmethod
     def _offsets(world: int, capacity: int, row_bytes: int) -> tuple[int, int, int, int, int]:
         row_stride = _align(max(row_bytes, 1), 64)  # 64 bytes: 16 words of 32 bits, Triton's vector hint
-        flags = _ALIGN // 8
+        flags = 0
         ready = flags + _align(world * 8) // 8
         meta = ready + _align(world * 8) // 8
         rows = _align((meta + 2 * capacity * 3) * 8)
@@ -110,14 +120,15 @@ class DataSpace:
         row_stride, *_, rows = DataSpace._offsets(world, capacity, row_bytes)
         return rows + 2 * capacity * row_stride
 
-    def rows(self, dtype: torch.dtype, row_elements: int) -> torch.Tensor:
-        """``[2 * C, row_elements]`` view of ROWS in ``dtype`` (row ``parity * C + i``)."""
+    def rows(self, dtype: torch.dtype, row_elements: int, half: int) -> torch.Tensor:
+        """``[C, row_elements]`` view of ROWS[half] in ``dtype`` (strided if a row is not a multiple of 64 bytes)."""
         size = torch.empty((), dtype=dtype).element_size()
-        region = self.tensor[self.rows_offset_bytes:].view(dtype).view(2 * self.capacity, self.row_stride_bytes // size)
-        return region[:, :row_elements]
+        region = self.tensor[self.rows_offset_bytes:].view(dtype).view(2, self.capacity, self.row_stride_bytes // size)
+        return region[half, :, :row_elements]
 
-    def meta(self) -> torch.Tensor:
-        return self.words[self.meta_offset:self.meta_offset + 2 * self.capacity * 3].view(2 * self.capacity, 3)
+    def meta(self, half: int) -> torch.Tensor:
+        """``[C, 3]`` int64 view of META[half]."""
+        return self.words[self.meta_offset:self.meta_offset + 2 * self.capacity * 3].view(2, self.capacity, 3)[half]
 
 
 def map_space(comm: Communicator, key: str, nbytes: int,
@@ -159,18 +170,34 @@ def gather_rows(kernels: ModuleType, signals: SignalSpace, row: torch.Tensor, ra
     return signals.slots.index_select(0, signals.round % 2)[0, :, :width].contiguous()
 
 
+def row_targets(block_of_row: torch.Tensor, where: Placement, blocks_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank and row (in its receive order) of each send-order row, given the row's block ``b = destination *
+    blocks_per_rank + local expert`` (``[R]`` int64; ``>= W * blocks_per_rank`` for rows that go nowhere,
+    which get rank -1). Device ops only."""
+    blocks = where.send_counts.numel()
+    valid = block_of_row < blocks
+    block = torch.where(valid, block_of_row, 0)
+    position = torch.arange(block_of_row.numel(), dtype=torch.int64, device=block_of_row.device)
+    row = where.destination_start.reshape(-1)[block] + position - where.send_start.reshape(-1)[block]
+    peer = torch.where(valid, torch.div(block, blocks_per_rank, rounding_mode="floor"), -1)
+    return peer.contiguous(), row.contiguous()
+
+
 def store_rows(kernels: ModuleType, space: DataSpace, words: torch.Tensor, token_of_row: torch.Tensor,
-               weight_bits: torch.Tensor, where: Placement, local_experts: int, has_meta: bool, rank: int,
-               world: int) -> None:
-    """Store this rank's rows (``words [T, row_words]``) into every peer's ROWS at their final place."""
+               targets: tuple[torch.Tensor, torch.Tensor], weight_bits: torch.Tensor, half: int, has_meta: bool,
+               rank: int, world: int) -> None:
+    """Store this rank's rows (``words [T, row_words]``; send-order row i is ``words[token_of_row[i]]``) into
+    ROWS[half] of the ranks and rows ``targets`` (``row_targets``) names. Every rank's DATA_FLAGS[rank]
+    then counts ``SCATTER_PROGRAMS`` more."""
     size = words.element_size()
     row_words = space.row_bytes // size
-    block = min(max(next_power_of_two(row_words), 128), 2048)
-    kernels.dispatch_rows[(world * PROGRAMS_PER_PEER,)](
-        words, token_of_row, weight_bits, where.send_counts.contiguous(), where.send_start.contiguous(),
-        where.destination_start.contiguous(), space.peer_bases, space.round, rank, local_experts, space.capacity,
-        row_words, space.row_stride_bytes // size, space.rows_offset_bytes // size, space.meta_offset,
-        space.flags_offset, PROGRAMS_PER_PEER=PROGRAMS_PER_PEER, HAS_META=has_meta, BLOCK=block, num_warps=4,
+    block = min(max(next_power_of_two(row_words), 128), 1024)
+    peer, row = targets
+    kernels.scatter_rows[(SCATTER_PROGRAMS,)](
+        words, token_of_row, peer, row, weight_bits, space.peer_bases, peer.numel(), rank, world, space.capacity,
+        half * space.capacity, row_words, space.row_stride_bytes // size, space.rows_offset_bytes // size,
+        space.meta_offset, space.flags_offset, PROGRAMS=SCATTER_PROGRAMS, HAS_META=has_meta, BLOCK=block,
+        num_warps=4,
     )
 
 
@@ -186,9 +213,9 @@ def pull_combine(kernels: ModuleType, result: torch.Tensor, tables: PairTables, 
     size = result.element_size()
     block = min(max(next_power_of_two(hidden), 16), 1024)
     kernels.combine_pull[(num_tokens, -(-hidden // block))](
-        result, tables.rank, tables.row, tables.weight, tables.usable, space.peer_bases, tables.round,
-        space.capacity, hidden, space.row_stride_bytes // size, space.rows_offset_bytes // size, topk,
-        BLOCK=block, num_warps=4,
+        result, tables.rank, tables.row, tables.weight, tables.usable, space.peer_bases, tables.half * space.capacity,
+        hidden, space.row_stride_bytes // size, space.rows_offset_bytes // size, TOPK=topk, BLOCK=block,
+        num_warps=4,
     )
 
 
@@ -196,7 +223,7 @@ def pull_combine(kernels: ModuleType, result: torch.Tensor, tables: PairTables, 
 class PairTables:
     """Where each pair's row lives after dispatch (device tensors: a replayed graph sees fresh values)."""
 
-    round: torch.Tensor  # [1] int64: the dispatch's round in its space
+    half: int  # the dispatch's half of its space
     rank: torch.Tensor  # [T, K] int64
     row: torch.Tensor  # [T, K] int64
     weight: torch.Tensor  # [T, K] float32
@@ -204,7 +231,7 @@ class PairTables:
 
 
 def pair_tables(layout: SendLayout, where: Placement, topk_weights: torch.Tensor, capacity: int, rank: int,
-                round_: torch.Tensor) -> PairTables:
+                half: int) -> PairTables:
     """Rank and row of every (token, k) pair's row after dispatch. Device ops only."""
     experts = torch.where(layout.valid, layout.expert_of_pair, 0)
     row = (where.destination_start.reshape(-1)[experts] + layout.position_of_pair
@@ -212,12 +239,16 @@ def pair_tables(layout: SendLayout, where: Placement, topk_weights: torch.Tensor
     usable = layout.valid & (row < capacity)
     owner = torch.div(experts, layout.local_experts, rounding_mode="floor")
     return PairTables(
-        round=round_.reshape(1),
+        half=half,
         rank=torch.where(usable, owner, rank).contiguous(),
         row=torch.where(usable, row, 0).contiguous(),
         weight=torch.where(usable, topk_weights.to(torch.float32), 0.0).contiguous(),
         usable=usable.to(torch.int32).contiguous(),
     )
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
 def flag_on_device(error: torch.Tensor, header: torch.Tensor, rows_per_rank: torch.Tensor, capacity: int,
@@ -379,17 +410,16 @@ class CudaEngine:
                 space = self._space("dispatch", capacity, row_bytes, device)
                 out_rows = capacity
             self.dispatches += 1
-            space.round.add_(1)
-            round_ = space.round.clone()
+            half = space.next_half()
 
             weight_bits = topk_weights.reshape(-1).index_select(0, layout.order).to(torch.float64).view(torch.int64)
-            store_rows(kernels, space, x.view(word_dtype(row_bytes)), layout.token_of_row, weight_bits, where,
-                       layout.local_experts, True, me, world)
-            self._wait(space.tensor, space.flags_offset, PROGRAMS_PER_PEER, world)
-            received = (round_ % 2) * space.capacity + torch.arange(out_rows, device=device)
-            recv_x = space.rows(x.dtype, hidden).index_select(0, received)
-            src_rank, src_idx, weights = unpack_meta(space.meta().index_select(0, received), topk_weights.dtype)
-            tables = pair_tables(layout, where, topk_weights, space.capacity, me, round_)
+            block_of_row = layout.expert_of_pair.reshape(-1).index_select(0, layout.order)
+            store_rows(kernels, space, x.view(word_dtype(row_bytes)), layout.token_of_row,
+                       row_targets(block_of_row, where, layout.local_experts), weight_bits, half, True, me, world)
+            self._wait(space.tensor, space.flags_offset, SCATTER_PROGRAMS, world)
+            recv_x = space.rows(x.dtype, hidden, half)[:out_rows]  # a view: no copy out of the receive buffer
+            src_rank, src_idx, weights = unpack_meta(space.meta(half)[:out_rows], topk_weights.dtype)
+            tables = pair_tables(layout, where, topk_weights, space.capacity, me, half)
         return Dispatch(
             recv_x=recv_x, tokens_per_expert=where.tokens_per_expert, recv_src_rank=src_rank, recv_src_idx=src_idx,
             recv_weights=weights, num_recv_rows=torch.clamp(where.num_recv_rows, max=space.capacity),
@@ -404,8 +434,9 @@ class CudaEngine:
         space, tables, world = state.space, state.tables, self.world_size
         hidden = expert_out.shape[1]
         with torch.cuda.device(device):
-            rows = (tables.round % 2) * space.capacity + torch.arange(expert_out.shape[0], device=device)
-            space.rows(expert_out.dtype, hidden).index_copy_(0, rows, expert_out)
+            rows = space.rows(expert_out.dtype, hidden, tables.half)[:expert_out.shape[0]]
+            if not _same_memory(rows, expert_out):  # experts computed in place into recv_x need no copy
+                rows.copy_(expert_out)
             signal_ready(self.kernels, space, self.rank, world)
             self._wait(space.tensor, space.ready_offset, 1, world)
             result = torch.empty(dispatched.num_tokens, hidden, dtype=expert_out.dtype, device=device)
@@ -430,13 +461,15 @@ class CudaEngine:
             if row_bytes == 0:
                 return torch.empty(num_received, *row_shape, dtype=send.dtype, device=device), recv_counts
             space = self._exact_space("a2av", max(where_host.rows_per_rank.tolist()), row_bytes, device)
-            space.round.add_(1)
+            half = space.next_half()
             words = send.reshape(send.shape[0], row_elements).view(torch.uint8).view(word_dtype(row_bytes))
             tokens = torch.arange(send.shape[0], dtype=torch.int64, device=device)
-            store_rows(self.kernels, space, words, tokens, tokens, placement(rows[:, HEADER:], me), 1, False, me, world)
-            self._wait(space.tensor, space.flags_offset, PROGRAMS_PER_PEER, world)
-            received = (space.round % 2) * space.capacity + torch.arange(num_received, device=device)
-            recv = space.rows(torch.uint8, row_bytes).index_select(0, received)
+            destination_of_row = torch.repeat_interleave(torch.arange(world, device=device), counts,
+                                                          output_size=send.shape[0])
+            targets = row_targets(destination_of_row, placement(rows[:, HEADER:], me), 1)
+            store_rows(self.kernels, space, words, tokens, targets, tokens, half, False, me, world)
+            self._wait(space.tensor, space.flags_offset, SCATTER_PROGRAMS, world)
+            recv = space.rows(torch.uint8, row_bytes, half)[:num_received].clone()  # the caller owns the result
         return recv.view(send.dtype).view(num_received, *row_shape), recv_counts
 
     def check(self, fn: str) -> None:

@@ -12,27 +12,29 @@ Signal space (count exchange; one per count-row width)::
     COUNT_FLAGS [W]             word s:   count rows rank s stored here and this rank has not consumed
     COUNT_SLOTS [2, W, stride]  [round % 2, s]: rank s's count row of that round
 
-Data space (rows; one per (purpose, capacity C, row bytes))::
+Data space (rows; one per (purpose, capacity C, row bytes)); two halves, so that two dispatches may be in
+flight before their combines. Dispatch n of a space (counted on the host, the same on every rank) uses half
+``n % 2``; a dispatch captured in a CUDA graph keeps its half on every replay::
 
-    word 0                      round     dispatches into this space so far (this rank only)
     DATA_FLAGS  [W]             word s:   programs of rank s that finished storing rows here, not consumed
     READY_FLAGS [W]             word r:   combines whose expert outputs rank r has in place, not consumed
     META        [2, C, 3]       int64 (source rank, token, weight bits) per received row
-    ROWS        [2, C, row]     the rows (row padded to 16 bytes)
+    ROWS        [2, C, row]     the rows (row padded to 64 bytes); ``recv_x`` is a view of ROWS[half]
 
-Flags are 32-bit words (the low half of an int64 slot). Data flow of one dispatch (P programs per peer)::
+Flags are 32-bit words (the low half of an int64 slot). Data flow of one dispatch (P programs)::
 
     rank s                                   rank r
     publish_counts:   row -> r.COUNT_SLOTS[round%2][s], release-add r.COUNT_FLAGS[s] += 1
     (stream waits until every COUNT_FLAGS[s] >= 1 here, consume_flags subtracts 1 from each, copies
-     COUNT_SLOTS[round%2] out; torch ops on the device: placement tables from the count matrix)
-    dispatch_rows:    x[token] -> r.ROWS[round%2][its final row], meta -> r.META[...]
-                      release-add r.DATA_FLAGS[s] += 1 per program     stream waits until every
-                                                                      DATA_FLAGS[s] >= P, subtracts P
-    combine:          (r copies its expert outputs into its own ROWS[round%2] and release-adds
-                      s.READY_FLAGS[r] += 1 for every s)
+     COUNT_SLOTS[round%2] out; torch ops on the device: placement tables from the count matrix, and
+     each send-order row's destination rank and row)
+    scatter_rows:     x[token] -> r.ROWS[half][its final row], meta -> r.META[half][...]
+                      each program release-adds r.DATA_FLAGS[s] += 1   stream waits until every
+                      for every r                                     DATA_FLAGS[s] >= P, subtracts P
+    combine:          (r's expert outputs are in its own ROWS[half] (computed in place into recv_x, or
+                      copied there), then r release-adds s.READY_FLAGS[r] += 1 for every s)
     stream waits until every READY_FLAGS[r] >= 1, subtracts 1
-    combine_pull:     y[t] = sum_k w[t,k] * r.ROWS[round%2][row(t,k)], loads straight from the peers
+    combine_pull:     y[t] = sum_k w[t,k] * r.ROWS[half][row(t,k)], loads straight from the peers
 
 Memory-ordering contract.
   * A producer stores its data with plain stores, then ``tl.debug_barrier()`` (every thread of the
@@ -46,11 +48,12 @@ Memory-ordering contract.
   * Flags count signals, and a consumer takes away exactly its own: a peer that runs ahead and signals
     the next call before this rank consumed the current one (two combines in a row, two count exchanges
     with no rows between them) leaves its signal standing for the next wait instead of being erased.
-    The waited values never change (1, or P), so a CUDA graph replays unchanged; rounds (row parity)
-    live in device memory.
-  * Reuse: rows of round n+1 are stored only after every rank has sent its round n+1 count row, i.e.
-    finished round n; count slots and row regions alternate between two rounds (``round % 2``), which is
-    why a dispatch must be combined before the second dispatch after it.
+    The waited values never change (1, or P), so a CUDA graph replays unchanged; the count exchange's
+    round lives in device memory, the row half is fixed at launch.
+  * Reuse: a peer stores the rows of the next dispatch into a half only after every rank has sent its
+    count row for that dispatch, i.e. has run (on its stream) everything it did with the half before:
+    its use of ``recv_x`` and its combine's pulls. Two halves let a second dispatch run before the first
+    is combined; a dispatch must be combined before the second dispatch after it.
   * A stream wait has no timeout of its own: the engine's watchdog (``cuda_engine``) reports a wait that
     is not released within the communicator's timeout and then releases it, so a dead peer neither hangs
     the GPU nor goes unreported.
@@ -61,7 +64,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["combine_pull", "consume_flags", "dispatch_rows", "publish_counts", "signal_ready"]
+__all__ = ["combine_pull", "consume_flags", "publish_counts", "scatter_rows", "signal_ready"]
 
 
 @triton.jit
@@ -84,50 +87,43 @@ def publish_counts(space_ptr, peer_bases_ptr, row_ptr, rank, world, width, strid
 
 
 @triton.jit
-def dispatch_rows(words_ptr, token_ptr, weight_bits_ptr, send_counts_ptr, send_start_ptr, destination_start_ptr,
-                  peer_bases_ptr, round_ptr, rank, local_experts, capacity, row_words, row_stride_words,
-                  rows_offset_words, meta_offset, flags_offset,
-                  PROGRAMS_PER_PEER: tl.constexpr, HAS_META: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (W * P,). Program (peer, lane) stores rows lane, lane + P, ... of each (peer, local expert)
-    block of this rank's send order into the peer's ROWS region at their final position (rows that would
-    land past ``capacity`` are dropped; the host side flags the overflow), with their META, then
-    release-adds 1 to the peer's DATA_FLAGS[rank].
+def scatter_rows(words_ptr, token_ptr, peer_ptr, row_ptr, weight_bits_ptr, peer_bases_ptr, num_rows, rank, world,
+                 capacity, first_row, row_words, row_stride_words, rows_offset_words, meta_offset, flags_offset,
+                 PROGRAMS: tl.constexpr, HAS_META: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (PROGRAMS,). Program p stores send-order rows p, p + PROGRAMS, ... (of ``num_rows``): row i copies
+    ``words[token[i]]`` into rank ``peer[i]``'s ROWS at row ``first_row + row[i]`` (``first_row``: the
+    region's first row, ``parity * capacity``), with its META. Rows with ``peer < 0`` (no expert) or
+    ``row >= capacity`` (the host side flags that overflow) are skipped. Then the program release-adds 1 to
+    every rank's DATA_FLAGS[rank]: a receiver waits for PROGRAMS signals from each source.
 
     ``words_ptr``: the rows as machine words ``[T, row_words]`` (int32/int16/uint8: 16-byte accesses where
-    alignment allows). ``token_ptr`` [T*K]: the source row of each send-order row. Tables ``[W, L]`` int64.
-    ``round_ptr``: this data space's round (already bumped). Offsets: ``rows_offset_words`` in words,
-    ``meta_offset``/``flags_offset`` in int64 words, all from the space's base."""
+    alignment allows). Offsets: ``rows_offset_words`` in words, ``meta_offset``/``flags_offset`` in int64
+    words, all from a space's base. Many programs, each one row at a time, keep enough loads in flight to
+    run at memory speed; a row's stores need no ordering among themselves."""
     program = tl.program_id(0)
-    peer = program // PROGRAMS_PER_PEER
-    lane = program % PROGRAMS_PER_PEER
-    round_ = tl.load(round_ptr)
-    parity = round_ % 2
-    base = tl.load(peer_bases_ptr + peer)
-    rows_region = base.to(tl.pointer_type(words_ptr.dtype.element_ty)) + rows_offset_words
-    rows_region = tl.multiple_of(rows_region, 16)
-    longs = base.to(tl.pointer_type(tl.int64))
     lanes = tl.arange(0, BLOCK)
     meta_lanes = tl.arange(0, 4)
-    for expert in range(local_experts):
-        count = tl.load(send_counts_ptr + peer * local_experts + expert)
-        first = tl.load(send_start_ptr + peer * local_experts + expert)
-        target = tl.load(destination_start_ptr + peer * local_experts + expert)
-        for j in range(lane, count, PROGRAMS_PER_PEER):
-            row = target + j
-            if row < capacity:
-                token = tl.load(token_ptr + first + j)
-                source = words_ptr + token * row_words
-                destination = rows_region + (parity * capacity + row) * row_stride_words
-                for start in range(0, row_words, BLOCK):
-                    mask = start + lanes < row_words
-                    tl.store(destination + start + lanes, tl.load(source + start + lanes, mask=mask), mask=mask)
-                if HAS_META:
-                    weight_bits = tl.load(weight_bits_ptr + first + j)
-                    meta = tl.where(meta_lanes == 0, rank, tl.where(meta_lanes == 1, token, weight_bits))
-                    meta_row = longs + meta_offset + (parity * capacity + row) * 3
-                    tl.store(meta_row + meta_lanes, meta.to(tl.int64), mask=meta_lanes < 3)
+    for i in range(program, num_rows, PROGRAMS):
+        peer = tl.load(peer_ptr + i)
+        row = tl.load(row_ptr + i)
+        if (peer >= 0) & (row < capacity):
+            base = tl.load(peer_bases_ptr + peer)
+            region = tl.multiple_of(base.to(tl.pointer_type(words_ptr.dtype.element_ty)) + rows_offset_words, 16)
+            token = tl.load(token_ptr + i)
+            source = words_ptr + token * row_words
+            destination = region + (first_row + row) * row_stride_words
+            for start in range(0, row_words, BLOCK):
+                mask = start + lanes < row_words
+                tl.store(destination + start + lanes, tl.load(source + start + lanes, mask=mask), mask=mask)
+            if HAS_META:
+                weight_bits = tl.load(weight_bits_ptr + i)
+                meta = tl.where(meta_lanes == 0, rank, tl.where(meta_lanes == 1, token, weight_bits))
+                meta_row = base.to(tl.pointer_type(tl.int64)) + meta_offset + (first_row + row) * 3
+                tl.store(meta_row + meta_lanes, meta.to(tl.int64), mask=meta_lanes < 3)
     tl.debug_barrier()
-    tl.atomic_add((longs + flags_offset + rank).to(tl.pointer_type(tl.int32)), 1, sem="release", scope="sys")
+    for peer in range(world):
+        flags = tl.load(peer_bases_ptr + peer).to(tl.pointer_type(tl.int64)) + flags_offset
+        tl.atomic_add((flags + rank).to(tl.pointer_type(tl.int32)), 1, sem="release", scope="sys")
 
 
 @triton.jit
@@ -149,26 +145,24 @@ def consume_flags(space_ptr, first_word, target, count, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def combine_pull(y_ptr, pair_rank_ptr, pair_row_ptr, pair_weight_ptr, pair_usable_ptr, peer_bases_ptr, round_ptr,
-                 capacity, hidden, row_stride, rows_offset, topk, BLOCK: tl.constexpr):
+def combine_pull(y_ptr, pair_rank_ptr, pair_row_ptr, pair_weight_ptr, pair_usable_ptr, peer_bases_ptr, first_row,
+                 hidden, row_stride, rows_offset, TOPK: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (T, cdiv(H, BLOCK)). ``y[t, cols] = sum over k (in order) of weight[t, k] * row(t, k)[cols]``,
-    float32 accumulation, where row(t, k) is ``ROWS[round % 2][pair_row[t, k]]`` in rank
-    ``pair_rank[t, k]``'s space, loaded straight from that peer; pairs with ``pair_usable == 0`` add 0.
-    ``row_stride``/``rows_offset`` in elements of y's dtype."""
+    float32 accumulation, where row(t, k) is row ``first_row + pair_row[t, k]`` of rank ``pair_rank[t, k]``'s
+    ROWS, loaded straight from that peer; pairs with ``pair_usable == 0`` add 0. ``row_stride``/``rows_offset``
+    in elements of y's dtype. The K loads are unrolled, so all of them are in flight together."""
     token = tl.program_id(0).to(tl.int64)
     columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = columns < hidden
-    round_ = tl.load(round_ptr)
-    parity = round_ % 2
     total = tl.zeros([BLOCK], dtype=tl.float32)
-    for k in range(topk):
-        pair = token * topk + k
+    for k in tl.static_range(TOPK):
+        pair = token * TOPK + k
         usable = (tl.zeros([BLOCK], dtype=tl.int32) + tl.load(pair_usable_ptr + pair)) != 0  # per lane: a mask
         peer = tl.load(pair_rank_ptr + pair)
         row = tl.load(pair_row_ptr + pair)
         weight = tl.load(pair_weight_ptr + pair)
         base = tl.load(peer_bases_ptr + peer).to(tl.pointer_type(y_ptr.dtype.element_ty))
         base = tl.multiple_of(base + rows_offset, 16)
-        values = tl.load(base + (parity * capacity + row) * row_stride + columns, mask=in_row & usable, other=0.0)
+        values = tl.load(base + (first_row + row) * row_stride + columns, mask=in_row & usable, other=0.0)
         total += values.to(tl.float32) * weight
     tl.store(y_ptr + token * hidden + columns, total.to(y_ptr.dtype.element_ty), mask=in_row)
