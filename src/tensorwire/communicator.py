@@ -312,10 +312,11 @@ class Communicator:
                 )
             backend = self._backends[self._choose_transport(peer, pairs, transport)]
             uses_cuda = MemoryKind.CUDA in next(iter(kinds))
-            if backend is self._nixl and uses_cuda:
+            channel_less = backend is not self._nixl and peer != self.rank
+            if (backend is self._nixl and uses_cuda) or (notify is not None and channel_less):
+                # Also for a transport whose notifications travel through NIXL: a first NIXL contact made
+                # later, while the peer's stream waits for that very notification, can wait forever.
                 self._touch_remote_allocations(peer, pairs)
-            if notify is not None and backend is not self._nixl and peer != self.rank:
-                self._nixl.connect(peer)  # the channel its notifications will take
             request = backend.prepare(op, [s for s, _ in pairs], [r for _, r in pairs], peer, notify)
         transfer = Transfer(self, op, peer, sum(s.nbytes for s, _ in pairs), backend, request, notify, uses_cuda)
         self._transfers.add(transfer)

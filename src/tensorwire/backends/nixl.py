@@ -124,7 +124,6 @@ class NixlBackend:
         self._bound = self.agent.agent  # the nixlBind.nixlAgent under nixl_agent
         self._success, self._in_progress = bindings.NIXL_SUCCESS, bindings.NIXL_IN_PROG
         self._loaded_peers: set[int] = set()
-        self._connected: set[int] = set()  # peers whose endpoints make_connection opened
         self._scratch: dict[tuple[MemoryKind, int], tuple[Any, Any]] = {}  # (kind, device) -> (tensor, reg)
 
     # --- memory -------------------------------------------------------------------------------
@@ -151,18 +150,6 @@ class NixlBackend:
         except Exception as e:  # noqa: BLE001
             raise self._translate(e, f"loading the metadata of rank {rank}", peer=rank) from e
         self._loaded_peers.add(rank)
-
-    def connect(self, peer: int) -> None:
-        """Open the UCX endpoints to ``peer`` now (once) rather than on the first message: a transport without
-        a message channel sends its notifications here, and one sent over an endpoint still being wired up
-        was seen to stay queued in UCX."""
-        if peer in self._connected:
-            return
-        try:
-            self.agent.make_connection(agent_name(peer))
-        except Exception as e:  # noqa: BLE001
-            raise self._translate(e, f"connecting to rank {peer}", peer=peer) from e
-        self._connected.add(peer)
 
     # --- transfers ----------------------------------------------------------------------------
     def prepare(self, op: Op, local: list[Segment], remote: list[Segment], peer: int, notify: bytes | None) -> Any:
