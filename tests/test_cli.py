@@ -45,6 +45,15 @@ def test_bench_moe_reports_each_backend():
     assert all(r["rows"] > 0 and r["median_us"] > 0 for r in records)
 
 
+def test_bench_moe_takes_ranks_and_backends(tmp_path):
+    """``bench moe --ranks 1 --backends nixl``: only that backend's rows, measured by one rank."""
+    out = tmp_path / "moe.json"
+    done = _tensorwire("bench", "moe", "--memory", "cpu", "--ranks", "1", "--backends", "nixl", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = json.loads(out.read_text())["records"]
+    assert {r["backend"] for r in records} == {"nixl"} and {r["world_size"] for r in records} == {1}
+
+
 def test_doctor_gives_a_verdict():
     done = _tensorwire("doctor", "--timeout", "60")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -54,6 +63,8 @@ def test_doctor_gives_a_verdict():
 @pytest.mark.parametrize("args, words", [
     (("bench", "--sizes", "12Q"), "size"),
     (("bench", "--time-budget", "-1"), "pass 0 or more"),
+    (("bench", "moe", "--backends", "torch,nccl"), "unknown backend"),
+    (("bench", "--ranks", "4"), "applies to 'tensorwire bench moe'"),
 ])
 def test_bad_arguments_are_refused_with_the_reason(args, words):
     done = _tensorwire(*args, timeout=60)

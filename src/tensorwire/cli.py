@@ -104,6 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--graphs", action="store_true",
                        help="GPU: also time transfers (p2p) and the cuda backend's dispatch and combine (moe) "
                             "captured in CUDA graphs and replayed")
+    bench.add_argument("--ranks", type=_positive(int), default=None, metavar="N",
+                       help="moe: local ranks (default 2; 1 times the kernels on a GPU no other rank shares)")
+    bench.add_argument("--backends", default=None, metavar="LIST",
+                       help="moe: comma-separated backends to time (default: every one that runs here)")
     bench.set_defaults(handler=_bench, subparser=bench)
     return parser
 
@@ -125,7 +129,12 @@ def _bench_moe(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: 
     memory = "cuda" if args.memory != "cpu" and torch.cuda.is_available() else "cpu"
     if args.memory == "cuda" and memory != "cuda":
         parser.error(f"--memory cuda: torch {torch.__version__} sees no CUDA device; use --memory cpu")
-    records = moe.run_moe_bench(memory=memory, timeout_s=args.timeout, graphs=args.graphs)
+    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip()) if args.backends else None
+    unknown = sorted(set(backends or ()) - {"torch", "nixl", "cuda"})
+    if unknown:
+        parser.error(f"--backends: unknown backend(s) {unknown}; pass torch, nixl and/or cuda")
+    records = moe.run_moe_bench(memory=memory, timeout_s=args.timeout, graphs=args.graphs,
+                                world_size=args.ranks or 2, backends=backends)
     print(moe.format_moe_report(records), flush=True)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -142,6 +151,9 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list
     quiet_nixl_logging()
     if args.what == "moe":
         return _bench_moe(args, parser, argv)
+    for flag, value in (("--ranks", args.ranks), ("--backends", args.backends)):
+        if value is not None:
+            parser.error(f"{flag} applies to 'tensorwire bench moe'; the p2p bench runs rank 0 -> rank 1")
     has_cuda = torch.cuda.is_available()
     if args.memory == "cuda" and not has_cuda:
         parser.error(f"--memory cuda: torch {torch.__version__} sees no CUDA device; use --memory cpu "

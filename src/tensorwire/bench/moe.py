@@ -71,6 +71,9 @@ class MoeBenchConfig:
             # NCCL needs a GPU per rank; two ranks on one GPU take the other two backends only.
             backends = ("torch", "nixl") if not gpu else ("cuda", "nixl") + (
                 ("torch",) if torch.cuda.device_count() >= self.world_size else ())
+        unknown = sorted(set(backends) - {"torch", "nixl", "cuda"})
+        if unknown:
+            raise InvalidArgumentError(f"bench moe: unknown backend(s) {unknown}; pass torch, nixl and/or cuda")
         experts = self.num_experts or (256 if gpu else 32)
         experts = -(-experts // self.world_size) * self.world_size
         config = replace(

@@ -73,7 +73,9 @@ def send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> Se
     out_of_range = ((flat >= num_experts) | (flat < -1)).any()
     # Invalid pairs get the key E so that the stable sort puts them after every real expert.
     key = torch.where(in_range, flat, torch.full_like(flat, num_experts))
-    order = torch.argsort(key, stable=True)
+    # Narrow keys sort in fewer radix passes (int64: 8 passes, int16: 2); the order is the same.
+    narrow = torch.int16 if num_experts < 2**15 else torch.int32
+    order = torch.argsort(key.to(narrow), stable=True)
     counts_with_invalid = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     counts_with_invalid.scatter_add_(0, key, torch.ones_like(key))
     expert_counts = counts_with_invalid[:num_experts]
