@@ -4,6 +4,7 @@ argument is refused with the reason."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -46,12 +47,17 @@ def test_bench_moe_reports_each_backend():
 
 
 def test_bench_moe_takes_ranks_and_backends(tmp_path):
-    """``bench moe --ranks 1 --backends nixl``: only that backend's rows, measured by one rank."""
-    out = tmp_path / "moe.json"
-    done = _tensorwire("bench", "moe", "--memory", "cpu", "--ranks", "1", "--backends", "nixl", "--json", str(out))
+    """``bench moe --ranks 1 --backends nixl``: only that backend's rows, measured by one rank (and a small PNG
+    with --plot where matplotlib is installed)."""
+    out, png = tmp_path / "moe.json", tmp_path / "moe.png"
+    plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []
+    done = _tensorwire("bench", "moe", "--memory", "cpu", "--ranks", "1", "--backends", "nixl", "--json", str(out),
+                       *plot)
     assert done.returncode == 0, done.stderr[-3000:]
     records = json.loads(out.read_text())["records"]
     assert {r["backend"] for r in records} == {"nixl"} and {r["world_size"] for r in records} == {1}
+    if plot:
+        assert 0 < png.stat().st_size < 100_000
 
 
 def test_doctor_gives_a_verdict():

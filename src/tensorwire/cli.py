@@ -136,6 +136,11 @@ def _bench_moe(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: 
     records = moe.run_moe_bench(memory=memory, timeout_s=args.timeout, graphs=args.graphs,
                                 world_size=args.ranks or 2, backends=backends)
     print(moe.format_moe_report(records), flush=True)
+    if args.plot is not None:
+        from .bench.plot import plot_moe
+
+        plot_moe(records, args.plot, title=" ".join(["tensorwire", *argv]))
+        print(f"wrote {args.plot}", file=sys.stderr)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"header": report.header(argv), "records": records}, indent=1) + "\n")
@@ -149,6 +154,13 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list
     from .bench import p2p, report, timing
 
     quiet_nixl_logging()
+    if args.plot is not None:
+        from .bench.plot import require_matplotlib
+
+        try:
+            require_matplotlib()
+        except TensorwireError as e:
+            parser.error(str(e))
     if args.what == "moe":
         return _bench_moe(args, parser, argv)
     for flag, value in (("--ranks", args.ranks), ("--backends", args.backends)):
@@ -159,13 +171,6 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list
         parser.error(f"--memory cuda: torch {torch.__version__} sees no CUDA device; use --memory cpu "
                      "(or run 'tensorwire doctor')")
     memories = ("cpu", "cuda") if args.memory == "all" and has_cuda else ("cuda",) if args.memory == "cuda" else ("cpu",)
-    if args.plot is not None:
-        from .bench.plot import require_matplotlib
-
-        try:
-            require_matplotlib()
-        except TensorwireError as e:
-            parser.error(str(e))
     budget = timing.Budget(time_s=args.time_budget, min_reps=max(args.min_reps, 1), warmup_s=args.warmup,
                            iters=args.iters or None)
     config = p2p.BenchConfig(

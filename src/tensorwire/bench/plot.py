@@ -22,7 +22,7 @@ from .p2p import (
     format_size,
 )
 
-__all__ = ["require_matplotlib", "plot"]
+__all__ = ["plot", "plot_moe", "require_matplotlib"]
 
 _DPI = 80  # small files: a 2x2 grid stays well under 100 KB
 _STYLE = {
@@ -85,6 +85,35 @@ def plot(records: list[Record], path: Path, title: str = "tensorwire bench") -> 
         axis.legend(fontsize=7, loc="upper left")
     for axis in list(axes.flat)[len(panels):]:
         axis.set_visible(False)
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=_DPI)
+    pyplot.close(figure)
+
+
+def plot_moe(records: list[dict], path: Path, title: str = "tensorwire bench moe") -> None:
+    """``bench moe`` records as bars: GB/s per backend, dispatch and combine side by side, one panel per
+    token count, the copy of the same bytes as a dashed line. A small PNG."""
+    pyplot = require_matplotlib()
+    token_counts = sorted({r["tokens"] for r in records})
+    backends = list(dict.fromkeys(r["backend"] for r in records))
+    figure, axes = pyplot.subplots(1, len(token_counts), figsize=(4.5 * len(token_counts), 3.2), dpi=_DPI,
+                                   squeeze=False)
+    for axis, tokens in zip(axes.flat, token_counts):
+        rows = [r for r in records if r["tokens"] == tokens]
+        for offset, (op, color) in enumerate((("dispatch", "#1f77b4"), ("combine", "#ff7f0e"))):
+            values = [next((r["gbps"] for r in rows if (r["backend"], r["op"]) == (b, op)), 0.0) for b in backends]
+            axis.bar([i + 0.4 * offset for i in range(len(backends))], values, width=0.4, label=op, color=color)
+        copy = max((r["copy_gbps"] for r in rows), default=0.0)
+        axis.axhline(copy, color="#2ca02c", linestyle="--", label=f"copy {copy:,.0f} GB/s")
+        axis.set_xticks([i + 0.2 for i in range(len(backends))], backends, fontsize=8)
+        axis.set_yscale("log")
+        axis.set_ylabel("GB/s (median)", fontsize=9)
+        sample = rows[0]
+        axis.set_title(f"T={tokens}, H={sample['hidden']} {sample['dtype']}, top-{sample['topk']}, "
+                       f"{sample['world_size']} rank(s)", fontsize=9)
+        axis.legend(fontsize=7)
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
