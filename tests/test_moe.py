@@ -407,10 +407,9 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
     for r, (x, _, weights) in enumerate(inputs):
         layout = layouts[r]
         bits = weights.reshape(-1).index_select(0, layout.order).to(torch.float64).view(torch.int64)
-        targets = ce.row_targets(layout.expert_of_pair.reshape(-1).index_select(0, layout.order), wheres[r],
-                                 EXPERTS_PER_RANK)
-        ce.store_rows(nvlink, data[r], x.view(ce.word_dtype(row_bytes)), layout.token_of_row, targets, bits,
-                      halves[r], True, r, world)
+        block_of_row = layout.expert_of_pair.reshape(-1).index_select(0, layout.order)
+        ce.store_rows(nvlink, data[r], x.view(ce.word_dtype(row_bytes)), layout.token_of_row, block_of_row,
+                      wheres[r], bits, halves[r], True, r, world)
     results = []
     for r in range(world):
         host_wait(data[r].tensor, data[r].flags_offset, ce.SCATTER_PROGRAMS, world)
@@ -429,7 +428,6 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
                 problems.append(f"rank {r}: {name} differs: {got.tolist()} != {want.tolist()}")
         results.append((recv_x, wheres[r].tokens_per_expert))
     # combine: outputs into each rank's own ROWS, ready signals, waits, pulls
-    tables = [ce.pair_tables(layouts[r], wheres[r], inputs[r][2], capacity, r, halves[r]) for r in range(world)]
     for r, (recv_x, per_expert) in enumerate(results):
         out = scaled_expert(recv_x, per_expert, r) if capacity_slack >= 0 else recv_x * 2
         recv_x.copy_(out)  # what combine does with outputs not computed in place
@@ -438,7 +436,7 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
     for r, (x, topk_idx, topk_weights) in enumerate(inputs):
         host_wait(data[r].tensor, data[r].ready_offset, 1, world)
         y = torch.empty_like(x)
-        ce.pull_combine(nvlink, y, tables[r], data[r], case.topk)
+        ce.pull_combine(nvlink, y, layouts[r], wheres[r], topk_weights, data[r], halves[r])
         want = reference_combine(x, topk_idx, topk_weights, scaled=True)
         if capacity_slack >= 0 and not torch.allclose(y, want, rtol=1e-6, atol=1e-4):
             problems.append(f"rank {r}: combine differs by {float((y - want).abs().max())}")

@@ -170,34 +170,22 @@ def gather_rows(kernels: ModuleType, signals: SignalSpace, row: torch.Tensor, ra
     return signals.slots.index_select(0, signals.round % 2)[0, :, :width].contiguous()
 
 
-def row_targets(block_of_row: torch.Tensor, where: Placement, blocks_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank and row (in its receive order) of each send-order row, given the row's block ``b = destination *
-    blocks_per_rank + local expert`` (``[R]`` int64; ``>= W * blocks_per_rank`` for rows that go nowhere,
-    which get rank -1). Device ops only."""
-    blocks = where.send_counts.numel()
-    valid = block_of_row < blocks
-    block = torch.where(valid, block_of_row, 0)
-    position = torch.arange(block_of_row.numel(), dtype=torch.int64, device=block_of_row.device)
-    row = where.destination_start.reshape(-1)[block] + position - where.send_start.reshape(-1)[block]
-    peer = torch.where(valid, torch.div(block, blocks_per_rank, rounding_mode="floor"), -1)
-    return peer.contiguous(), row.contiguous()
-
-
 def store_rows(kernels: ModuleType, space: DataSpace, words: torch.Tensor, token_of_row: torch.Tensor,
-               targets: tuple[torch.Tensor, torch.Tensor], weight_bits: torch.Tensor, half: int, has_meta: bool,
+               block_of_row: torch.Tensor, where: Placement, weight_bits: torch.Tensor, half: int, has_meta: bool,
                rank: int, world: int) -> None:
-    """Store this rank's rows (``words [T, row_words]``; send-order row i is ``words[token_of_row[i]]``) into
-    ROWS[half] of the ranks and rows ``targets`` (``row_targets``) names. Every rank's DATA_FLAGS[rank]
-    then counts ``SCATTER_PROGRAMS`` more."""
+    """Store this rank's rows (``words [T, row_words]``; send-order row i is ``words[token_of_row[i]]``, bound
+    for block ``block_of_row[i]`` of ``where``'s ``[W, blocks per rank]`` tables, or for none when that is
+    ``>= W * blocks per rank``) into ROWS[half] of the ranks that hold the blocks. Every rank's
+    DATA_FLAGS[rank] then counts ``SCATTER_PROGRAMS`` more."""
     size = words.element_size()
     row_words = space.row_bytes // size
     block = min(max(next_power_of_two(row_words), 128), 1024)
-    peer, row = targets
     kernels.scatter_rows[(SCATTER_PROGRAMS,)](
-        words, token_of_row, peer, row, weight_bits, space.peer_bases, peer.numel(), rank, world, space.capacity,
-        half * space.capacity, row_words, space.row_stride_bytes // size, space.rows_offset_bytes // size,
-        space.meta_offset, space.flags_offset, PROGRAMS=SCATTER_PROGRAMS, HAS_META=has_meta, BLOCK=block,
-        num_warps=4,
+        words, token_of_row, block_of_row.contiguous(), where.send_start.contiguous(),
+        where.destination_start.contiguous(), weight_bits, space.peer_bases, block_of_row.numel(),
+        where.send_start.numel(), where.send_start.shape[1], rank, world, space.capacity, half * space.capacity,
+        row_words, space.row_stride_bytes // size, space.rows_offset_bytes // size, space.meta_offset,
+        space.flags_offset, PROGRAMS=SCATTER_PROGRAMS, HAS_META=has_meta, BLOCK=block, num_warps=4,
     )
 
 
@@ -205,45 +193,20 @@ def signal_ready(kernels: ModuleType, space: DataSpace, rank: int, world: int) -
     kernels.signal_ready[(world,)](space.peer_bases, space.ready_offset, rank)
 
 
-def pull_combine(kernels: ModuleType, result: torch.Tensor, tables: PairTables, space: DataSpace, topk: int) -> None:
-    """``result [T, H]``: the weighted sum of every pair's expert output, pulled from the peers."""
+def pull_combine(kernels: ModuleType, result: torch.Tensor, layout: SendLayout, where: Placement,
+                 topk_weights: torch.Tensor, space: DataSpace, half: int) -> None:
+    """``result [T, H]``: the weighted sum of every pair's expert output, pulled from the peers' ROWS[half]
+    (pairs placed by ``layout`` and ``where``, the dispatch's tables)."""
     num_tokens, hidden = result.shape
     if not (num_tokens and hidden):
         return
     size = result.element_size()
     block = min(max(next_power_of_two(hidden), 16), 1024)
     kernels.combine_pull[(num_tokens, -(-hidden // block))](
-        result, tables.rank, tables.row, tables.weight, tables.usable, space.peer_bases, tables.half * space.capacity,
-        hidden, space.row_stride_bytes // size, space.rows_offset_bytes // size, TOPK=topk, BLOCK=block,
-        num_warps=4,
-    )
-
-
-@dataclass(frozen=True)
-class PairTables:
-    """Where each pair's row lives after dispatch (device tensors: a replayed graph sees fresh values)."""
-
-    half: int  # the dispatch's half of its space
-    rank: torch.Tensor  # [T, K] int64
-    row: torch.Tensor  # [T, K] int64
-    weight: torch.Tensor  # [T, K] float32
-    usable: torch.Tensor  # [T, K] int32: valid and not dropped by an overflow
-
-
-def pair_tables(layout: SendLayout, where: Placement, topk_weights: torch.Tensor, capacity: int, rank: int,
-                half: int) -> PairTables:
-    """Rank and row of every (token, k) pair's row after dispatch. Device ops only."""
-    experts = torch.where(layout.valid, layout.expert_of_pair, 0)
-    row = (where.destination_start.reshape(-1)[experts] + layout.position_of_pair
-           - where.send_start.reshape(-1)[experts])
-    usable = layout.valid & (row < capacity)
-    owner = torch.div(experts, layout.local_experts, rounding_mode="floor")
-    return PairTables(
-        half=half,
-        rank=torch.where(usable, owner, rank).contiguous(),
-        row=torch.where(usable, row, 0).contiguous(),
-        weight=torch.where(usable, topk_weights.to(torch.float32), 0.0).contiguous(),
-        usable=usable.to(torch.int32).contiguous(),
+        result, layout.expert_of_pair.contiguous(), layout.position_of_pair.contiguous(), topk_weights.contiguous(),
+        where.send_start.contiguous(), where.destination_start.contiguous(), space.peer_bases, layout.num_experts,
+        layout.local_experts, space.capacity, half * space.capacity, hidden, space.row_stride_bytes // size,
+        space.rows_offset_bytes // size, TOPK=layout.topk, BLOCK=block, num_warps=4,
     )
 
 
@@ -364,7 +327,8 @@ class StreamWaits:
 class _State:
     dispatch_index: int
     space: DataSpace
-    tables: PairTables
+    half: int
+    where: Placement
 
 
 class CudaEngine:
@@ -413,34 +377,34 @@ class CudaEngine:
             half = space.next_half()
 
             weight_bits = topk_weights.reshape(-1).index_select(0, layout.order).to(torch.float64).view(torch.int64)
-            block_of_row = layout.expert_of_pair.reshape(-1).index_select(0, layout.order)
-            store_rows(kernels, space, x.view(word_dtype(row_bytes)), layout.token_of_row,
-                       row_targets(block_of_row, where, layout.local_experts), weight_bits, half, True, me, world)
+            block_of_row = layout.expert_of_pair.reshape(-1).index_select(0, layout.order)  # expert = block
+            store_rows(kernels, space, x.view(word_dtype(row_bytes)), layout.token_of_row, block_of_row, where,
+                       weight_bits, half, True, me, world)
             self._wait(space.tensor, space.flags_offset, SCATTER_PROGRAMS, world)
             recv_x = space.rows(x.dtype, hidden, half)[:out_rows]  # a view: no copy out of the receive buffer
             src_rank, src_idx, weights = unpack_meta(space.meta(half)[:out_rows], topk_weights.dtype)
-            tables = pair_tables(layout, where, topk_weights, space.capacity, me, half)
         return Dispatch(
             recv_x=recv_x, tokens_per_expert=where.tokens_per_expert, recv_src_rank=src_rank, recv_src_idx=src_idx,
             recv_weights=weights, num_recv_rows=torch.clamp(where.num_recv_rows, max=space.capacity),
             capacity=capacity, backend=self.name, comm=self.comm, num_tokens=layout.num_tokens, layout=layout,
-            topk_weights=topk_weights, state=_State(self.dispatches, space, tables), engine=self,
+            topk_weights=topk_weights, state=_State(self.dispatches, space, half, where), engine=self,
         )
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatch) -> torch.Tensor:
         state: _State = dispatched.state
         check_fresh(self.dispatches, state.dispatch_index)
         device = self._bind(expert_out.device, "combine")
-        space, tables, world = state.space, state.tables, self.world_size
+        space, world = state.space, self.world_size
         hidden = expert_out.shape[1]
         with torch.cuda.device(device):
-            rows = space.rows(expert_out.dtype, hidden, tables.half)[:expert_out.shape[0]]
+            rows = space.rows(expert_out.dtype, hidden, state.half)[:expert_out.shape[0]]
             if not _same_memory(rows, expert_out):  # experts computed in place into recv_x need no copy
                 rows.copy_(expert_out)
             signal_ready(self.kernels, space, self.rank, world)
             self._wait(space.tensor, space.ready_offset, 1, world)
             result = torch.empty(dispatched.num_tokens, hidden, dtype=expert_out.dtype, device=device)
-            pull_combine(self.kernels, result, tables, space, dispatched.layout.topk)
+            pull_combine(self.kernels, result, dispatched.layout, state.where, dispatched.topk_weights, space,
+                         state.half)
         return result
 
     def all_to_all_v(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -466,8 +430,8 @@ class CudaEngine:
             tokens = torch.arange(send.shape[0], dtype=torch.int64, device=device)
             destination_of_row = torch.repeat_interleave(torch.arange(world, device=device), counts,
                                                           output_size=send.shape[0])
-            targets = row_targets(destination_of_row, placement(rows[:, HEADER:], me), 1)
-            store_rows(self.kernels, space, words, tokens, targets, tokens, half, False, me, world)
+            store_rows(self.kernels, space, words, tokens, destination_of_row, placement(rows[:, HEADER:], me),
+                       tokens, half, False, me, world)
             self._wait(space.tensor, space.flags_offset, SCATTER_PROGRAMS, world)
             recv = space.rows(torch.uint8, row_bytes, half)[:num_received].clone()  # the caller owns the result
         return recv.view(send.dtype).view(num_received, *row_shape), recv_counts

@@ -26,8 +26,7 @@ Flags are 32-bit words (the low half of an int64 slot). Data flow of one dispatc
     rank s                                   rank r
     publish_counts:   row -> r.COUNT_SLOTS[round%2][s], release-add r.COUNT_FLAGS[s] += 1
     (stream waits until every COUNT_FLAGS[s] >= 1 here, consume_flags subtracts 1 from each, copies
-     COUNT_SLOTS[round%2] out; torch ops on the device: placement tables from the count matrix, and
-     each send-order row's destination rank and row)
+     COUNT_SLOTS[round%2] out; torch ops on the device: placement tables from the count matrix)
     scatter_rows:     x[token] -> r.ROWS[half][its final row], meta -> r.META[half][...]
                       each program release-adds r.DATA_FLAGS[s] += 1   stream waits until every
                       for every r                                     DATA_FLAGS[s] >= P, subtracts P
@@ -87,39 +86,44 @@ def publish_counts(space_ptr, peer_bases_ptr, row_ptr, rank, world, width, strid
 
 
 @triton.jit
-def scatter_rows(words_ptr, token_ptr, peer_ptr, row_ptr, weight_bits_ptr, peer_bases_ptr, num_rows, rank, world,
-                 capacity, first_row, row_words, row_stride_words, rows_offset_words, meta_offset, flags_offset,
+def scatter_rows(words_ptr, token_ptr, block_ptr, send_start_ptr, destination_start_ptr, weight_bits_ptr,
+                 peer_bases_ptr, num_rows, blocks, blocks_per_rank, rank, world, capacity, first_row, row_words,
+                 row_stride_words, rows_offset_words, meta_offset, flags_offset,
                  PROGRAMS: tl.constexpr, HAS_META: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (PROGRAMS,). Program p stores send-order rows p, p + PROGRAMS, ... (of ``num_rows``): row i copies
-    ``words[token[i]]`` into rank ``peer[i]``'s ROWS at row ``first_row + row[i]`` (``first_row``: the
-    region's first row, ``parity * capacity``), with its META. Rows with ``peer < 0`` (no expert) or
-    ``row >= capacity`` (the host side flags that overflow) are skipped. Then the program release-adds 1 to
-    every rank's DATA_FLAGS[rank]: a receiver waits for PROGRAMS signals from each source.
+    """Grid (PROGRAMS,). Program p stores send-order rows p, p + PROGRAMS, ... (of ``num_rows``). Row i
+    belongs to block ``b = block[i]`` (destination rank ``b // blocks_per_rank``, its local expert
+    ``b % blocks_per_rank``; ``b >= blocks``: no expert, skipped); it copies ``words[token[i]]`` into that
+    rank's ROWS at row ``first_row + destination_start[b] + i - send_start[b]`` (``first_row``: the half's
+    first row, ``half * capacity``), with its META. Rows past ``capacity`` are skipped (the host side flags
+    that overflow). Then the program release-adds 1 to every rank's DATA_FLAGS[rank]: a receiver waits for
+    PROGRAMS signals from each source.
 
     ``words_ptr``: the rows as machine words ``[T, row_words]`` (int32/int16/uint8: 16-byte accesses where
-    alignment allows). Offsets: ``rows_offset_words`` in words, ``meta_offset``/``flags_offset`` in int64
-    words, all from a space's base. Many programs, each one row at a time, keep enough loads in flight to
-    run at memory speed; a row's stores need no ordering among themselves."""
+    alignment allows). Tables ``[blocks]`` int64. Offsets: ``rows_offset_words`` in words,
+    ``meta_offset``/``flags_offset`` in int64 words, all from a space's base. Many programs, each one row
+    at a time, keep enough loads in flight to run at memory speed."""
     program = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     meta_lanes = tl.arange(0, 4)
     for i in range(program, num_rows, PROGRAMS):
-        peer = tl.load(peer_ptr + i)
-        row = tl.load(row_ptr + i)
-        if (peer >= 0) & (row < capacity):
-            base = tl.load(peer_bases_ptr + peer)
-            region = tl.multiple_of(base.to(tl.pointer_type(words_ptr.dtype.element_ty)) + rows_offset_words, 16)
-            token = tl.load(token_ptr + i)
-            source = words_ptr + token * row_words
-            destination = region + (first_row + row) * row_stride_words
-            for start in range(0, row_words, BLOCK):
-                mask = start + lanes < row_words
-                tl.store(destination + start + lanes, tl.load(source + start + lanes, mask=mask), mask=mask)
-            if HAS_META:
-                weight_bits = tl.load(weight_bits_ptr + i)
-                meta = tl.where(meta_lanes == 0, rank, tl.where(meta_lanes == 1, token, weight_bits))
-                meta_row = base.to(tl.pointer_type(tl.int64)) + meta_offset + (first_row + row) * 3
-                tl.store(meta_row + meta_lanes, meta.to(tl.int64), mask=meta_lanes < 3)
+        block = tl.load(block_ptr + i)
+        if block < blocks:
+            row = tl.load(destination_start_ptr + block) + i - tl.load(send_start_ptr + block)
+            if row < capacity:
+                base = tl.load(peer_bases_ptr + block // blocks_per_rank)
+                region = base.to(tl.pointer_type(words_ptr.dtype.element_ty)) + rows_offset_words
+                region = tl.multiple_of(region, 16)
+                token = tl.load(token_ptr + i)
+                source = words_ptr + token * row_words
+                destination = region + (first_row + row) * row_stride_words
+                for start in range(0, row_words, BLOCK):
+                    mask = start + lanes < row_words
+                    tl.store(destination + start + lanes, tl.load(source + start + lanes, mask=mask), mask=mask)
+                if HAS_META:
+                    weight_bits = tl.load(weight_bits_ptr + i)
+                    meta = tl.where(meta_lanes == 0, rank, tl.where(meta_lanes == 1, token, weight_bits))
+                    meta_row = base.to(tl.pointer_type(tl.int64)) + meta_offset + (first_row + row) * 3
+                    tl.store(meta_row + meta_lanes, meta.to(tl.int64), mask=meta_lanes < 3)
     tl.debug_barrier()
     for peer in range(world):
         flags = tl.load(peer_bases_ptr + peer).to(tl.pointer_type(tl.int64)) + flags_offset
@@ -145,24 +149,30 @@ def consume_flags(space_ptr, first_word, target, count, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def combine_pull(y_ptr, pair_rank_ptr, pair_row_ptr, pair_weight_ptr, pair_usable_ptr, peer_bases_ptr, first_row,
-                 hidden, row_stride, rows_offset, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def combine_pull(y_ptr, expert_ptr, position_ptr, weight_ptr, send_start_ptr, destination_start_ptr, peer_bases_ptr,
+                 num_experts, experts_per_rank, capacity, first_row, hidden, row_stride, rows_offset,
+                 TOPK: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (T, cdiv(H, BLOCK)). ``y[t, cols] = sum over k (in order) of weight[t, k] * row(t, k)[cols]``,
-    float32 accumulation, where row(t, k) is row ``first_row + pair_row[t, k]`` of rank ``pair_rank[t, k]``'s
-    ROWS, loaded straight from that peer; pairs with ``pair_usable == 0`` add 0. ``row_stride``/``rows_offset``
-    in elements of y's dtype. The K loads are unrolled, so all of them are in flight together."""
+    float32 accumulation. Pair (t, k) went to expert ``e = expert[t, k]`` (``>= num_experts``: none, adds 0)
+    at send-order position ``position[t, k]``; its row is row ``first_row + destination_start[e] + position
+    - send_start[e]`` of rank ``e // experts_per_rank``'s ROWS, loaded straight from that peer (rows past
+    ``capacity`` were dropped and add 0). ``row_stride``/``rows_offset`` in elements of y's dtype. The K
+    loads are unrolled, so all of them are in flight together."""
     token = tl.program_id(0).to(tl.int64)
     columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = columns < hidden
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for k in tl.static_range(TOPK):
         pair = token * TOPK + k
-        usable = (tl.zeros([BLOCK], dtype=tl.int32) + tl.load(pair_usable_ptr + pair)) != 0  # per lane: a mask
-        peer = tl.load(pair_rank_ptr + pair)
-        row = tl.load(pair_row_ptr + pair)
-        weight = tl.load(pair_weight_ptr + pair)
-        base = tl.load(peer_bases_ptr + peer).to(tl.pointer_type(y_ptr.dtype.element_ty))
+        expert = tl.load(expert_ptr + pair)
+        valid = expert < num_experts
+        expert = tl.where(valid, expert, 0)
+        row = tl.load(destination_start_ptr + expert) + tl.load(position_ptr + pair) - tl.load(send_start_ptr + expert)
+        usable = valid & (row < capacity)
+        lanes_usable = (tl.zeros([BLOCK], dtype=tl.int32) + usable.to(tl.int32)) != 0  # per lane: a mask
+        weight = tl.load(weight_ptr + pair).to(tl.float32)
+        base = tl.load(peer_bases_ptr + expert // experts_per_rank).to(tl.pointer_type(y_ptr.dtype.element_ty))
         base = tl.multiple_of(base + rows_offset, 16)
-        values = tl.load(base + (first_row + row) * row_stride + columns, mask=in_row & usable, other=0.0)
+        values = tl.load(base + (first_row + row) * row_stride + columns, mask=in_row & lanes_usable, other=0.0)
         total += values.to(tl.float32) * weight
     tl.store(y_ptr + token * hidden + columns, total.to(y_ptr.dtype.element_ty), mask=in_row)
