@@ -69,7 +69,9 @@ def test_doctor_gives_a_verdict():
 @pytest.mark.parametrize("args, words", [
     (("bench", "--sizes", "12Q"), "size"),
     (("bench", "--time-budget", "-1"), "pass 0 or more"),
-    (("bench", "moe", "--backends", "torch,nccl"), "unknown backend"),
+    (("bench", "moe", "--backends", "torch,nccl"), "unknown or no backend ['nccl']"),
+    (("bench", "moe", "--backends", ","), "unknown or no backend"),
+    (("bench", "moe", "--ranks", "0"), "pass 1 or more"),
     (("bench", "--ranks", "4"), "applies to 'tensorwire bench moe'"),
 ])
 def test_bad_arguments_are_refused_with_the_reason(args, words):

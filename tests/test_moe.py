@@ -363,6 +363,8 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
     case = Case("interpreted", topk=4, hidden=24, tokens=6, skew=True, seed=11)
     num_experts = EXPERTS_PER_RANK * world
     inputs = [make_inputs(case, r, world) for r in range(world)]
+    for _, topk_idx, topk_weights in inputs:
+        topk_weights[topk_idx < 0] = float("nan")  # an unused slot's weight must never be multiplied in
     expected = [reference_dispatch(inputs, r, world) for r in range(world)]
     most = max(e["recv_src_rank"].numel() for e in expected)
     capacity = most + capacity_slack
@@ -402,8 +404,11 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
     wheres = [placement(rows_out[r][:, HEADER:], r) for r in range(world)]
     for r in range(world):
         ce.flag_on_device(errors[r], rows_out[r][:, :HEADER], wheres[r].rows_per_rank, capacity, r)
-        data[r].next_half()  # the second dispatch into a space: half 1
-    halves = [d.next_half() for d in data]
+        if capacity_slack >= 0:
+            data[r].next_half()  # the second dispatch into a space: half 1
+    halves = [d.next_half() for d in data]  # the overflow case stays in half 0: a spill would reach half 1
+    for r in range(world):  # a sentinel in the other half: a store or a load that strays there shows
+        data[r].rows(torch.float32, case.hidden, 1 - halves[r]).fill_(7.0)
     for r, (x, _, weights) in enumerate(inputs):
         layout = layouts[r]
         bits = weights.reshape(-1).index_select(0, layout.order).to(torch.float64).view(torch.int64)
@@ -416,7 +421,7 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
         recv_x = data[r].rows(torch.float32, case.hidden, halves[r])
         src_rank, src_idx, weights = unpack_meta(data[r].meta(halves[r]), torch.float32)
         untouched = data[r].rows(torch.float32, case.hidden, 1 - halves[r])
-        if untouched.any():
+        if (untouched != 7.0).any():
             problems.append(f"rank {r}: rows landed in the other half of the space")
         n = min(expected[r]["recv_src_rank"].numel(), capacity)  # an overflow drops the rows past capacity
         for name, got, want in (("recv_x", recv_x[:n], expected[r]["recv_x"][:n]),
@@ -437,8 +442,15 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
         host_wait(data[r].tensor, data[r].ready_offset, 1, world)
         y = torch.empty_like(x)
         ce.pull_combine(nvlink, y, layouts[r], wheres[r], topk_weights, data[r], halves[r])
-        want = reference_combine(x, topk_idx, topk_weights, scaled=True)
-        if capacity_slack >= 0 and not torch.allclose(y, want, rtol=1e-6, atol=1e-4):
+        if capacity_slack >= 0:
+            want = reference_combine(x, topk_idx, topk_weights, scaled=True)
+        else:  # pairs whose row fell past the capacity were dropped and add nothing
+            experts = topk_idx.clamp(min=0)
+            row = (wheres[r].destination_start.reshape(-1)[experts] + layouts[r].position_of_pair
+                   - wheres[r].send_start.reshape(-1)[experts])
+            kept = torch.where(row < capacity, topk_idx, -1)
+            want = 2 * reference_combine(x, kept, topk_weights, scaled=False)
+        if not torch.allclose(y, want, rtol=1e-6, atol=1e-4):
             problems.append(f"rank {r}: combine differs by {float((y - want).abs().max())}")
     # A peer that runs ahead signals the next combine before this rank consumed the current one: both
     # signals must survive (two combines in a row).

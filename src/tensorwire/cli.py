@@ -129,22 +129,27 @@ def _bench_moe(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: 
     memory = "cuda" if args.memory != "cpu" and torch.cuda.is_available() else "cpu"
     if args.memory == "cuda" and memory != "cuda":
         parser.error(f"--memory cuda: torch {torch.__version__} sees no CUDA device; use --memory cpu")
-    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip()) if args.backends else None
-    unknown = sorted(set(backends or ()) - {"torch", "nixl", "cuda"})
-    if unknown:
-        parser.error(f"--backends: unknown backend(s) {unknown}; pass torch, nixl and/or cuda")
+    backends = None
+    if args.backends is not None:
+        backends = tuple(dict.fromkeys(b.strip() for b in args.backends.split(",") if b.strip()))
+        unknown = sorted(set(backends) - {"torch", "nixl", "cuda"})
+        if unknown or not backends:
+            parser.error(f"--backends {args.backends!r}: unknown or no backend {unknown}; pass a comma-separated "
+                         "list of torch, nixl and cuda")
+    if args.ranks is not None and args.ranks < 1:
+        parser.error(f"--ranks {args.ranks}: pass 1 or more")
     records = moe.run_moe_bench(memory=memory, timeout_s=args.timeout, graphs=args.graphs,
-                                world_size=args.ranks or 2, backends=backends)
+                                world_size=2 if args.ranks is None else args.ranks, backends=backends)
     print(moe.format_moe_report(records), flush=True)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"header": report.header(argv), "records": records}, indent=1) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
     if args.plot is not None:
         from .bench.plot import plot_moe
 
         plot_moe(records, args.plot, title=" ".join(["tensorwire", *argv]))
         print(f"wrote {args.plot}", file=sys.stderr)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"header": report.header(argv), "records": records}, indent=1) + "\n")
-        print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 

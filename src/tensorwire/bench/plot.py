@@ -95,6 +95,8 @@ def plot(records: list[Record], path: Path, title: str = "tensorwire bench") -> 
 def plot_moe(records: list[dict], path: Path, title: str = "tensorwire bench moe") -> None:
     """``bench moe`` records as bars: GB/s per backend, dispatch and combine side by side, one panel per
     token count, the copy of the same bytes as a dashed line. A small PNG."""
+    if not records:
+        raise InvalidArgumentError("bench moe --plot: no records to plot (no backend was timed)")
     pyplot = require_matplotlib()
     token_counts = sorted({r["tokens"] for r in records})
     backends = list(dict.fromkeys(r["backend"] for r in records))

@@ -48,6 +48,8 @@ def combine(expert_out: torch.Tensor, dispatched: Dispatch) -> torch.Tensor:
     if expert_out.device != expected.device:
         raise InvalidArgumentError(f"combine: expert_out is on {expert_out.device}, recv_x on {expected.device}; "
                                    f"move it with .to('{expected.device}')")
-    result = dispatched.engine.combine(expert_out.contiguous(), dispatched)
+    if expert_out is not expected:  # recv_x itself may be strided: passed as is, combine needs no copy
+        expert_out = expert_out.contiguous()
+    result = dispatched.engine.combine(expert_out, dispatched)
     dispatched.combined = True
     return result

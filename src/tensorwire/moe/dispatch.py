@@ -40,10 +40,14 @@ class Dispatch:
     Send side, kept for ``combine``: ``layout`` (the send order and its inverse), ``topk_weights``,
     ``num_tokens``, the ``backend`` name and the ``comm``; ``state`` is what the backend keeps.
 
-    On the ``"cuda"`` backend ``recv_x`` is a view of the backend's receive buffer (no copy): it holds the
-    received rows until this dispatch is combined, when ``combine`` stores the expert outputs into it
-    (clone it to keep the inputs, e.g. for a backward pass). Computing the experts in place into ``recv_x``
-    and passing it as ``expert_out`` saves combine that copy.
+    On the ``"cuda"`` backend ``recv_x`` is a view of the backend's receive buffer (no copy; strided when a
+    row is not a multiple of 64 bytes): it holds the received rows until this dispatch is combined, when
+    ``combine`` stores the expert outputs into it (clone it to keep the inputs, e.g. for a backward pass).
+    Computing the experts in place into ``recv_x`` and passing it as ``expert_out`` saves combine that copy.
+    After ``combine`` the peers read those rows until they are done with their own combine: do not write
+    ``recv_x`` again before the next dispatch. The buffer has two halves, taken in turn by the dispatches
+    issued on the host; a dispatch captured in a CUDA graph uses the half it was captured with on every
+    replay, so combine an eager dispatch before replaying a graph that dispatches.
 
     ``check()`` reports a device-side error (capacity overflow, an expert id out of range, a timed-out
     wait) of the ``cuda`` backend; it synchronises with the host. The other backends raise such errors

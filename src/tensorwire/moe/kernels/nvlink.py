@@ -170,7 +170,7 @@ def combine_pull(y_ptr, expert_ptr, position_ptr, weight_ptr, send_start_ptr, de
         row = tl.load(destination_start_ptr + expert) + tl.load(position_ptr + pair) - tl.load(send_start_ptr + expert)
         usable = valid & (row < capacity)
         lanes_usable = (tl.zeros([BLOCK], dtype=tl.int32) + usable.to(tl.int32)) != 0  # per lane: a mask
-        weight = tl.load(weight_ptr + pair).to(tl.float32)
+        weight = tl.where(usable, tl.load(weight_ptr + pair).to(tl.float32), 0.0)  # an unused slot may hold NaN
         base = tl.load(peer_bases_ptr + expert // experts_per_rank).to(tl.pointer_type(y_ptr.dtype.element_ty))
         base = tl.multiple_of(base + rows_offset, 16)
         values = tl.load(base + (first_row + row) * row_stride + columns, mask=in_row & lanes_usable, other=0.0)
