@@ -70,6 +70,54 @@ def test_host_memory_between_processes_takes_nixl(forced):
     assert launch(_host_transfers_take_nixl, 2, forced) == ["nixl", "nixl"]
 
 
+def _shared_host_memory_takes_shm(directory: str):
+    """Each rank's inbox and outbox live in a file mapped MAP_SHARED; the ring's WRITEs and READs take shm,
+    re-posted with new data, with a notification after the data; a private buffer still takes NIXL."""
+    import os
+
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        peer, previous = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
+        path = os.path.join(directory, f"tensorwire-shm-test-{comm.rank}")
+        shared = torch.from_file(path, shared=True, size=2 * 1024, dtype=torch.float32)
+        inbox, outbox = shared[:1024], shared[1024:]
+        private = sentinel(1024)
+        transports = set()
+        try:
+            inbox.fill_(-1)
+            with comm.register([shared, private]) as reg:
+                comm.publish("shared", reg.descs[:1])
+                remote = comm.lookup("shared", peer, timeout=WAIT)[0]
+                with comm.prepare(tw.WRITE, private, remote.narrow(0, 4096), notify=b"written") as write, \
+                        comm.prepare(tw.READ, private, remote.narrow(4096, 4096)) as read:
+                    transports |= {write.transport, read.transport}
+                    for round_ in range(3):
+                        private.copy_(rank_values(comm.rank, 1024, offset=round_))
+                        outbox.copy_(rank_values(comm.rank, 1024, offset=100 + round_))
+                        comm.barrier(WAIT)
+                        write.post()
+                        write.wait(WAIT)
+                        assert comm.wait_notification(previous, timeout=WAIT) == b"written"
+                        assert_equal(inbox, rank_values(previous, 1024, offset=round_), f"round {round_}: WRITE")
+                        comm.barrier(WAIT)
+                        read.post()
+                        read.wait(WAIT)
+                        assert_equal(private, rank_values(peer, 1024, offset=100 + round_), f"round {round_}: READ")
+                        comm.barrier(WAIT)
+                comm.publish("private", reg.descs[1:])
+                with comm.prepare(tw.WRITE, outbox, comm.lookup("private", peer, timeout=WAIT)[0]) as x:
+                    transports.add(f"private:{x.transport}")
+                comm.barrier(WAIT)
+        finally:
+            os.unlink(path)
+    return sorted(transports)
+
+
+def test_host_memory_in_a_shared_file_takes_shm(tmp_path):
+    """Host memory that a peer maps from a shared file is copied through a mapping of the same file (UCX's
+    process-to-process copy is slower); private memory keeps NIXL."""
+    assert launch(_shared_host_memory_takes_shm, 2, str(tmp_path)) == [["private:nixl", "shm"]] * 2
+
+
 def test_progress_engine_runs_watches_until_done_and_sleeps_when_idle():
     """Watches are polled from the engine's thread until they return True; no thread runs before work."""
     engine = ProgressEngine(Config(timeout_s=5, progress_wakeup_ms=10, spin_us=0, max_sleep_us=1000))

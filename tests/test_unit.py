@@ -6,6 +6,7 @@ import dataclasses
 import struct
 
 import pytest
+import torch
 
 import tensorwire as tw
 from tensorwire import bootstrap, config, errors
@@ -470,3 +471,19 @@ def test_bench_budget_fills_the_time_but_caps_slow_calls():
     assert budget.reps_for(0.5) == 6
     assert budget.reps_for(2.0) == 3
     assert Budget(iters=7).reps_for(2.0) == 7
+
+
+def test_shared_file_of_finds_only_mappings_a_peer_can_open(tmp_path):
+    """A range inside a MAP_SHARED file mapping is found with its file offset; anonymous memory and a
+    mapping whose file was removed are not."""
+    import os
+
+    from tensorwire.backends.shm import shared_file_of
+
+    path = str(tmp_path / "shared")
+    mapped = torch.from_file(path, shared=True, size=8192, dtype=torch.uint8)
+    assert shared_file_of(mapped.data_ptr() + 100, 1000) == (path, 100)
+    assert shared_file_of(mapped.data_ptr(), 8192 + 1) is None  # runs past the mapping
+    assert shared_file_of(torch.zeros(4096, dtype=torch.uint8).data_ptr(), 4096) is None
+    os.unlink(path)
+    assert shared_file_of(mapped.data_ptr(), 10) is None

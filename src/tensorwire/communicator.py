@@ -30,6 +30,7 @@ from . import cuda
 from .backends.base import Backend, Op, Segment, Status
 from .backends.local import LocalBackend
 from .backends.nixl import NixlBackend
+from .backends.shm import ShmBackend
 from .bootstrap import Rendezvous, resolve_environment
 from .descriptors import MemoryKind, TensorDesc
 from .memory_map import MemoryMap, PeerView, host_identity
@@ -39,6 +40,8 @@ from .registration import LocalMemoryMap, Registration, as_tensor_list, segment_
 from .transfer import Transfer
 
 __all__ = ["Communicator", "init"]
+
+_SAME_HOST_ONLY = frozenset({"cuda_ipc", "shm"})  # backends whose metadata only means something on one host
 
 def init(
     *,
@@ -89,7 +92,8 @@ class Communicator:
         self._host = host_identity()
         self._local_map = LocalMemoryMap()
         self._nixl = NixlBackend(env.rank, progress_wakeup_ms=cfg.progress_wakeup_ms)
-        self._backends: dict[str, Backend] = {"nixl": self._nixl, "local": LocalBackend(self._local_map.view)}
+        self._backends: dict[str, Backend] = {"nixl": self._nixl, "local": LocalBackend(self._local_map.view),
+                                              "shm": ShmBackend()}
         if cuda.availability()[0]:
             from .backends.cuda_ipc import CudaIpcBackend
 
@@ -193,7 +197,7 @@ class Communicator:
             memory_map = MemoryMap.unpack(blob)
             host = memory_map.sections.pop("host").decode()
             for name, metadata in memory_map.sections.items():
-                if name in self._backends and (name != "cuda_ipc" or host == self._host):
+                if name in self._backends and (name not in _SAME_HOST_ONLY or host == self._host):
                     self._backends[name].load_peer(rank, metadata)
             self._peers[rank] = PeerView(epoch, host, memory_map.regions)
             return True
@@ -374,10 +378,14 @@ class Communicator:
             reachable = ["local"]
         else:
             reachable = []
+            same_host, remotes = self._peers[peer].host == self._host, [r for _, r in pairs]
             ipc = self._backends.get("cuda_ipc")
-            if (ipc is not None and local_kind is MemoryKind.CUDA and remote_kind is MemoryKind.CUDA
-                    and self._peers[peer].host == self._host and ipc.reaches(peer, [r for _, r in pairs])):
+            if (ipc is not None and local_kind is MemoryKind.CUDA and remote_kind is MemoryKind.CUDA and same_host
+                    and ipc.reaches(peer, remotes)):
                 reachable.append("cuda_ipc")
+            if (local_kind is MemoryKind.CPU and remote_kind is MemoryKind.CPU and same_host
+                    and self._backends["shm"].reaches(peer, remotes)):
+                reachable.append("shm")
             reachable.append("nixl")
         if requested is None:
             chosen = reachable[0]

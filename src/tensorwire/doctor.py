@@ -413,8 +413,8 @@ def diagnose(emit: Callable[[str], None] = print, timeout_s: float = 15.0, quiet
 
 
 def _transport_infos(infos: dict) -> dict:
-    """``tw.backends()`` plus the transports the communicator picks by itself (same-host CUDA IPC, the
-    same-process copy), so the table shows every way tensorwire can move bytes here."""
+    """``tw.backends()`` plus the transports the communicator picks by itself (same-host CUDA IPC and shared
+    host memory, the same-process copy), so the table shows every way tensorwire can move bytes here."""
     from . import cuda
     from .backends.base import BackendInfo
 
@@ -423,6 +423,8 @@ def _transport_infos(infos: dict) -> dict:
         usable, reason = cuda.availability()
         fix = "" if usable else ("pip install cuda-python" if "cuda-python" in reason else "needs a CUDA device")
         infos["cuda_ipc"] = BackendInfo("cuda_ipc", usable, reason, fix=fix)
+    infos.setdefault("shm", BackendInfo("shm", True, "host memory a same-host peer registered in a shared file "
+                                                     "mapping (e.g. /dev/shm): memcpy through a mapping of it"))
     infos.setdefault("local", BackendInfo("local", True, "copies between ranges of one process (always)"))
     return infos
 

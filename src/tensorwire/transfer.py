@@ -9,7 +9,7 @@ Completion without the CPU
 when ``s`` reaches that point. How depends on the transport:
 
 * stream-ordered transports (``local``, ``cuda_ipc``) enqueue their copies on the stream and record an
-  event: plain stream order, CUDA-graph capturable.
+  event: plain stream order, CUDA-graph capturable (``shm`` moves host memory and completes inside ``post``).
 * ``nixl`` is driven by the CPU, so the stream and the progress thread meet in pinned host words:
   - CPU post, stream wait: the progress thread stores the post's sequence number into ``done_seq`` when
     the transfer completes; the stream waits for ``done_seq >= k`` (``cuStreamWaitValue32``).
@@ -43,7 +43,7 @@ class Transfer(Closeable):
     """A reusable transfer handle. Not thread-safe: drive one handle from one thread.
 
     Attributes: ``op`` (READ/WRITE), ``peer`` (remote rank), ``nbytes`` (total), ``transport`` (the backend
-    that carries it: ``"nixl"``, ``"cuda_ipc"`` or ``"local"``; ``"none"`` when there is nothing to move).
+    that carries it: ``"nixl"``, ``"cuda_ipc"``, ``"shm"`` or ``"local"``; ``"none"`` when there is nothing to move).
     """
 
     def __init__(self, comm: "Communicator", op: Op, peer: int, nbytes: int, backend: Backend | None,

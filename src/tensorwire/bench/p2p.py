@@ -6,7 +6,8 @@ measures, on the same registered buffers:
 
 - ``tensorwire``: one ``comm.prepare`` handle, reused; a repetition is ``post()`` + ``wait()``. The record
   says which transport tensorwire chose (``Transfer.transport``); where that is not ``nixl`` (GPU memory
-  on one host takes ``cuda_ipc``), ``tensorwire (nixl)`` forces NIXL too, the row to hold against raw NIXL.
+  on one host takes ``cuda_ipc``; host buffers, which live in a file of ``/dev/shm`` when it has room,
+  take ``shm``), ``tensorwire (nixl)`` forces NIXL too, the row to hold against raw NIXL.
 - ``raw nixl``: a second, bare ``nixl_agent`` per rank, as a raw NIXL user would drive it: metadata through
   a store, ``initialize_xfer`` once, then per repetition ``transfer()`` + a tight ``check_xfer_state`` loop.
   It is built by tensorwire's own ``_make_agent`` with NIXL's defaults except a sleeping progress thread
@@ -208,6 +209,7 @@ class _Side:
     copy_dst: torch.Tensor | None  # rank 0: destination of the local copy
     registration: Any
     remote: TensorDesc | None = None  # the peer's buffer
+    shared_file: str | None = None  # the host buffer's file in /dev/shm, removed at the end
 
     @property
     def outbox(self) -> torch.Tensor:
@@ -308,6 +310,8 @@ def _bench_all(comm: Any, raw: _RawNixl, config: BenchConfig) -> list[Record]:
         raw.close()  # before the tensors can go: nothing may stay registered over freed memory
         for side in sides:
             side.registration.close()
+            if side.shared_file is not None:
+                os.unlink(side.shared_file)  # the mapping lives on until the buffer is freed
     return records
 
 
@@ -316,15 +320,34 @@ def _make_side(comm: Any, raw: _RawNixl, memory: str, size: int) -> _Side:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     own, peer = rank_pattern(size, comm.rank, device), rank_pattern(size, 1 - comm.rank, device)
-    buffer = torch.zeros(2 * size, dtype=torch.uint8, device=device)
+    shared_file = None
+    if device.type == "cuda":
+        buffer = torch.zeros(2 * size, dtype=torch.uint8, device=device)
+    else:
+        buffer, shared_file = _host_buffer(2 * size)
     buffer[:size].copy_(own)
     copy_dst = torch.zeros(size, dtype=torch.uint8, device=device) if comm.rank == 0 else None
     registration = comm.register(buffer)
     raw.register(buffer)
     comm.publish(f"bench/{memory}", registration.descs)
-    side = _Side(memory, buffer, size, own, peer, copy_dst, registration)
+    side = _Side(memory, buffer, size, own, peer, copy_dst, registration, shared_file=shared_file)
     side.sync()
     return side
+
+
+def _host_buffer(nbytes: int) -> tuple[torch.Tensor, str | None]:
+    """A zeroed host buffer in a file of ``/dev/shm`` when it has room for both ranks' (a peer on this host
+    then reaches it through the ``shm`` transport, as a user's shared buffer would be), else anonymous
+    memory, which NIXL carries. Returns the buffer and its file."""
+    directory = "/dev/shm"
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return torch.zeros(nbytes, dtype=torch.uint8), None
+    if stats.f_bavail * stats.f_frsize < 4 * nbytes:  # a full tmpfs would kill a writer with SIGBUS
+        return torch.zeros(nbytes, dtype=torch.uint8), None
+    path = os.path.join(directory, f"tensorwire-bench-{os.getpid()}")
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), path
 
 
 def _bench_size(comm: Any, raw: _RawNixl, side: _Side, size: int, config: BenchConfig,
