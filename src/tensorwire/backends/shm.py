@@ -27,15 +27,34 @@ from .base import Capabilities, Op, Segment, Status
 
 __all__ = ["ShmBackend", "shared_file_of"]
 
-_EXPORT = struct.Struct("<QQQH")  # addr, nbytes, file offset of addr, length of the path that follows
+_EXPORT = struct.Struct("<QQQQQH")  # addr, nbytes, file offset of addr, st_dev, st_ino, length of the path
+
+
+@dataclass(frozen=True)
+class SharedFile:
+    """Where a range of this process lives: ``path`` at ``offset``, the file being (``device``, ``inode``)."""
+
+    path: str
+    offset: int
+    device: int
+    inode: int
+
+    def is_at_path(self) -> bool:
+        """Whether ``path`` names this very file here and is readable and writable. A peer on the same host
+        but in another mount namespace (a container with its own /dev/shm) may find another file, or none,
+        under the same name; it must not copy into that."""
+        try:
+            found = os.stat(self.path)
+        except OSError:
+            return False
+        return (found.st_dev, found.st_ino) == (self.device, self.inode) and os.access(self.path, os.R_OK | os.W_OK)
 
 
 @dataclass(frozen=True)
 class _Export:
     addr: int
     nbytes: int
-    offset: int  # of ``addr`` in ``path``
-    path: str
+    file: SharedFile
 
     def contains(self, s: Segment) -> bool:
         return s.kind is MemoryKind.CPU and self.addr <= s.addr and s.addr + s.nbytes <= self.addr + self.nbytes
@@ -46,31 +65,29 @@ class _Request:
     copies: list[tuple[int, int, int]]  # (destination address, source address, nbytes) in this process
 
 
-def shared_file_of(addr: int, nbytes: int) -> tuple[str, int] | None:
-    """``(path, file offset of addr)`` if ``[addr, addr + nbytes)`` lies in one ``MAP_SHARED`` mapping of a
-    regular file of this process, else None (device files such as ``/dev/nvidia*``, which back pinned CUDA
-    host memory, are not files a peer could map)."""
+def shared_file_of(addr: int, nbytes: int) -> SharedFile | None:
+    """The file behind ``[addr, addr + nbytes)`` if the range lies in one ``MAP_SHARED`` mapping of a regular
+    file that its path still names, else None (anonymous memory; device files such as ``/dev/nvidia*``,
+    which back pinned CUDA host memory; a file removed or replaced since it was mapped)."""
     with open("/proc/self/maps") as maps:
         for line in maps:
-            fields = line.split(maxsplit=5)
+            fields = line.split(maxsplit=5)  # range, perms, offset, dev (major:minor, hex), inode, path
             if len(fields) < 6:
                 continue  # anonymous memory
             start, end = (int(x, 16) for x in fields[0].split("-"))
             if not (start <= addr and addr + nbytes <= end):
                 continue
             path = fields[5].rstrip("\n")
-            shared = fields[1][3] == "s"
-            if shared and path.startswith("/") and not path.endswith(" (deleted)") and _is_regular_file(path):
-                return path, int(fields[2], 16) + (addr - start)
-            return None
+            if fields[1][3] != "s" or not path.startswith("/"):
+                return None
+            major, minor = (int(x, 16) for x in fields[3].split(":"))
+            file = SharedFile(path, int(fields[2], 16) + (addr - start), os.makedev(major, minor), int(fields[4]))
+            try:
+                regular = stat.S_ISREG(os.stat(path).st_mode)
+            except OSError:
+                return None
+            return file if regular and file.is_at_path() else None
     return None
-
-
-def _is_regular_file(path: str) -> bool:
-    try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return False
 
 
 class ShmBackend:
@@ -89,11 +106,11 @@ class ShmBackend:
 
     # --- memory -------------------------------------------------------------------------------
     def register(self, segment: Segment) -> tuple[int, int] | None:
-        found = shared_file_of(segment.addr, segment.nbytes)
-        if found is None:
+        file = shared_file_of(segment.addr, segment.nbytes)
+        if file is None:
             return None  # anonymous or private memory: NIXL carries it
         key = (segment.addr, segment.nbytes)
-        self._exports[key] = _Export(segment.addr, segment.nbytes, found[1], found[0])
+        self._exports[key] = _Export(segment.addr, segment.nbytes, file)
         return key
 
     def deregister(self, handle: tuple[int, int] | None) -> None:
@@ -104,25 +121,27 @@ class ShmBackend:
     def metadata(self) -> bytes:
         parts = []
         for e in self._exports.values():
-            path = e.path.encode()
-            parts.append(_EXPORT.pack(e.addr, e.nbytes, e.offset, len(path)) + path)
+            path = e.file.path.encode()
+            parts.append(_EXPORT.pack(e.addr, e.nbytes, e.file.offset, e.file.device, e.file.inode, len(path)) + path)
         return b"".join(parts)
 
     def load_peer(self, rank: int, metadata: bytes) -> None:
         exports, at = [], 0
         while at < len(metadata):
-            addr, nbytes, offset, length = _EXPORT.unpack_from(metadata, at)
+            addr, nbytes, offset, device, inode, length = _EXPORT.unpack_from(metadata, at)
             at += _EXPORT.size
-            exports.append(_Export(addr, nbytes, offset, metadata[at:at + length].decode()))
+            exports.append(_Export(addr, nbytes, SharedFile(metadata[at:at + length].decode(), offset, device, inode)))
             at += length
         # Mappings stay until close: a transfer prepared on a range the peer has since deregistered then
         # writes into pages only this process still holds, never into unmapped memory.
         self._peer_exports[rank] = exports
 
     def reaches(self, peer: int, remote: list[Segment]) -> bool:
-        """Whether every remote segment lies in a shared file mapping ``peer`` exported."""
+        """Whether every remote segment lies in a shared file mapping ``peer`` exported, whose file this
+        process finds under the same path and may read and write."""
         exports = self._peer_exports.get(peer, [])
-        return all(any(e.contains(s) for e in exports) for s in remote)
+        return all(any(e.contains(s) and ((peer, e) in self._mapped or e.file.is_at_path()) for e in exports)
+                   for s in remote)
 
     # --- transfers ----------------------------------------------------------------------------
     def prepare(self, op: Op, local: list[Segment], remote: list[Segment], peer: int, notify: bytes | None) -> _Request:
@@ -160,25 +179,35 @@ class ShmBackend:
             raise TransferError(f"shm: rank {peer} exported no shared mapping covering 0x{s.addr:x} (+{s.nbytes})")
         key = (peer, export)
         if key not in self._mapped:
-            start = export.offset - export.offset % mmap.ALLOCATIONGRANULARITY
-            length = export.offset + export.nbytes - start
-            try:
-                fd = os.open(export.path, os.O_RDWR)
-            except OSError as e:
-                raise TransferError(f"shm: cannot open rank {peer}'s shared file {export.path!r}: {e}; give this "
-                                    "process read/write access to it, or pass transport='nixl'") from e
-            try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise TransferError(f"shm: rank {peer}'s {export.path!r} is not a regular file; pass "
-                                        "transport='nixl'")
-                mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
-            finally:
-                os.close(fd)
-            view = (ctypes.c_char * length).from_buffer(mapping)
-            self._mapped[key] = (mapping, view, ctypes.addressof(view) + export.offset - start)
+            self._mapped[key] = _map(export.file, export.nbytes, peer)
         return self._mapped[key][2] + (s.addr - export.addr)
 
     def _unmap(self, key: tuple[int, _Export]) -> None:
         mapping, view, _ = self._mapped.pop(key)
         del view  # the buffer export must go before the map can close
         mapping.close()
+
+
+def _map(file: SharedFile, nbytes: int, peer: int) -> tuple[mmap.mmap, ctypes.Array, int]:
+    """``nbytes`` of ``file`` from its ``offset`` mapped here: (the map, a buffer view keeping it exported,
+    the address of the first byte). Refuses a file that is not the one the peer mapped."""
+    start = file.offset - file.offset % mmap.ALLOCATIONGRANULARITY
+    length = file.offset + nbytes - start
+    try:
+        fd = os.open(file.path, os.O_RDWR)
+    except OSError as e:
+        raise TransferError(f"shm: cannot open rank {peer}'s shared file {file.path!r}: {e}; give this process "
+                            "read/write access to it, or pass transport='nixl'") from e
+    try:
+        found = os.fstat(fd)
+        if (found.st_dev, found.st_ino) != (file.device, file.inode) or not stat.S_ISREG(found.st_mode):
+            raise TransferError(f"shm: {file.path!r} here is not the file rank {peer} mapped (another mount "
+                                "namespace, or replaced since); pass transport='nixl'")
+        mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+    except (OSError, ValueError) as e:  # e.g. the file was truncated below the range
+        raise TransferError(f"shm: mapping {length} bytes of rank {peer}'s {file.path!r} failed: {e}; pass "
+                            "transport='nixl'") from e
+    finally:
+        os.close(fd)
+    view = (ctypes.c_char * length).from_buffer(mapping)
+    return mapping, view, ctypes.addressof(view) + file.offset - start
