@@ -52,11 +52,11 @@ def _sizes(text: str) -> tuple[int, ...]:
     return tuple(sorted({parse_size(part) for part in text.split(",") if part.strip()}))
 
 
-def _positive(kind: type):
+def _at_least(kind: type, minimum: int = 0):
     def parse(text: str):
         value = kind(text)
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{text!r} is negative; pass 0 or more")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is below {minimum}; pass {minimum} or more")
         return value
 
     return parse
@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
 
     doctor = commands.add_parser("doctor", help="what works here: backends, versions, CUDA, VRAM, UCX transports",
                                  description="Diagnose this machine; exits 0 whenever it could diagnose.")
-    doctor.add_argument("--timeout", type=_positive(float), default=15.0,
+    doctor.add_argument("--timeout", type=_at_least(float), default=15.0,
                         help="seconds each 2-process probe may take (default 15)")
     doctor.set_defaults(handler=_doctor, subparser=doctor)
 
@@ -82,14 +82,14 @@ def _parser() -> argparse.ArgumentParser:
                        help="memory to benchmark; 'all' (default) is cpu plus cuda when torch sees a GPU")
     bench.add_argument("--sizes", type=_sizes, default=None, metavar="LIST",
                        help="comma-separated sizes, e.g. 4K,64K,1M (default: 4K,64K,1M,16M,64M; GPU up to 1G)")
-    bench.add_argument("--time-budget", type=_positive(float), default=0.3, metavar="S",
+    bench.add_argument("--time-budget", type=_at_least(float), default=0.3, metavar="S",
                        help="seconds of timed calls per measurement, at least --min-reps calls (default 0.3)")
-    bench.add_argument("--min-reps", type=_positive(int), default=20, help="fewest timed calls (default 20)")
-    bench.add_argument("--iters", type=_positive(int), default=None,
+    bench.add_argument("--min-reps", type=_at_least(int), default=20, help="fewest timed calls (default 20)")
+    bench.add_argument("--iters", type=_at_least(int), default=None,
                        help="time exactly this many calls instead of the time budget")
-    bench.add_argument("--warmup", type=_positive(float), default=0.05, metavar="S",
+    bench.add_argument("--warmup", type=_at_least(float), default=0.05, metavar="S",
                        help="seconds of untimed warm-up per measurement (default 0.05)")
-    bench.add_argument("--idle-seconds", type=_positive(float), default=2.0, metavar="S",
+    bench.add_argument("--idle-seconds", type=_at_least(float), default=2.0, metavar="S",
                        help="how long to measure an idle communicator's CPU; 0 skips it (default 2)")
     bench.add_argument("--raw-config", choices=["sleeping", "tensorwire", "nixl-default"], default="sleeping",
                        help="how the raw NIXL agents are built: 'sleeping' (default) NIXL's defaults but a sleeping "
@@ -98,13 +98,13 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, default=None, metavar="PATH", help="write every record to PATH")
     bench.add_argument("--plot", type=Path, default=None, metavar="PNG",
                        help="plot GB/s against size to PNG (needs matplotlib)")
-    bench.add_argument("--timeout", type=_positive(float), default=900.0, metavar="S",
+    bench.add_argument("--timeout", type=_at_least(float), default=900.0, metavar="S",
                        help="give up after this many seconds (default 900)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     bench.add_argument("--graphs", action="store_true",
                        help="GPU: also time transfers (p2p) and the cuda backend's dispatch and combine (moe) "
                             "captured in CUDA graphs and replayed")
-    bench.add_argument("--ranks", type=_positive(int), default=None, metavar="N",
+    bench.add_argument("--ranks", type=_at_least(int, 1), default=2, metavar="N",
                        help="moe: local ranks (default 2; 1 times the kernels on a GPU no other rank shares)")
     bench.add_argument("--backends", default=None, metavar="LIST",
                        help="moe: comma-separated backends to time (default: every one that runs here)")
@@ -125,6 +125,7 @@ def _bench_moe(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: 
     import torch
 
     from .bench import moe, report
+    from .moe.selection import BACKENDS
 
     memory = "cuda" if args.memory != "cpu" and torch.cuda.is_available() else "cpu"
     if args.memory == "cuda" and memory != "cuda":
@@ -132,14 +133,12 @@ def _bench_moe(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: 
     backends = None
     if args.backends is not None:
         backends = tuple(dict.fromkeys(b.strip() for b in args.backends.split(",") if b.strip()))
-        unknown = sorted(set(backends) - {"torch", "nixl", "cuda"})
+        unknown = sorted(set(backends) - set(BACKENDS))
         if unknown or not backends:
             parser.error(f"--backends {args.backends!r}: unknown or no backend {unknown}; pass a comma-separated "
-                         "list of torch, nixl and cuda")
-    if args.ranks is not None and args.ranks < 1:
-        parser.error(f"--ranks {args.ranks}: pass 1 or more")
-    records = moe.run_moe_bench(memory=memory, timeout_s=args.timeout, graphs=args.graphs,
-                                world_size=2 if args.ranks is None else args.ranks, backends=backends)
+                         f"list of {', '.join(BACKENDS)}")
+    records = moe.run_moe_bench(memory=memory, timeout_s=args.timeout, graphs=args.graphs, world_size=args.ranks,
+                                backends=backends)
     print(moe.format_moe_report(records), flush=True)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -168,8 +167,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list
             parser.error(str(e))
     if args.what == "moe":
         return _bench_moe(args, parser, argv)
-    for flag, value in (("--ranks", args.ranks), ("--backends", args.backends)):
-        if value is not None:
+    for flag, given in (("--ranks", args.ranks != 2), ("--backends", args.backends is not None)):
+        if given:
             parser.error(f"{flag} applies to 'tensorwire bench moe'; the p2p bench runs rank 0 -> rank 1")
     has_cuda = torch.cuda.is_available()
     if args.memory == "cuda" and not has_cuda:

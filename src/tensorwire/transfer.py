@@ -9,8 +9,8 @@ Completion without the CPU
 when ``s`` reaches that point. How depends on the transport:
 
 * stream-ordered transports (``local``, ``cuda_ipc``) enqueue their copies on the stream and record an
-  event: plain stream order, CUDA-graph capturable (``shm`` moves host memory and completes inside ``post``).
-* ``nixl`` is driven by the CPU, so the stream and the progress thread meet in pinned host words:
+  event: plain stream order, CUDA-graph capturable.
+* ``nixl`` and ``shm`` are driven by the CPU, so the stream and the progress thread meet in pinned host words:
   - CPU post, stream wait: the progress thread stores the post's sequence number into ``done_seq`` when
     the transfer completes; the stream waits for ``done_seq >= k`` (``cuStreamWaitValue32``).
   - stream post (the "doorbell"): the stream stores 1 into ``doorbell``; the progress thread sees it,
@@ -43,7 +43,8 @@ class Transfer(Closeable):
     """A reusable transfer handle. Not thread-safe: drive one handle from one thread.
 
     Attributes: ``op`` (READ/WRITE), ``peer`` (remote rank), ``nbytes`` (total), ``transport`` (the backend
-    that carries it: ``"nixl"``, ``"cuda_ipc"``, ``"shm"`` or ``"local"``; ``"none"`` when there is nothing to move).
+    that carries it: ``"nixl"``, ``"cuda_ipc"``, ``"shm"`` or ``"local"``; ``"none"`` when there is nothing to
+    move).
     """
 
     def __init__(self, comm: "Communicator", op: Op, peer: int, nbytes: int, backend: Backend | None,
@@ -186,8 +187,8 @@ class Transfer(Closeable):
             words.values[_DONE_FLAG] = 1
             if state is Status.ERROR:  # kept for the next CPU call on this transfer; the doorbell stays served
                 self._async_error = TransferError(
-                    f"post(stream=): the {self.op.value} to rank {self.peer} over nixl failed; the bytes that "
-                    "stream consumed are not valid")
+                    f"post(stream=): the {self.op.value} to rank {self.peer} over {self.transport} failed; the bytes "
+                    "that stream consumed are not valid")
             return self._drained()  # otherwise keep serving future doorbells (graph replays)
 
         def serve_until_drained() -> bool:
@@ -268,7 +269,8 @@ class Transfer(Closeable):
                 return False
             words.values[_DONE_SEQ] = sequence  # also on error: the stream must not hang
             if state is Status.ERROR:
-                raise TransferError(f"wait(stream=): the {self.op.value} to rank {self.peer} over nixl failed")
+                raise TransferError(f"wait(stream=): the {self.op.value} to rank {self.peer} over {self.transport} "
+                                    "failed; the peer may have exited or deregistered the memory")
             return True
 
         # Enqueue the wait before waking the progress thread: the call then returns without competing with

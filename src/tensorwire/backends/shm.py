@@ -40,14 +40,15 @@ class SharedFile:
     inode: int
 
     def is_at_path(self) -> bool:
-        """Whether ``path`` names this very file here and is readable and writable. A peer on the same host
-        but in another mount namespace (a container with its own /dev/shm) may find another file, or none,
-        under the same name; it must not copy into that."""
+        """Whether ``path`` names this very regular file here and is readable and writable. A peer on the same
+        host but in another mount namespace (a container with its own /dev/shm) may find another file, or
+        none, under the same name; it must not copy into that."""
         try:
             found = os.stat(self.path)
         except OSError:
             return False
-        return (found.st_dev, found.st_ino) == (self.device, self.inode) and os.access(self.path, os.R_OK | os.W_OK)
+        return (stat.S_ISREG(found.st_mode) and (found.st_dev, found.st_ino) == (self.device, self.inode)
+                and os.access(self.path, os.R_OK | os.W_OK))
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,7 @@ def shared_file_of(addr: int, nbytes: int) -> SharedFile | None:
                 return None
             major, minor = (int(x, 16) for x in fields[3].split(":"))
             file = SharedFile(path, int(fields[2], 16) + (addr - start), os.makedev(major, minor), int(fields[4]))
-            try:
-                regular = stat.S_ISREG(os.stat(path).st_mode)
-            except OSError:
-                return None
-            return file if regular and file.is_at_path() else None
+            return file if file.is_at_path() else None
     return None
 
 

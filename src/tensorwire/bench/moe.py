@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidArgumentError, TransferError
+from ..moe.selection import BACKENDS
 from .timing import Timing, summarize
 
 __all__ = ["MoeBenchConfig", "format_moe_report", "run_moe_bench"]
@@ -71,9 +72,9 @@ class MoeBenchConfig:
             # NCCL needs a GPU per rank; two ranks on one GPU take the other two backends only.
             backends = ("torch", "nixl") if not gpu else ("cuda", "nixl") + (
                 ("torch",) if torch.cuda.device_count() >= self.world_size else ())
-        unknown = sorted(set(backends) - {"torch", "nixl", "cuda"})
+        unknown = sorted(set(backends) - set(BACKENDS))
         if unknown:
-            raise InvalidArgumentError(f"bench moe: unknown backend(s) {unknown}; pass torch, nixl and/or cuda")
+            raise InvalidArgumentError(f"bench moe: unknown backend(s) {unknown}; pass some of {', '.join(BACKENDS)}")
         experts = self.num_experts or (256 if gpu else 32)
         experts = -(-experts // self.world_size) * self.world_size
         config = replace(
