@@ -44,6 +44,7 @@ def test_bench_moe_reports_each_backend():
     assert {(r["backend"], r["op"]) for r in records} == {
         (b, op) for b in ("torch", "nixl") for op in ("dispatch", "combine")}
     assert all(r["rows"] > 0 and r["median_us"] > 0 for r in records)
+    assert all(r["shared_copy_gbps"] > 0 and r["ratio_to_shared_copy"] > 0 for r in records)
 
 
 def test_bench_moe_takes_ranks_and_backends(tmp_path):

@@ -116,14 +116,29 @@ class ProgressEngine:
             if on_error is not None:
                 self._on_error[poll] = on_error
             self._watches.append(poll)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tensorwire-progress", daemon=True)
-                self._thread.start()
+            self._start_locked()
             self._cond.notify()
+
+    def start(self) -> None:
+        """Start the thread now (it sleeps until the first watch), so that a latency-sensitive first
+        ``watch`` (``wait(stream=)``) does not pay for ``Thread.start``, which waits for the new thread."""
+        with self._cond:
+            self._start_locked()
+
+    def _start_locked(self) -> None:
+        if self._thread is None and not self._stopped:
+            self._thread = threading.Thread(target=self._run, name="tensorwire-progress", daemon=True)
+            self._thread.start()
 
     def watching(self, poll: Callable[[], bool]) -> bool:
         with self._cond:
             return poll in self._watches
+
+    def still_watched(self, polls: list[Callable[[], bool]]) -> list[Callable[[], bool]]:
+        """Those of ``polls`` still being polled (one lock acquisition for all of them)."""
+        with self._cond:
+            watched = set(self._watches)
+        return [poll for poll in polls if poll in watched]
 
     def unwatch(self, poll: Callable[[], bool]) -> None:
         """Stop polling ``poll``; once this returns it is not running and will not run again."""

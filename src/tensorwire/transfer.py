@@ -69,6 +69,7 @@ class Transfer(Closeable):
         self._words = None
         if uses_cuda and self._request is not None and not self._stream_ordered:
             self._host_words()
+            comm._engine.start()  # wait(stream=) hands completion to it: have it running before the first
         self._doorbell_watch = None
         self._watches: list = []  # progress-thread watches on this transfer's request, drained on close
         self._streams_used: set = set()  # streams this transfer's GPU-side waits were enqueued on
@@ -281,7 +282,7 @@ class Transfer(Closeable):
     def _watch(self, poll) -> None:
         """Have the progress thread poll ``poll`` (until it returns True or this transfer closes)."""
         engine = self._comm._engine
-        self._watches = [w for w in self._watches if engine.watching(w)] + [poll]  # forget finished ones
+        self._watches = engine.still_watched(self._watches) + [poll]  # forget finished ones
         engine.watch(poll, on_error=self._keep_error)
 
     def _keep_error(self, error: Exception) -> None:
@@ -335,7 +336,7 @@ class Transfer(Closeable):
         if request is None:
             return
         engine = self._comm._engine
-        watches = [w for w in self._watches if engine.watching(w)]
+        watches = engine.still_watched(self._watches)
         if not watches:
             self._backend.release(request)
             return

@@ -25,6 +25,10 @@ from .base import Capabilities, Op, Segment, Status, StreamOrderedCompletion, St
 __all__ = ["CudaIpcBackend"]
 
 _EXPORT = struct.Struct("<QQQi64s")  # addr, nbytes, allocation base, device index, IPC handle
+# Copies are issued in pieces of at most this many bytes. Measured on an H200: a CUDA graph replays a single
+# 1 GiB memcpy node at 0.64x the speed of the same copy issued on a stream, while 256 MiB nodes replay at
+# full speed; on a stream the extra calls cost nothing measurable.
+COPY_PIECE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -101,10 +105,9 @@ class CudaIpcBackend(StreamOrderedCompletion):
         copies = []
         for mine, theirs in zip(local, remote):
             pointer = self.pointer(peer, theirs, device_index)
-            if op is Op.READ:
-                copies.append((mine.addr, pointer, mine.nbytes))
-            else:
-                copies.append((pointer, mine.addr, mine.nbytes))
+            destination, source = (mine.addr, pointer) if op is Op.READ else (pointer, mine.addr)
+            copies += [(destination + offset, source + offset, min(COPY_PIECE_BYTES, mine.nbytes - offset))
+                       for offset in range(0, mine.nbytes, COPY_PIECE_BYTES)]
         return _Request(copies, device_index)
 
     def post(self, request: _Request, notify: bytes | None, stream: "torch.cuda.Stream | None" = None) -> Status:

@@ -9,7 +9,10 @@ not time-budgeted. Rank 0 reports.
 Bytes are counted as DeepEP counts them: once per (token, expert) pair, ``rows x H x element size``,
 where ``rows`` are the pairs rank 0 sends (dispatch) or gets back (combine). Beside each backend's
 number stands a copy of the same bytes inside rank 0 (``dst.copy_(src)``, host memory or device
-memory), timed in the same run, and the ratio. Times: median and p10/p90 in microseconds; host memory
+memory), timed in the same run, and the ratio; and the same copy made by every rank at once (``shared
+copy``), the yardstick where ranks share one device: two ranks on one GPU both move their bytes through
+its memory in every step, as their dispatches do, so a step cannot beat both copies made together (with a
+GPU per rank the two copies agree). Times: median and p10/p90 in microseconds; host memory
 is timed with ``perf_counter``, GPU memory with CUDA events. Every rank checks its combine output
 (``x * sum of valid weights``) after timing: a backend that moved wrong bytes fails the benchmark.
 
@@ -140,6 +143,7 @@ def _rank_main(config: MoeBenchConfig) -> list[dict]:
             rows = int((topk_idx >= 0).sum())
             nbytes = rows * config.hidden * x.element_size()
             copy = _copy_timing(nbytes, device, config)
+            shared_copy = _shared_copy_timing(comm, nbytes, device, config)
             for backend in config.backends:
                 capacity = None
                 if config.capacity_factor is not None:
@@ -147,14 +151,15 @@ def _rank_main(config: MoeBenchConfig) -> list[dict]:
                 dispatch, combine, y = _time_backend(moe, comm, backend, x, topk_idx, topk_weights, config, capacity)
                 _check(y, x, topk_idx, topk_weights, backend, comm.rank)
                 for op, timing in (("dispatch", dispatch), ("combine", combine)):
-                    records.append(_record(config, backend, op, tokens, rows, nbytes, timing, copy, device, capacity))
+                    records.append(_record(config, backend, op, tokens, rows, nbytes, timing, copy, shared_copy,
+                                           device, capacity))
                 if backend == "cuda" and config.graphs:
                     capacity = config.world_size * tokens * config.topk
                     dispatch, combine, y = _time_graphs(moe, comm, x, topk_idx, topk_weights, config, capacity)
                     _check(y, x, topk_idx, topk_weights, "cuda (graph)", comm.rank)
                     for op, timing in (("dispatch", dispatch), ("combine", combine)):
-                        records.append(_record(config, "cuda (graph)", op, tokens, rows, nbytes, timing, copy, device,
-                                               capacity))
+                        records.append(_record(config, "cuda (graph)", op, tokens, rows, nbytes, timing, copy,
+                                               shared_copy, device, capacity))
             comm.barrier()
     return records
 
@@ -251,6 +256,25 @@ def _copy_timing(nbytes: int, device: torch.device, config: MoeBenchConfig) -> T
     return summarize([clock(lambda: target.copy_(source)) for _ in range(config.reps)])
 
 
+def _shared_copy_timing(comm: Any, nbytes: int, device: torch.device, config: MoeBenchConfig) -> Timing:
+    """The copy of ``_copy_timing``, made by every rank at the same time: after a barrier each rank times
+    ``reps`` back-to-back copies as one interval (the ranks leave the barrier a little apart; one interval
+    over many copies keeps that skew small against the whole). Each sample is the interval over ``reps``."""
+    source = torch.ones(max(nbytes, 1), dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    clock = _clock(device)
+
+    def copies() -> None:
+        for _ in range(config.reps):
+            target.copy_(source)
+
+    samples = []
+    for _ in range(3):
+        comm.barrier()
+        samples.append(clock(copies) / config.reps)
+    return summarize(samples)
+
+
 def _check(y: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, backend: str,
            rank: int) -> None:
     """Identity experts: y = x * (sum of the valid weights)."""
@@ -263,8 +287,8 @@ def _check(y: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
 
 
 def _record(config: MoeBenchConfig, backend: str, op: str, tokens: int, rows: int, nbytes: int, timing: Timing,
-            copy: Timing, device: torch.device, capacity: int | None) -> dict:
-    gbps, copy_gbps = timing.gbps(nbytes), copy.gbps(nbytes)
+            copy: Timing, shared_copy: Timing, device: torch.device, capacity: int | None) -> dict:
+    gbps, copy_gbps, shared_gbps = timing.gbps(nbytes), copy.gbps(nbytes), shared_copy.gbps(nbytes)
     return {
         "backend": backend, "op": op, "memory": device.type, "tokens": tokens, "hidden": config.hidden,
         "topk": config.topk, "num_experts": config.num_experts, "world_size": config.world_size,
@@ -272,18 +296,23 @@ def _record(config: MoeBenchConfig, backend: str, op: str, tokens: int, rows: in
         "median_us": timing.median_us, "p10_us": timing.p10_us, "p90_us": timing.p90_us, "gbps": gbps,
         "copy_median_us": copy.median_us, "copy_gbps": copy_gbps,
         "ratio_to_copy": gbps / copy_gbps if copy_gbps else float("nan"),
+        "shared_copy_median_us": shared_copy.median_us, "shared_copy_gbps": shared_gbps,
+        "ratio_to_shared_copy": gbps / shared_gbps if shared_gbps else float("nan"),
     }
 
 
 def format_moe_report(records: list[dict]) -> str:
     """A plain table of the records."""
     head = (f"{'backend':12} {'op':8} {'mem':4} {'T':>5} {'H':>5} {'K':>2} {'rows':>6} {'median us':>10} "
-            f"{'p10-p90 us':>17} {'GB/s':>7} {'copy GB/s':>9} {'ratio':>6}")
+            f"{'p10-p90 us':>17} {'GB/s':>7} {'copy GB/s':>9} {'ratio':>6} {'shared GB/s':>11} {'ratio':>6}")
     lines = [head, "-" * len(head)]
     for r in records:
         lines.append(
             f"{r['backend']:12} {r['op']:8} {r['memory']:4} {r['tokens']:>5} {r['hidden']:>5} {r['topk']:>2} "
             f"{r['rows']:>6} {r['median_us']:>10.1f} {r['p10_us']:>8.1f}-{r['p90_us']:<8.1f} {r['gbps']:>7.2f} "
-            f"{r['copy_gbps']:>9.2f} {r['ratio_to_copy']:>6.3f}"
+            f"{r['copy_gbps']:>9.2f} {r['ratio_to_copy']:>6.3f} {r['shared_copy_gbps']:>11.2f} "
+            f"{r['ratio_to_shared_copy']:>6.3f}"
         )
+    lines += ["", "copy: the same bytes copied inside rank 0 alone; shared: every rank copying its bytes at the same "
+              "time (the yardstick when ranks share a device)"]
     return "\n".join(lines)

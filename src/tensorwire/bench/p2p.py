@@ -19,6 +19,9 @@ measures, on the same registered buffers:
 - ``tensorwire (graph)`` (GPU, ``graphs=True``): ``post(stream=)`` + ``wait(stream=)`` captured once in a
   CUDA graph, each replay timed with CUDA events: the post-to-completion time on the stream, without the
   CPU's launch cost (which an eager 4 KiB transfer is mostly made of).
+- ``wait(stream=)`` return (GPU): how long ``wait(stream=)`` keeps the CPU while the largest WRITE is still in
+  flight, per transport (the one tensorwire chooses, and NIXL forced), and whether the transfer was indeed
+  still in flight when the call returned (an event recorded after the wait had not fired).
 - ``copy``: ``dst.copy_(src)`` of the same bytes inside rank 0: host memory with one thread (a transfer is
   one stream of bytes), plus torch's default thread count as ``copy-mt`` (JSON); GPU timed with CUDA events.
 
@@ -49,7 +52,7 @@ import torch
 from ..backends.base import Op
 from ..descriptors import MemoryKind, TensorDesc
 from ..errors import InvalidArgumentError, TransferError
-from .timing import Budget, Clock, CudaEventClock, HostClock, Timing, measure, measure_interleaved
+from .timing import Budget, Clock, CudaEventClock, HostClock, Timing, measure, measure_interleaved, summarize
 
 __all__ = [
     "HOST_SIZES", "CUDA_SIZES", "RAW_CONFIGS", "BenchConfig", "Record", "BenchResult", "run", "rank_pattern",
@@ -75,6 +78,7 @@ RAW_CONFIGS = {
                     "progress thread spins a core per agent (distorts timings when threads outnumber cores)",
 }
 _IDLE_BYTES = 1 << 20
+WAIT_RETURN_REPS = 20
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,7 @@ class BenchResult:
     default_threads: int  # torch's thread count in rank 0 (copy-mt)
     ucx_version: str | None
     others: dict[str, float | None] = field(default_factory=dict)  # CPU other processes took meanwhile
+    wait_returns: list[dict[str, Any]] = field(default_factory=list)  # GPU: see _bench_wait_returns
 
 
 # --- data that says where it came from ---------------------------------------------------------------
@@ -249,7 +254,7 @@ def _rank_main(config: BenchConfig) -> dict[str, Any]:
         result["idle"] = _measure_idle(comm, config.idle_s) if config.idle_s > 0 else None
         raw = _RawNixl(comm.rank, bench_store, config.raw_config, comm.config.progress_wakeup_ms)
         try:
-            result["records"] = _bench_all(comm, raw, config)
+            result["records"], result["wait_returns"] = _bench_all(comm, raw, config)
         finally:
             raw.close()
         result["default_threads"] = torch.get_num_threads()
@@ -289,12 +294,13 @@ def _measure_idle(comm: Any, seconds: float) -> dict[str, float]:
     return {"rank": comm.rank, "wall_s": wall, "cpu_s": cpu, "cores": cpu / wall}
 
 
-def _bench_all(comm: Any, raw: _RawNixl, config: BenchConfig) -> list[Record]:
+def _bench_all(comm: Any, raw: _RawNixl, config: BenchConfig) -> tuple[list[Record], list[dict[str, Any]]]:
     sides = [_make_side(comm, raw, memory, max(config.sizes(memory))) for memory in config.memories]
     raw.exchange_metadata()
     for side in sides:
         side.remote = comm.lookup(f"bench/{side.memory}", 1 - comm.rank)[0]
     records: list[Record] = []
+    wait_returns: list[dict[str, Any]] = []
     checker = _InboxChecker(raw.store)
     try:
         if comm.rank == 0:
@@ -302,6 +308,8 @@ def _bench_all(comm: Any, raw: _RawNixl, config: BenchConfig) -> list[Record]:
                 for side in sides:
                     for size in config.sizes(side.memory):
                         records += _bench_size(comm, raw, side, size, config, checker)
+                    if side.memory == "cuda":
+                        wait_returns += _bench_wait_returns(comm, side, checker)
             finally:
                 checker.finish()
         else:
@@ -312,7 +320,7 @@ def _bench_all(comm: Any, raw: _RawNixl, config: BenchConfig) -> list[Record]:
             side.registration.close()
             if side.shared_file is not None:
                 os.unlink(side.shared_file)  # the mapping lives on until the buffer is freed
-    return records
+    return records, wait_returns
 
 
 def _make_side(comm: Any, raw: _RawNixl, memory: str, size: int) -> _Side:
@@ -406,6 +414,38 @@ def _bench_in_process(comm: Any, side: _Side, size: int, budget: Budget) -> Reco
             timing = measure(once, clock, budget)
         _check_inbox(side, size, what, expected=side.own)  # still the right bytes after the timing
         return Record.of(side.memory, Op.WRITE.value, size, TENSORWIRE_IN_PROCESS, timing, transfer.transport)
+
+
+def _bench_wait_returns(comm: Any, side: _Side, checker: "_InboxChecker") -> list[dict[str, Any]]:
+    """Rank 0: the CPU time ``wait(stream=)`` takes to return while a WRITE of the whole outbox is in flight,
+    ``WAIT_RETURN_REPS`` times per transport (tensorwire's choice, then NIXL forced). A CPU-driven transport
+    is posted from the CPU (``post()``), a stream-ordered one on the stream. Each repetition then records an
+    event after the wait and asks, without waiting, whether it has fired: ``in_flight`` counts the
+    repetitions where the transfer was still moving when the CPU got control back."""
+    stream = torch.cuda.current_stream()
+    size = side.half
+    remote = side.remote.narrow(side.half, size)
+    out: list[dict[str, Any]] = []
+    for transport in (None, "nixl"):
+        if transport == "nixl" and out and out[0]["transport"] == "nixl":
+            break  # tensorwire already chose NIXL
+        with comm.prepare(Op.WRITE, side.outbox, remote, transport=transport) as transfer:
+            returns_s, in_flight = [], 0
+            for _ in range(WAIT_RETURN_REPS):
+                transfer.post(stream=stream) if transfer.transport in STREAM_ORDERED else transfer.post()
+                start = time.perf_counter_ns()
+                transfer.wait(stream=stream)
+                returns_s.append((time.perf_counter_ns() - start) * 1e-9)
+                after = torch.cuda.Event()
+                after.record(stream)
+                in_flight += not after.query()
+                after.synchronize()
+            _check_path(side, size, Op.WRITE, f"wait(stream=) over {transfer.transport}", checker)
+            timing = summarize(returns_s)
+            out.append({"transport": transfer.transport, "op": Op.WRITE.value, "size": size,
+                        "median_us": timing.median_us, "p10_us": timing.p10_us, "p90_us": timing.p90_us,
+                        "first_us": returns_s[0] * 1e6, "reps": timing.reps, "in_flight": in_flight})
+    return out
 
 
 def _bench_on_stream(comm: Any, side: _Side, size: int, op: Op, local: torch.Tensor, remote: TensorDesc,
@@ -574,6 +614,7 @@ def run(config: BenchConfig) -> BenchResult:
         default_threads=rank0["default_threads"],
         ucx_version=rank0.get("ucx_version"),
         others=others,
+        wait_returns=rank0["wait_returns"],
     )
 
 

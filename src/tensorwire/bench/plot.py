@@ -109,6 +109,9 @@ def plot_moe(records: list[dict], path: Path, title: str = "tensorwire bench moe
             axis.bar([i + 0.4 * offset for i in range(len(backends))], values, width=0.4, label=op, color=color)
         copy = max((r["copy_gbps"] for r in rows), default=0.0)
         axis.axhline(copy, color="#2ca02c", linestyle="--", label=f"copy {copy:,.0f} GB/s")
+        shared = max((r.get("shared_copy_gbps", 0.0) for r in rows), default=0.0)  # older JSONs lack it
+        if shared and rows[0]["world_size"] > 1:
+            axis.axhline(shared, color="#9467bd", linestyle=":", label=f"shared copy {shared:,.0f} GB/s")
         axis.set_xticks([i + 0.2 for i in range(len(backends))], backends, fontsize=8)
         axis.set_yscale("log")
         axis.set_ylabel("GB/s (median)", fontsize=9)

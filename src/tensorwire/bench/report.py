@@ -116,6 +116,14 @@ def summary(result: BenchResult) -> list[dict[str, Any]]:
     else:
         lines.append({"name": "4 KiB cpu WRITE latency", "value": None, "goal": "<= 10 us, <= 1.1x raw", "ok": None,
                       "text": "4 KiB cpu WRITE: not measured (add 4K to --sizes and cpu to --memory)"})
+    for w in result.wait_returns:
+        ok = w["median_us"] < 20 and w["in_flight"] == w["reps"]
+        lines.append({"name": f"wait(stream=) return, {w['transport']}", "value": w["median_us"], "goal": "< 20 us",
+                      "ok": ok,
+                      "text": f"wait(stream=) over {w['transport']} returned to the CPU after {w['median_us']:.1f} µs "
+                              f"median (p10-p90 {w['p10_us']:.1f}-{w['p90_us']:.1f}, first call {w['first_us']:.1f}) "
+                              f"with a {format_size(w['size'])} {w['op']} in flight ({w['in_flight']}/{w['reps']} still "
+                              "moving at return); goal < 20 µs"})
     if result.idle:
         cores = max(i["cores"] for i in result.idle)
         lines.append({"name": "idle communicator CPU", "value": cores, "goal": "< 0.05 cores", "ok": cores < 0.05,
@@ -213,5 +221,6 @@ def to_json(result: BenchResult, head: dict[str, Any], config: BenchConfig) -> d
         "records": [asdict(r) for r in result.records],
         "comparisons": comparisons(result.records),
         "idle": result.idle,
+        "wait_returns": result.wait_returns,
         "summary": summary(result),
     }
