@@ -355,10 +355,9 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
     pass (ranks in turn, waits skipped) earlier ranks copy their slots before later ranks stored into them;
     the second pass repeats the same stores and then finds every row. Run under TRITON_INTERPRET=1 (the
     flag must be set before triton is imported)."""
-    from tensorwire.moe.exchange import HEADER, count_row, unpack_meta
+    from tensorwire.moe.exchange import ERROR_OVERFLOW
     from tensorwire.moe.kernels import cuda_engine as ce
-    from tensorwire.moe.kernels import nvlink
-    from tensorwire.moe.layout import placement, send_layout
+    from tensorwire.moe.kernels import nvlink, routing
 
     case = Case("interpreted", topk=4, hidden=24, tokens=6, skew=True, seed=11)
     num_experts = EXPERTS_PER_RANK * world
@@ -380,7 +379,7 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
     data = spaces(ce.DataSpace.nbytes(world, capacity, row_bytes),
                   lambda t, b: ce.DataSpace(t, b, world, capacity, row_bytes))
     errors = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    layouts = [send_layout(i, num_experts, world) for _, i, _ in inputs]
+    layouts = [routing.send_layout(i, num_experts, world) for _, i, _ in inputs]
 
     problems = []
 
@@ -393,17 +392,16 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
         if not torch.equal(flags, before - target):
             problems.append(f"consume_flags({target}) turned {before.tolist()} into {flags.tolist()}")
 
-    rows_out = [None] * world
     for s in signals:
         s.round.add_(1)
     for attempt in range(2):
         for r in range(world):
-            row = count_row(layouts[r].expert_counts, layouts[r].out_of_range, row_bytes, capacity, num_experts)
             wait = host_wait if attempt else (lambda *args: None)
-            rows_out[r] = ce.gather_rows(nvlink, signals[r], row, r, world, wait)
-    wheres = [placement(rows_out[r][:, HEADER:], r) for r in range(world)]
+            ce.exchange_counts(nvlink, signals[r], layouts[r].expert_counts, layouts[r].out_of_range, row_bytes,
+                               capacity, num_experts, r, world, wait)
+    wheres = [routing.block_tables(signals[r].slots, signals[r].round, r, world, EXPERTS_PER_RANK, errors[r], capacity)
+              for r in range(world)]
     for r in range(world):
-        ce.flag_on_device(errors[r], rows_out[r][:, :HEADER], wheres[r].rows_per_rank, capacity, r)
         if capacity_slack >= 0:
             data[r].next_half()  # the second dispatch into a space: half 1
     halves = [d.next_half() for d in data]  # the overflow case stays in half 0: a spill would reach half 1
@@ -411,15 +409,13 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
         data[r].rows(torch.float32, case.hidden, 1 - halves[r]).fill_(7.0)
     for r, (x, _, weights) in enumerate(inputs):
         layout = layouts[r]
-        bits = weights.reshape(-1).index_select(0, layout.order).to(torch.float64).view(torch.int64)
-        block_of_row = layout.expert_of_pair.reshape(-1).index_select(0, layout.order)
-        ce.store_rows(nvlink, data[r], x.view(ce.word_dtype(row_bytes)), layout.token_of_row, block_of_row,
-                      wheres[r], bits, halves[r], True, r, world)
+        ce.store_rows(nvlink, data[r], x.view(ce.word_dtype(row_bytes)), layout.order, layout.expert_of_pair, weights,
+                      layout.topk, wheres[r], halves[r], r, world)
     results = []
     for r in range(world):
         host_wait(data[r].tensor, data[r].flags_offset, ce.SCATTER_PROGRAMS, world)
         recv_x = data[r].rows(torch.float32, case.hidden, halves[r])
-        src_rank, src_idx, weights = unpack_meta(data[r].meta(halves[r]), torch.float32)
+        src_rank, src_idx, weights = ce.received_meta(data[r], halves[r], capacity, torch.float32)
         untouched = data[r].rows(torch.float32, case.hidden, 1 - halves[r])
         if (untouched != 7.0).any():
             problems.append(f"rank {r}: rows landed in the other half of the space")
@@ -463,7 +459,7 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
     bits = [int(e) for e in errors]
     if capacity_slack >= 0:
         problems += [f"rank {r}: error bits {b}" for r, b in enumerate(bits) if b]
-    elif not all(b & ce.OVERFLOW for b in bits):
+    elif not all(b & ERROR_OVERFLOW for b in bits):
         problems.append(f"capacity {capacity} < {most} rows must flag OVERFLOW on every rank, got bits {bits}")
     return problems
 
@@ -492,20 +488,21 @@ def _interpreter_probe() -> str | None:
 _SKIP = 3
 
 
-def _interpreter_job(world: int, slack: int) -> None:
+def _interpreter_job(call: str) -> None:
+    """Run ``test_moe.<call>`` (a list of problems) in a fresh interpreter with TRITON_INTERPRET=1."""
     import os
     import subprocess
     import sys
 
     code = (f"import test_moe; reason = test_moe._interpreter_probe(); print(reason or ''); "
-            f"problems = [] if reason else test_moe._interpreted_cuda_steps({world}, {slack}); "
+            f"problems = [] if reason else test_moe.{call}; "
             f"print('\\n'.join(problems)); raise SystemExit({_SKIP} if reason else 1 if problems else 0)")
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=os.path.dirname(__file__), env=env,
                           capture_output=True, text=True, timeout=240, check=False)
     if done.returncode == _SKIP:
         pytest.skip(done.stdout.strip().splitlines()[0])
-    assert done.returncode == 0, f"interpreted cuda steps, world {world}:\n{done.stdout}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"interpreted {call}:\n{done.stdout}\n{done.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("world,slack", [(2, 3), (3, -1)], ids=["world2", "world3-overflow"])
@@ -513,7 +510,65 @@ def test_cuda_backend_kernels_on_the_triton_interpreter(world, slack):
     """The cuda backend's kernels and device tables, run by Triton's interpreter on host memory: rows land
     where the receive order says, combine pulls and sums them, an overflow is flagged (not written)."""
     pytest.importorskip("triton", reason="Triton is not installed (the cuda backend's kernels need it)")
-    _interpreter_job(world, slack)
+    _interpreter_job(f"_interpreted_cuda_steps({world}, {slack})")
+
+
+def _interpreted_routing_tables() -> list[str]:
+    """``routing``'s kernels against ``layout``'s torch ops: the same send order (valid pairs; invalid
+    pairs after them, a permutation), counts and out-of-range flag; the same block tables from count rows
+    in a signal space's slots, and the error bits with a capacity."""
+    from tensorwire.moe.exchange import ERROR_EXPERT_OUT_OF_RANGE, ERROR_MISMATCH, ERROR_OVERFLOW, HEADER
+    from tensorwire.moe.kernels import routing
+    from tensorwire.moe.layout import placement, send_layout
+
+    problems = []
+    generator = torch.Generator().manual_seed(5)
+    # (T, K, E, W): several sort blocks (1025 * 2 > 2 * PAIR_BLOCK), no pairs, top-1, 3 ranks
+    for tokens, topk, experts, world in ((6, 4, 8, 2), (1025, 2, 16, 4), (0, 2, 4, 2), (5, 1, 6, 3), (700, 8, 64, 2)):
+        topk_idx = torch.randint(-1, experts, (tokens, topk), generator=generator)
+        if tokens > 3:
+            topk_idx[1, 0] = experts + 3
+        want, got = send_layout(topk_idx, experts, world), routing.send_layout(topk_idx, experts, world)
+        n = int(want.num_pairs)
+        case = f"T={tokens} K={topk} E={experts} W={world}"
+        if not torch.equal(want.order[:n], got.order[:n]):
+            problems.append(f"{case}: send order differs")
+        if sorted(got.order.tolist()) != list(range(tokens * topk)) or (got.position_of_pair[~got.valid] < n).any():
+            problems.append(f"{case}: the invalid pairs are not a permutation after the valid ones")
+        for name in ("position_of_pair", "expert_of_pair", "expert_counts", "out_of_range", "valid"):
+            a, b = getattr(want, name), getattr(got, name)
+            if name == "position_of_pair":
+                a, b = a[want.valid], b[got.valid]
+            if not torch.equal(a, b):
+                problems.append(f"{case}: {name} differs: {b.tolist()} != {a.tolist()}")
+        counts = torch.randint(0, 50, (world, experts), generator=generator)
+        slots = torch.zeros(2, world, 128, dtype=torch.int64)
+        slots[1, :, :HEADER] = torch.tensor([0, 448, 10**6, experts])
+        slots[1, :, HEADER:HEADER + experts] = counts
+        round_word = torch.tensor([3])  # odd: the rows are in slots[1]
+        for rank in range(world):
+            error = torch.zeros(1, dtype=torch.int64)
+            tables = routing.block_tables(slots, round_word, rank, world, experts // world, error, 10**6)
+            where = placement(counts, rank)
+            for name in ("send_start", "destination_start", "tokens_per_expert", "num_recv_rows", "rows_per_rank"):
+                if not torch.equal(getattr(tables, name), getattr(where, name)):
+                    problems.append(f"{case} rank {rank}: {name} differs")
+            if int(error):
+                problems.append(f"{case} rank {rank}: error bits {int(error)} on consistent rows")
+        slots[1, world - 1, 1] = 999  # another row size on the last rank, an out-of-range id on rank 0
+        slots[1, 0, 0] = ERROR_EXPERT_OUT_OF_RANGE
+        error = torch.zeros(1, dtype=torch.int64)
+        routing.block_tables(slots, round_word, 0, world, experts // world, error, 1)  # capacity 1: overflow
+        if int(error) != ERROR_EXPERT_OUT_OF_RANGE | ERROR_MISMATCH | ERROR_OVERFLOW:
+            problems.append(f"{case}: error bits {int(error)}, expected all three")
+    return problems
+
+
+def test_routing_kernels_compute_the_torch_tables():
+    """The cuda backend's routing kernels (counting sort, block tables) on Triton's interpreter give what
+    ``layout``'s torch ops give."""
+    pytest.importorskip("triton", reason="Triton is not installed (the cuda backend's kernels need it)")
+    _interpreter_job("_interpreted_routing_tables()")
 
 
 # --- user notifications beside MoE traffic ------------------------------------------------------

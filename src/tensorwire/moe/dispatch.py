@@ -15,7 +15,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from . import selection
-from .layout import SendLayout, send_layout
+from .layout import SendLayout
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
@@ -105,7 +105,7 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     """
     _check_inputs(x, topk_idx, topk_weights, num_experts, comm, capacity)
     engine = selection.engine(comm, backend, x.device, "dispatch")
-    layout = send_layout(topk_idx, num_experts, comm.world_size)
+    layout = engine.send_layout(topk_idx, num_experts, comm.world_size)
     return engine.dispatch(x, layout, topk_weights, capacity)
 
 

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ERROR_EXPERT_OUT_OF_RANGE",
+    "ERROR_MISMATCH",
+    "ERROR_OVERFLOW",
     "HEADER",
     "META_COLUMNS",
     "Engine",
@@ -42,7 +44,10 @@ __all__ = [
 ]
 
 HEADER = 4  # errors, row_bytes, capacity (-1: exact shapes), num_experts
+# Error bits: in a count row's header (out of range), and in the cuda backend's device error word (all).
 ERROR_EXPERT_OUT_OF_RANGE = 1
+ERROR_MISMATCH = 2  # ranks disagree on num_experts, row bytes or capacity
+ERROR_OVERFLOW = 4  # some rank receives more rows than the capacity
 META_COLUMNS = 3  # source rank, source token index, weight bits (float64)
 NO_CAPACITY = -1
 
@@ -51,6 +56,10 @@ class Engine(Protocol):
     """One MoE backend. Every method is collective: every rank calls it, in the same order."""
 
     name: str
+
+    def send_layout(self, topk_idx: torch.Tensor, num_experts: int, world_size: int) -> SendLayout:
+        """The send order of ``topk_idx [T, K]`` (``layout.send_layout``'s result; no host sync)."""
+        ...
 
     def dispatch(self, x: torch.Tensor, layout: SendLayout, topk_weights: torch.Tensor,
                  capacity: int | None) -> Dispatch: ...

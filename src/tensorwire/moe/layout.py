@@ -35,13 +35,14 @@ class SendLayout:
     """The send side of one rank's routing. Every tensor is int64 (``valid`` bool) on the routing's device.
 
     - ``order [T*K]``: flat pair index ``t * K + k`` of the j-th row of the send order (invalid pairs last).
-    - ``token_of_row [T*K]``: ``order // K``, the token each send-order row copies.
     - ``position_of_pair [T, K]``: inverse of ``order``: the send-order position of ``(t, k)``
       (``>= num_pairs`` for invalid pairs).
-    - ``valid [T, K]``: ``0 <= topk_idx < E``; ``expert_of_pair [T, K]``: ``topk_idx``, ``E`` where invalid.
-    - ``expert_counts [E]``: pairs per expert; ``n_tokens_to_rank [W]``: pairs per destination rank.
-    - ``num_pairs``: ``expert_counts.sum()`` as a 0-dim tensor (no host sync).
+    - ``expert_of_pair [T, K]``: ``topk_idx``, ``E`` where invalid.
+    - ``expert_counts [E]``: pairs per expert.
     - ``out_of_range``: 0-dim bool, some entry is ``>= E`` or ``< -1`` (those count as "no expert").
+    Derived on access (one device op each, no host sync): ``token_of_row [T*K]`` (``order // K``, the token
+    each send-order row copies), ``valid [T, K]`` (``0 <= topk_idx < E``), ``n_tokens_to_rank [W]`` (pairs
+    per destination rank) and ``num_pairs`` (0-dim).
     """
 
     num_tokens: int
@@ -49,18 +50,30 @@ class SendLayout:
     num_experts: int
     world_size: int
     order: torch.Tensor
-    token_of_row: torch.Tensor
     position_of_pair: torch.Tensor
-    valid: torch.Tensor
     expert_of_pair: torch.Tensor
     expert_counts: torch.Tensor
-    n_tokens_to_rank: torch.Tensor
-    num_pairs: torch.Tensor
     out_of_range: torch.Tensor
 
     @property
     def local_experts(self) -> int:
         return self.num_experts // self.world_size
+
+    @property
+    def token_of_row(self) -> torch.Tensor:
+        return torch.div(self.order, max(self.topk, 1), rounding_mode="floor")
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.expert_of_pair < self.num_experts
+
+    @property
+    def n_tokens_to_rank(self) -> torch.Tensor:
+        return self.expert_counts.view(self.world_size, -1).sum(1)
+
+    @property
+    def num_pairs(self) -> torch.Tensor:
+        return self.expert_counts.sum()
 
 
 def send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> SendLayout:
@@ -87,13 +100,9 @@ def send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> Se
         num_experts=num_experts,
         world_size=world_size,
         order=order,
-        token_of_row=torch.div(order, max(topk, 1), rounding_mode="floor"),
         position_of_pair=position.view(num_tokens, topk),
-        valid=in_range.view(num_tokens, topk),
         expert_of_pair=key.view(num_tokens, topk),
         expert_counts=expert_counts,
-        n_tokens_to_rank=expert_counts.view(world_size, -1).sum(1),
-        num_pairs=expert_counts.sum(),
         out_of_range=out_of_range,
     )
 

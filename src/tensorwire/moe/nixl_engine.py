@@ -54,7 +54,7 @@ from .exchange import (
     unpack_meta,
     weighted_sum,
 )
-from .layout import Placement, SendLayout, placement
+from .layout import Placement, SendLayout, placement, send_layout
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
@@ -108,6 +108,7 @@ def _settle(device: torch.device) -> None:
 
 class NixlEngine:
     name = "nixl"
+    send_layout = staticmethod(send_layout)
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm

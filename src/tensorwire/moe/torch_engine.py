@@ -27,7 +27,7 @@ from .exchange import (
     unpack_meta,
     weighted_sum,
 )
-from .layout import SendLayout, placement, segment_positions
+from .layout import SendLayout, placement, segment_positions, send_layout
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
@@ -47,6 +47,7 @@ class _State:
 
 class TorchEngine:
     name = "torch"
+    send_layout = staticmethod(send_layout)
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm

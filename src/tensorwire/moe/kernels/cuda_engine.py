@@ -5,8 +5,8 @@ mapped into this process for every peer (``Communicator.peer_pointer``). Creatin
 (each rank publishes its space under the same key and looks up every peer's) and synchronises with the
 host, so the first call of each shape does; make it once before capturing a CUDA graph. After that:
 
-* with ``capacity``: the count exchange, the placement tables (torch ops on the device), the row stores
-  and the waits (stream memory operations on flag words, ``nvlink``'s docstring) are all stream-ordered
+* with ``capacity``: the routing tables (``routing``'s kernels), the count exchange, the row stores and
+  the waits (stream memory operations on flag words, ``nvlink``'s docstring) are all stream-ordered
   device work: no host sync, and the sequence can be captured in a CUDA graph and replayed (a replay
   uses the buffer half its capture used). Errors (an expert id out of range, ranks disagreeing on
   shapes, a capacity overflow) are ORed into a device word that ``Dispatch.check()`` (or the next
@@ -39,24 +39,26 @@ from ...errors import BackendUnavailableError, InvalidArgumentError, WaitTimeout
 from ..dispatch import Dispatch
 from ..exchange import (
     ERROR_EXPERT_OUT_OF_RANGE,
+    ERROR_MISMATCH,
+    ERROR_OVERFLOW,
     HEADER,
+    NO_CAPACITY,
     check_count_rows,
     check_fresh,
-    count_row,
     next_power_of_two,
-    unpack_meta,
 )
-from ..layout import Placement, SendLayout, placement
+from ..layout import SendLayout, placement
 
 if TYPE_CHECKING:
     from ...communicator import Communicator
+    from .routing import BlockTables
 
 __all__ = ["SCATTER_PROGRAMS", "CudaEngine", "DataSpace", "SignalSpace"]
 
 # Programs of one scatter_rows launch: enough resident warps to keep a GPU's memory busy (8 per SM on a
 # 132-SM H200), and the same on every rank, since each rank waits for this many signals from each source.
 SCATTER_PROGRAMS = 1024
-MISMATCH, OVERFLOW, TIMED_OUT = 2, 4, 8  # error bits beside ERROR_EXPERT_OUT_OF_RANGE (1)
+TIMED_OUT = 8  # the device error word's bit for a forced wait, beside exchange's ERROR_* bits
 _ALIGN = 128
 
 
@@ -90,7 +92,7 @@ class SignalSpace:
 
 
 class DataSpace:
-    """Rows: DATA_FLAGS [W], READY_FLAGS [W], META [2, C, 3] (int64), ROWS [2, C, stride] (``nvlink``)."""
+    """Rows: DATA_FLAGS [W], READY_FLAGS [W], META [2, 3, C] (int64), ROWS [2, C, stride] (``nvlink``)."""
 
     def __init__(self, tensor: torch.Tensor, peer_bases: torch.Tensor, world: int, capacity: int,
                  row_bytes: int) -> None:
@@ -127,8 +129,8 @@ class DataSpace:
         return region[half, :, :row_elements]
 
     def meta(self, half: int) -> torch.Tensor:
-        """``[C, 3]`` int64 view of META[half]."""
-        return self.words[self.meta_offset:self.meta_offset + 2 * self.capacity * 3].view(2, self.capacity, 3)[half]
+        """``[3, C]`` int64 view of META[half]: source rank, source token, weight bits (float64) per row."""
+        return self.words[self.meta_offset:self.meta_offset + 2 * 3 * self.capacity].view(2, 3, self.capacity)[half]
 
 
 def map_space(comm: Communicator, key: str, nbytes: int,
@@ -158,34 +160,42 @@ def map_space(comm: Communicator, key: str, nbytes: int,
 
 
 # --- steps (plain tensors in, kernels launched on the current stream; no host sync) ---------------
-def gather_rows(kernels: ModuleType, signals: SignalSpace, row: torch.Tensor, rank: int, world: int,
-                wait: Wait) -> torch.Tensor:
-    """Every rank's count row ``[W, width]`` int64, through ``signals`` (whose round the caller bumped)."""
-    width = row.numel()
+def exchange_counts(kernels: ModuleType, signals: SignalSpace, counts: torch.Tensor, errors: torch.Tensor | None,
+                    row_bytes: int, capacity: int | None, num_experts: int, rank: int, world: int, wait: Wait) -> None:
+    """Every rank's count row (``exchange``'s format: header, then ``counts [n]`` int64) into this rank's
+    slots of the round (whose number the caller bumped): the slots then hold ``[W, HEADER + n]``.
+    ``errors``: a 0-dim bool on the device, the out-of-range bit of the header (None: no errors)."""
     kernels.publish_counts[(world,)](
-        signals.words, signals.peer_bases, row.contiguous(), rank, world, width, signals.stride,
-        signals.flags_offset, signals.slots_offset, BLOCK=128,
+        signals.words, signals.peer_bases, counts, counts if errors is None else errors, row_bytes,
+        NO_CAPACITY if capacity is None else capacity, num_experts, rank, world, counts.numel(), signals.stride,
+        signals.flags_offset, signals.slots_offset, HEADER_WORDS=HEADER, HAS_ERROR=errors is not None, BLOCK=128,
     )
     wait(signals.tensor, signals.flags_offset, 1, world)
+
+
+def current_rows(signals: SignalSpace, width: int) -> torch.Tensor:
+    """A copy of the round's count rows ``[W, width]`` int64 (for the host: the slots are reused)."""
     return signals.slots.index_select(0, signals.round % 2)[0, :, :width].contiguous()
 
 
-def store_rows(kernels: ModuleType, space: DataSpace, words: torch.Tensor, token_of_row: torch.Tensor,
-               block_of_row: torch.Tensor, where: Placement, weight_bits: torch.Tensor, half: int, has_meta: bool,
+def store_rows(kernels: ModuleType, space: DataSpace, words: torch.Tensor, order: torch.Tensor | None,
+               block_of_pair: torch.Tensor, weights: torch.Tensor | None, topk: int, where: BlockTables, half: int,
                rank: int, world: int) -> None:
-    """Store this rank's rows (``words [T, row_words]``; send-order row i is ``words[token_of_row[i]]``, bound
-    for block ``block_of_row[i]`` of ``where``'s ``[W, blocks per rank]`` tables, or for none when that is
-    ``>= W * blocks per rank``) into ROWS[half] of the ranks that hold the blocks. Every rank's
-    DATA_FLAGS[rank] then counts ``SCATTER_PROGRAMS`` more."""
+    """Store this rank's rows into ROWS[half] of the ranks that hold their blocks. ``words [T, row_words]``;
+    send-order row i is pair ``order[i]`` (the identity when ``order`` is None), which copies ``words[pair //
+    topk]`` to block ``block_of_pair[pair]`` of ``where``'s ``[W, blocks per rank]`` tables (none when that is
+    ``>= W * blocks per rank``); with ``weights`` (one per pair) each row's META is stored too. Every
+    rank's DATA_FLAGS[rank] then counts ``SCATTER_PROGRAMS`` more."""
     size = words.element_size()
     row_words = space.row_bytes // size
     block = min(max(next_power_of_two(row_words), 128), 1024)
+    pairs = block_of_pair.reshape(-1)
     kernels.scatter_rows[(SCATTER_PROGRAMS,)](
-        words, token_of_row, block_of_row.contiguous(), where.send_start.contiguous(),
-        where.destination_start.contiguous(), weight_bits, space.peer_bases, block_of_row.numel(),
-        where.send_start.numel(), where.send_start.shape[1], rank, world, space.capacity, half * space.capacity,
-        row_words, space.row_stride_bytes // size, space.rows_offset_bytes // size, space.meta_offset,
-        space.flags_offset, PROGRAMS=SCATTER_PROGRAMS, HAS_META=has_meta, BLOCK=block, num_warps=4,
+        words, pairs if order is None else order, pairs, pairs if weights is None else weights.reshape(-1),
+        where.send_start, where.destination_start, space.peer_bases, pairs.numel(), where.send_start.numel(),
+        where.send_start.shape[1], rank, world, space.capacity, half, row_words, space.row_stride_bytes // size,
+        space.rows_offset_bytes // size, space.meta_offset, space.flags_offset, TOPK=topk, PROGRAMS=SCATTER_PROGRAMS,
+        HAS_ORDER=order is not None, HAS_META=weights is not None, BLOCK=block, num_warps=4,
     )
 
 
@@ -193,7 +203,7 @@ def signal_ready(kernels: ModuleType, space: DataSpace, rank: int, world: int) -
     kernels.signal_ready[(world,)](space.peer_bases, space.ready_offset, rank)
 
 
-def pull_combine(kernels: ModuleType, result: torch.Tensor, layout: SendLayout, where: Placement,
+def pull_combine(kernels: ModuleType, result: torch.Tensor, layout: SendLayout, where: BlockTables,
                  topk_weights: torch.Tensor, space: DataSpace, half: int) -> None:
     """``result [T, H]``: the weighted sum of every pair's expert output, pulled from the peers' ROWS[half]
     (pairs placed by ``layout`` and ``where``, the dispatch's tables)."""
@@ -204,23 +214,22 @@ def pull_combine(kernels: ModuleType, result: torch.Tensor, layout: SendLayout, 
     block = min(max(next_power_of_two(hidden), 16), 1024)
     kernels.combine_pull[(num_tokens, -(-hidden // block))](
         result, layout.expert_of_pair.contiguous(), layout.position_of_pair.contiguous(), topk_weights.contiguous(),
-        where.send_start.contiguous(), where.destination_start.contiguous(), space.peer_bases, layout.num_experts,
+        where.send_start, where.destination_start, space.peer_bases, layout.num_experts,
         layout.local_experts, space.capacity, half * space.capacity, hidden, space.row_stride_bytes // size,
         space.rows_offset_bytes // size, TOPK=layout.topk, BLOCK=block, num_warps=4,
     )
 
 
+def received_meta(space: DataSpace, half: int, rows: int,
+                  weight_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(source rank, source token) ``[rows]`` int64 views of META[half], and the weights ``[rows]`` in
+    ``weight_dtype`` (one conversion)."""
+    meta = space.meta(half)[:, :rows]
+    return meta[0], meta[1], meta[2].view(torch.float64).to(weight_dtype)
+
+
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-
-
-def flag_on_device(error: torch.Tensor, header: torch.Tensor, rows_per_rank: torch.Tensor, capacity: int,
-                   rank: int) -> None:
-    """OR into ``error`` what the host path would have raised. Graph-safe, no sync."""
-    out_of_range = (header[:, 0] & ERROR_EXPERT_OUT_OF_RANGE).max()
-    mismatch = (header[:, 1:] != header[rank, 1:]).any().long() * MISMATCH
-    overflow = (rows_per_rank.max() > capacity).long() * OVERFLOW
-    error.bitwise_or_(out_of_range | mismatch | overflow)
 
 
 def raise_errors(bits: int, fn: str, timeout_s: float) -> None:
@@ -232,10 +241,10 @@ def raise_errors(bits: int, fn: str, timeout_s: float) -> None:
     if bits & ERROR_EXPERT_OUT_OF_RANGE:
         raise InvalidArgumentError(f"{fn}: topk_idx on some rank held expert ids outside [-1, num_experts) (they were "
                                    "dropped); pass ids in [0, num_experts), or -1 for 'no expert'")
-    if bits & MISMATCH:
+    if bits & ERROR_MISMATCH:
         raise InvalidArgumentError(f"{fn}: the ranks disagreed on num_experts, hidden size x dtype or capacity; pass "
                                    "the same on every rank")
-    if bits & OVERFLOW:
+    if bits & ERROR_OVERFLOW:
         raise InvalidArgumentError(f"{fn}: capacity was too small for the rows some rank received (rows past it were "
                                    "dropped, results are invalid); pass a larger capacity=")
 
@@ -328,7 +337,7 @@ class _State:
     dispatch_index: int
     space: DataSpace
     half: int
-    where: Placement
+    where: BlockTables
 
 
 class CudaEngine:
@@ -336,14 +345,14 @@ class CudaEngine:
 
     def __init__(self, comm: Communicator) -> None:
         try:
-            from . import nvlink  # Triton, imported when the backend first runs
+            from . import nvlink, routing  # Triton, imported when the backend first runs
         except ImportError as e:
             missing = e.name or "a module"
             raise BackendUnavailableError(
                 f"backend='cuda': importing its Triton kernels failed because {missing!r} could not be imported "
                 f"({e}); install triton matching torch {torch.__version__}, or pass backend='nixl'"
             ) from e
-        self.kernels = nvlink
+        self.kernels, self.routing = nvlink, routing
         self.comm = comm
         self.rank, self.world_size = comm.rank, comm.world_size
         self.device: torch.device | None = None
@@ -354,6 +363,10 @@ class CudaEngine:
         self._registrations: list = []  # spaces stay registered for the communicator's life
         self._wait = StreamWaits(comm, nvlink)
 
+    def send_layout(self, topk_idx: torch.Tensor, num_experts: int, world_size: int) -> SendLayout:
+        """Three Triton launches (``routing``) instead of ``layout.send_layout``'s forty torch ops."""
+        return self.routing.send_layout(topk_idx, num_experts, world_size)
+
     def dispatch(self, x: torch.Tensor, layout: SendLayout, topk_weights: torch.Tensor,
                  capacity: int | None) -> Dispatch:
         device = self._bind(x.device, "dispatch")
@@ -361,28 +374,25 @@ class CudaEngine:
         hidden = x.shape[1]
         row_bytes = hidden * x.element_size()
         with torch.cuda.device(device):
-            rows = self._gather_rows(count_row(layout.expert_counts, layout.out_of_range, row_bytes, capacity,
-                                               layout.num_experts))
-            where = placement(rows[:, HEADER:], me)
+            signals = self._exchange_counts(layout.expert_counts, layout.out_of_range, row_bytes, capacity,
+                                            layout.num_experts)
             if capacity is None:
-                host = self._sync(rows, "dispatch")  # the one host sync
+                host = self._sync(current_rows(signals, HEADER + layout.num_experts), "dispatch")  # the one host sync
                 rows_per_rank = placement(host[:, HEADER:], me).rows_per_rank.tolist()
                 space = self._exact_space("dispatch", max(rows_per_rank), row_bytes, device)
                 out_rows = rows_per_rank[me]
             else:
-                flag_on_device(self.error, rows[:, :HEADER], where.rows_per_rank, capacity, me)
                 space = self._space("dispatch", capacity, row_bytes, device)
                 out_rows = capacity
+            where = self.routing.block_tables(signals.slots, signals.round, me, world, layout.local_experts,
+                                              self.error, capacity)
             self.dispatches += 1
             half = space.next_half()
-
-            weight_bits = topk_weights.reshape(-1).index_select(0, layout.order).to(torch.float64).view(torch.int64)
-            block_of_row = layout.expert_of_pair.reshape(-1).index_select(0, layout.order)  # expert = block
-            store_rows(kernels, space, x.view(word_dtype(row_bytes)), layout.token_of_row, block_of_row, where,
-                       weight_bits, half, True, me, world)
+            store_rows(kernels, space, x.view(word_dtype(row_bytes)), layout.order, layout.expert_of_pair, topk_weights,
+                       layout.topk, where, half, me, world)  # an expert is a block of the tables
             self._wait(space.tensor, space.flags_offset, SCATTER_PROGRAMS, world)
             recv_x = space.rows(x.dtype, hidden, half)[:out_rows]  # a view: no copy out of the receive buffer
-            src_rank, src_idx, weights = unpack_meta(space.meta(half)[:out_rows], topk_weights.dtype)
+            src_rank, src_idx, weights = received_meta(space, half, out_rows, topk_weights.dtype)
         return Dispatch(
             recv_x=recv_x, tokens_per_expert=where.tokens_per_expert, recv_src_rank=src_rank, recv_src_idx=src_idx,
             recv_weights=weights, num_recv_rows=torch.clamp(where.num_recv_rows, max=space.capacity),
@@ -417,8 +427,8 @@ class CudaEngine:
         row_bytes = row_elements * send.element_size()
         with torch.cuda.device(device):
             counts = torch.tensor(send_counts, dtype=torch.int64).to(device)
-            rows = self._gather_rows(count_row(counts, 0, row_bytes, None, world))
-            host = self._sync(rows, "all_to_all_v")
+            signals = self._exchange_counts(counts, None, row_bytes, None, world)
+            host = self._sync(current_rows(signals, HEADER + world), "all_to_all_v")
             where_host = placement(host[:, HEADER:], me)
             recv_counts = where_host.recv_counts.reshape(-1).tolist()
             num_received = sum(recv_counts)
@@ -427,11 +437,10 @@ class CudaEngine:
             space = self._exact_space("a2av", max(where_host.rows_per_rank.tolist()), row_bytes, device)
             half = space.next_half()
             words = send.reshape(send.shape[0], row_elements).view(torch.uint8).view(word_dtype(row_bytes))
-            tokens = torch.arange(send.shape[0], dtype=torch.int64, device=device)
             destination_of_row = torch.repeat_interleave(torch.arange(world, device=device), counts,
                                                           output_size=send.shape[0])
-            store_rows(self.kernels, space, words, tokens, destination_of_row, placement(rows[:, HEADER:], me),
-                       tokens, half, False, me, world)
+            where = self.routing.block_tables(signals.slots, signals.round, me, world, 1, self.error, None)
+            store_rows(self.kernels, space, words, None, destination_of_row, None, 1, where, half, me, world)
             self._wait(space.tensor, space.flags_offset, SCATTER_PROGRAMS, world)
             recv = space.rows(torch.uint8, row_bytes, half)[:num_received].clone()  # the caller owns the result
         return recv.view(send.dtype).view(num_received, *row_shape), recv_counts
@@ -445,16 +454,20 @@ class CudaEngine:
                 raise_errors(bits, fn, self.comm.timeout_s)
 
     # --- internals ------------------------------------------------------------------------------
-    def _gather_rows(self, row: torch.Tensor) -> torch.Tensor:
-        stride = max(64, next_power_of_two(row.numel()))
+    def _exchange_counts(self, counts: torch.Tensor, errors: torch.Tensor | None, row_bytes: int,
+                         capacity: int | None, num_experts: int) -> SignalSpace:
+        """Every rank's count row into the slots of a new round of the signal space for this width."""
+        stride = max(64, next_power_of_two(HEADER + counts.numel()))
         signals = self._signals.get(stride)
         if signals is None:
             tensor, registration, bases = map_space(self.comm, f"signal/{stride}",
-                                                    SignalSpace.nbytes(self.world_size, stride), row.device)
+                                                    SignalSpace.nbytes(self.world_size, stride), counts.device)
             self._registrations.append(registration)
             signals = self._signals[stride] = SignalSpace(tensor, bases, self.world_size, stride)
         signals.round.add_(1)
-        return gather_rows(self.kernels, signals, row, self.rank, self.world_size, self._wait)
+        exchange_counts(self.kernels, signals, counts, errors, row_bytes, capacity, num_experts, self.rank,
+                        self.world_size, self._wait)
+        return signals
 
     def _bind(self, device: torch.device, fn: str) -> torch.device:
         if self._wait.timed_out:

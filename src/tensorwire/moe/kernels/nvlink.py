@@ -18,7 +18,7 @@ flight before their combines. Dispatch n of a space (counted on the host, the sa
 
     DATA_FLAGS  [W]             word s:   programs of rank s that finished storing rows here, not consumed
     READY_FLAGS [W]             word r:   combines whose expert outputs rank r has in place, not consumed
-    META        [2, C, 3]       int64 (source rank, token, weight bits) per received row
+    META        [2, 3, C]       int64 columns per received row: source rank, token, weight (float64 bits)
     ROWS        [2, C, row]     the rows (row padded to 64 bytes); ``recv_x`` is a view of ROWS[half]
 
 Flags are 32-bit words (the low half of an int64 slot). Data flow of one dispatch (P programs)::
@@ -27,7 +27,7 @@ Flags are 32-bit words (the low half of an int64 slot). Data flow of one dispatc
     publish_counts:   row -> r.COUNT_SLOTS[round%2][s], release-add r.COUNT_FLAGS[s] += 1
     (stream waits until every COUNT_FLAGS[s] >= 1 here, consume_flags subtracts 1 from each, copies
      COUNT_SLOTS[round%2] out; torch ops on the device: placement tables from the count matrix)
-    scatter_rows:     x[token] -> r.ROWS[half][its final row], meta -> r.META[half][...]
+    scatter_rows:     x[token] -> r.ROWS[half][its final row], meta -> r.META[half][:, that row]
                       each program release-adds r.DATA_FLAGS[s] += 1   stream waits until every
                       for every r                                     DATA_FLAGS[s] >= P, subtracts P
     combine:          (r's expert outputs are in its own ROWS[half] (computed in place into recv_x, or
@@ -67,35 +67,46 @@ __all__ = ["combine_pull", "consume_flags", "publish_counts", "scatter_rows", "s
 
 
 @triton.jit
-def publish_counts(space_ptr, peer_bases_ptr, row_ptr, rank, world, width, stride, flags_offset, slots_offset,
+def publish_counts(space_ptr, peer_bases_ptr, counts_ptr, error_ptr, row_bytes, capacity, num_experts, rank, world,
+                   width, stride, flags_offset, slots_offset, HEADER_WORDS: tl.constexpr, HAS_ERROR: tl.constexpr,
                    BLOCK: tl.constexpr):
-    """Grid (W,). Program p stores this rank's count row into rank p's slot of this round and release-adds
-    1 to p's COUNT_FLAGS[rank]. ``space_ptr``: this rank's signal space (int64 words; word 0 is the round,
-    already bumped); offsets in int64 words."""
+    """Grid (W,). Program p stores this rank's count row ``[errors, row_bytes, capacity, num_experts,
+    *counts[:width]]`` (``exchange``'s format; ``errors`` = ``error_ptr[0]``, a bool, as bit 1) into rank p's
+    slot of this round and release-adds 1 to p's COUNT_FLAGS[rank]. ``space_ptr``: this rank's signal space
+    (int64 words; word 0 is the round, already bumped); offsets in int64 words."""
     peer = tl.program_id(0)
     parity = tl.load(space_ptr) % 2
     remote = tl.load(peer_bases_ptr + peer).to(tl.pointer_type(tl.int64))
-    lanes = tl.arange(0, BLOCK)
     slot = remote + slots_offset + (parity * world + rank) * stride
+    head = tl.arange(0, HEADER_WORDS)
+    if HAS_ERROR:
+        errors = tl.load(error_ptr).to(tl.int64)
+    else:
+        errors = 0
+    header = tl.where(head == 0, errors, tl.where(head == 1, row_bytes, tl.where(head == 2, capacity, num_experts)))
+    tl.store(slot + head, header.to(tl.int64))
+    lanes = tl.arange(0, BLOCK)
     for start in range(0, width, BLOCK):
         mask = start + lanes < width
-        tl.store(slot + start + lanes, tl.load(row_ptr + start + lanes, mask=mask), mask=mask)
+        tl.store(slot + HEADER_WORDS + start + lanes, tl.load(counts_ptr + start + lanes, mask=mask), mask=mask)
     tl.debug_barrier()
     flag = (remote + flags_offset + rank).to(tl.pointer_type(tl.int32))
     tl.atomic_add(flag, 1, sem="release", scope="sys")
 
 
 @triton.jit
-def scatter_rows(words_ptr, token_ptr, block_ptr, send_start_ptr, destination_start_ptr, weight_bits_ptr,
-                 peer_bases_ptr, num_rows, blocks, blocks_per_rank, rank, world, capacity, first_row, row_words,
-                 row_stride_words, rows_offset_words, meta_offset, flags_offset,
-                 PROGRAMS: tl.constexpr, HAS_META: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (PROGRAMS,). Program p stores send-order rows p, p + PROGRAMS, ... (of ``num_rows``). Row i
-    belongs to block ``b = block[i]`` (destination rank ``b // blocks_per_rank``, its local expert
-    ``b % blocks_per_rank``; ``b >= blocks``: no expert, skipped); it copies ``words[token[i]]`` into that
-    rank's ROWS at row ``first_row + destination_start[b] + i - send_start[b]`` (``first_row``: the half's
-    first row, ``half * capacity``), with its META. Rows past ``capacity`` are skipped (the host side flags
-    that overflow). Then the program release-adds 1 to every rank's DATA_FLAGS[rank]: a receiver waits for
+def scatter_rows(words_ptr, order_ptr, block_ptr, weight_ptr, send_start_ptr, destination_start_ptr, peer_bases_ptr,
+                 num_rows, blocks, blocks_per_rank, rank, world, capacity, half, row_words, row_stride_words,
+                 rows_offset_words, meta_offset, flags_offset,
+                 TOPK: tl.constexpr, PROGRAMS: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_META: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Grid (PROGRAMS,). Program p stores send-order rows p, p + PROGRAMS, ... (of ``num_rows``). Row i is
+    pair ``q = order[i]`` (``q = i`` without ``HAS_ORDER``): token ``q // TOPK``, block ``b = block[q]``
+    (destination rank ``b // blocks_per_rank``, its local expert ``b % blocks_per_rank``; ``b >= blocks``:
+    no expert, skipped), routing weight ``weight[q]``. It copies ``words[token]`` into that rank's
+    ROWS[half] at row ``destination_start[b] + i - send_start[b]``, with its META columns (source rank,
+    token, the weight's float64 bits). Rows past ``capacity`` are skipped (the block tables flag that
+    overflow). Then the program release-adds 1 to every rank's DATA_FLAGS[rank]: a receiver waits for
     PROGRAMS signals from each source.
 
     ``words_ptr``: the rows as machine words ``[T, row_words]`` (int32/int16/uint8: 16-byte accesses where
@@ -104,26 +115,30 @@ def scatter_rows(words_ptr, token_ptr, block_ptr, send_start_ptr, destination_st
     at a time, keep enough loads in flight to run at memory speed."""
     program = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
-    meta_lanes = tl.arange(0, 4)
     for i in range(program, num_rows, PROGRAMS):
-        block = tl.load(block_ptr + i)
+        if HAS_ORDER:
+            pair = tl.load(order_ptr + i)
+        else:
+            pair = i.to(tl.int64)
+        block = tl.load(block_ptr + pair)
         if block < blocks:
             row = tl.load(destination_start_ptr + block) + i - tl.load(send_start_ptr + block)
             if row < capacity:
                 base = tl.load(peer_bases_ptr + block // blocks_per_rank)
                 region = base.to(tl.pointer_type(words_ptr.dtype.element_ty)) + rows_offset_words
                 region = tl.multiple_of(region, 16)
-                token = tl.load(token_ptr + i)
+                token = pair // TOPK
                 source = words_ptr + token * row_words
-                destination = region + (first_row + row) * row_stride_words
+                destination = region + (half * capacity + row) * row_stride_words
                 for start in range(0, row_words, BLOCK):
                     mask = start + lanes < row_words
                     tl.store(destination + start + lanes, tl.load(source + start + lanes, mask=mask), mask=mask)
                 if HAS_META:
-                    weight_bits = tl.load(weight_bits_ptr + i)
-                    meta = tl.where(meta_lanes == 0, rank, tl.where(meta_lanes == 1, token, weight_bits))
-                    meta_row = base.to(tl.pointer_type(tl.int64)) + meta_offset + (first_row + row) * 3
-                    tl.store(meta_row + meta_lanes, meta.to(tl.int64), mask=meta_lanes < 3)
+                    weight_bits = tl.load(weight_ptr + pair).to(tl.float64).to(tl.int64, bitcast=True)
+                    meta = base.to(tl.pointer_type(tl.int64)) + meta_offset + half * 3 * capacity + row
+                    tl.store(meta, tl.full([], rank, tl.int64))
+                    tl.store(meta + capacity, token)
+                    tl.store(meta + 2 * capacity, weight_bits)
     tl.debug_barrier()
     for peer in range(world):
         flags = tl.load(peer_bases_ptr + peer).to(tl.pointer_type(tl.int64)) + flags_offset
