@@ -41,7 +41,8 @@ class Dispatch:
     ``num_tokens``, the ``backend`` name and the ``comm``; ``state`` is what the backend keeps.
 
     On the ``"cuda"`` backend ``recv_x`` is a view of the backend's receive buffer (no copy; strided when a
-    row is not a multiple of 64 bytes): it holds the received rows until this dispatch is combined, when
+    row is not a multiple of 64 bytes), and so are ``recv_src_rank`` and ``recv_src_idx`` (valid until the
+    second dispatch after this one). ``recv_x`` holds the received rows until this dispatch is combined, when
     ``combine`` stores the expert outputs into it (clone it to keep the inputs, e.g. for a backward pass).
     Computing the experts in place into ``recv_x`` and passing it as ``expert_out`` saves combine that copy.
     After ``combine`` the peers read those rows until they are done with their own combine: do not write

@@ -364,7 +364,7 @@ class CudaEngine:
         self._wait = StreamWaits(comm, nvlink)
 
     def send_layout(self, topk_idx: torch.Tensor, num_experts: int, world_size: int) -> SendLayout:
-        """Three Triton launches (``routing``) instead of ``layout.send_layout``'s forty torch ops."""
+        """Three Triton launches (``routing``) instead of ``layout.send_layout``'s torch ops and radix sort."""
         return self.routing.send_layout(topk_idx, num_experts, world_size)
 
     def dispatch(self, x: torch.Tensor, layout: SendLayout, topk_weights: torch.Tensor,

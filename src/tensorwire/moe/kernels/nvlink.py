@@ -26,7 +26,7 @@ Flags are 32-bit words (the low half of an int64 slot). Data flow of one dispatc
     rank s                                   rank r
     publish_counts:   row -> r.COUNT_SLOTS[round%2][s], release-add r.COUNT_FLAGS[s] += 1
     (stream waits until every COUNT_FLAGS[s] >= 1 here, consume_flags subtracts 1 from each, copies
-     COUNT_SLOTS[round%2] out; torch ops on the device: placement tables from the count matrix)
+     routing.place_blocks reads COUNT_SLOTS[round%2]: the block tables from the count matrix)
     scatter_rows:     x[token] -> r.ROWS[half][its final row], meta -> r.META[half][:, that row]
                       each program release-adds r.DATA_FLAGS[s] += 1   stream waits until every
                       for every r                                     DATA_FLAGS[s] >= P, subtracts P
