@@ -105,6 +105,7 @@ class Communicator:
         self._outbox: dict[int, collections.deque] = {}  # per peer: (done, message) in posting order
         self._outbox_lock = threading.Lock()
         self._notification_words = None  # per-sender arrival counters the GPU can wait on
+        self._transfer_words = cuda.HostWordSlabs(4)  # each stream-completed CPU-driven transfer's words
         self._notifications_awaited = [0] * self.world_size
         self._notifications_delivered = [0] * self.world_size
         self._stream_notification_errors: collections.deque = collections.deque()  # raised by wait_notification

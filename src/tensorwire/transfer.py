@@ -291,9 +291,7 @@ class Transfer(Closeable):
 
     def _host_words(self):
         if self._words is None:
-            from . import cuda
-
-            self._words = cuda.HostWords(4)
+            self._words = self._comm._transfer_words.take()
             self._comm._stream_waiters.add(self)
         return self._words
 

@@ -65,6 +65,11 @@ import triton.language as tl
 
 __all__ = ["combine_pull", "consume_flags", "publish_counts", "scatter_rows", "signal_ready"]
 
+# Arguments whose value changes from call to call (the buffer half, the number of rows) are not
+# specialised: Triton would otherwise compile a new variant when one of them becomes 1 (or stops being a
+# multiple of 16), in the middle of a step whose stream already waits for a peer; loading a module then
+# waits for that stream, and a dead peer's wait could no longer be opened by the watchdog.
+
 
 @triton.jit
 def publish_counts(space_ptr, peer_bases_ptr, counts_ptr, error_ptr, row_bytes, capacity, num_experts, rank, world,
@@ -94,7 +99,7 @@ def publish_counts(space_ptr, peer_bases_ptr, counts_ptr, error_ptr, row_bytes, 
     tl.atomic_add(flag, 1, sem="release", scope="sys")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "half"])
 def scatter_rows(words_ptr, order_ptr, block_ptr, weight_ptr, send_start_ptr, destination_start_ptr, peer_bases_ptr,
                  num_rows, blocks, blocks_per_rank, rank, world, capacity, half, row_words, row_stride_words,
                  rows_offset_words, meta_offset, flags_offset,
@@ -163,7 +168,7 @@ def consume_flags(space_ptr, first_word, target, count, BLOCK: tl.constexpr):
     tl.atomic_add(flags, tl.full([BLOCK], 0, tl.int32) - target, mask=lanes < count, sem="relaxed", scope="sys")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_row"])
 def combine_pull(y_ptr, expert_ptr, position_ptr, weight_ptr, send_start_ptr, destination_start_ptr, peer_bases_ptr,
                  num_experts, experts_per_rank, capacity, first_row, hidden, row_stride, rows_offset,
                  TOPK: tl.constexpr, BLOCK: tl.constexpr):

@@ -54,7 +54,7 @@ def _bins(idx_ptr, block, num_pairs, num_experts, BINS: tl.constexpr, BLOCK: tl.
     return pairs, tl.where(inside, expert, BINS - 1).to(tl.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # see nvlink: no new variant mid-step when T changes
 def count_pairs(idx_ptr, key_ptr, hist_ptr, within_ptr, num_pairs, num_experts,
                 BINS: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (blocks,). ``key[p]`` = the pair's expert, ``E`` when it has none; ``hist[b, :]`` the block's
@@ -68,7 +68,7 @@ def count_pairs(idx_ptr, key_ptr, hist_ptr, within_ptr, num_pairs, num_experts,
     tl.store(within_ptr + columns, tl.cumsum(hist, 0) - hist)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])
 def offset_blocks(hist_ptr, base_ptr, counts_ptr, out_of_range_ptr, num_blocks, num_experts, BINS: tl.constexpr):
     """Grid (1,). ``base[b, bin]`` (int64): the send-order position of block b's first pair of that bin;
     ``counts[e]`` pairs per expert; ``out_of_range`` whether any id was outside [-1, E)."""
@@ -84,7 +84,7 @@ def offset_blocks(hist_ptr, base_ptr, counts_ptr, out_of_range_ptr, num_blocks, 
     tl.store(out_of_range_ptr, tl.sum(tl.where(bins == num_experts + 1, total, 0), 0) > 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def place_pairs(idx_ptr, base_ptr, within_ptr, order_ptr, position_ptr, num_pairs, num_experts,
                 BINS: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (blocks,). The block's pairs in (bin, pair) order; the j-th lands at ``base[b, bin] + j -
