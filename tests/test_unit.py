@@ -492,3 +492,24 @@ def test_shared_file_of_finds_only_mappings_a_peer_can_open(tmp_path):
     assert shared_file_of(mapped.data_ptr(), 10) is None and not found.is_at_path()
     torch.from_file(path, shared=True, size=8192, dtype=torch.uint8)  # a new file under the old name
     assert shared_file_of(mapped.data_ptr(), 10) is None and not found.is_at_path()
+
+
+# --- bench report -------------------------------------------------------------------------------
+def test_bench_summary_holds_wait_returns_against_their_goal():
+    """Each measured wait(stream=) return becomes a summary line: ok only below 20 µs and with the transfer
+    still in flight at every return; the JSON keeps the raw measurement."""
+    from tensorwire.bench import p2p, report
+    from tensorwire.bench.timing import Budget
+
+    def wait_return(transport, median_us, in_flight):
+        return {"transport": transport, "op": "WRITE", "size": 1 << 30, "median_us": median_us, "p10_us": median_us,
+                "p90_us": median_us, "first_us": 3 * median_us, "reps": 20, "in_flight": in_flight}
+
+    returns = [wait_return("cuda_ipc", 6.0, 20), wait_return("nixl", 24.0, 20), wait_return("shm", 6.0, 19)]
+    result = p2p.BenchResult(records=[], idle=[], raw_config="raw", progress_wakeup_ms=10, default_threads=1,
+                             ucx_version=None, wait_returns=returns)
+    lines = {line["name"]: line for line in report.summary(result)}
+    assert [lines[f"wait(stream=) return, {t}"]["ok"] for t in ("cuda_ipc", "nixl", "shm")] == [True, False, False]
+    assert "19/20 still moving" in lines["wait(stream=) return, shm"]["text"]
+    head = {"versions": {}, "hostname": "h", "date": "2026-01-01"}
+    assert report.to_json(result, head, p2p.BenchConfig(budget=Budget()))["wait_returns"] == returns
