@@ -184,3 +184,59 @@ def test_notification_of_an_unpolled_write_is_still_sent():
     """Over TCP (transfers stay in flight after post), a sender busy waiting for its own notification
     still gets its WRITE's notification delivered to the peer."""
     assert launch(_crossed_writes_with_notify, 2, env={"UCX_TLS": "tcp"}) == [True, True]
+
+
+def _stream_completions_published_per_post(rounds: int):
+    """A NIXL transfer in flight after post() (UCX over TCP makes it asynchronous) waited with
+    wait(stream=), round after round on one handle. The GPU side is stood in for: the stream wait is
+    recorded instead of enqueued and the pinned words are plain host words. What is real is the
+    completion path: the progress thread must store each round's sequence number into ``done_seq`` once
+    that round's bytes have landed, the value the stream would wait for."""
+    import numpy as np
+
+    from tensorwire import cuda
+    from tensorwire.transfer import _DONE_SEQ
+
+    class Words:
+        values = np.zeros(4, dtype=np.uint32)
+
+        def addr(self, index):
+            return index
+
+    waits = []
+    cuda.stream_wait_value = lambda stream, addr, value: waits.append((addr, value))
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        n = 1 << 24
+        buffer = torch.zeros(2 * n, dtype=torch.uint8)
+        seen = []
+        if comm.rank == 1:
+            buffer[:n].fill_(3)  # what rank 0 reads, every round
+        with comm.register(buffer) as reg:
+            comm.publish("buf", reg.descs)
+            remote = comm.lookup("buf", 1 - comm.rank, timeout=WAIT)[0]
+            comm.barrier(WAIT)
+            if comm.rank == 0:
+                with comm.prepare(tw.READ, buffer[n:], remote.narrow(0, n), transport="nixl") as x:
+                    x._words = Words()
+                    for round_ in range(1, rounds + 1):
+                        buffer[n:].zero_()
+                        x.post()
+                        x.wait(stream=object())
+                        deadline = time.monotonic() + WAIT
+                        while int(x._words.values[_DONE_SEQ]) != round_:  # the stream's release
+                            assert time.monotonic() < deadline, f"round {round_}: done_seq never reached it"
+                            time.sleep(1e-4)
+                        seen.append(int(buffer[n:].sum(dtype=torch.int64)))  # what a consumer would read
+                    while comm._engine.still_watched(x._watches):  # close() would record CUDA events otherwise
+                        time.sleep(1e-3)
+            comm.barrier(WAIT)
+    return seen, waits
+
+
+def test_a_stream_waits_for_each_post_of_a_nixl_transfer():
+    """Every round's done_seq is published only once that round's bytes are there, and each
+    wait(stream=) waits for exactly its own round."""
+    rounds = 5
+    seen, waits = launch(_stream_completions_published_per_post, 2, rounds, env={"UCX_TLS": "tcp"})[0]
+    assert seen == [3 * (1 << 24)] * rounds
+    assert [value for _, value in waits] == list(range(1, rounds + 1))

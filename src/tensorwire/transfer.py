@@ -12,7 +12,9 @@ when ``s`` reaches that point. How depends on the transport:
   event: plain stream order, CUDA-graph capturable.
 * ``nixl`` and ``shm`` are driven by the CPU, so the stream and the progress thread meet in pinned host words:
   - CPU post, stream wait: the progress thread stores the post's sequence number into ``done_seq`` when
-    the transfer completes; the stream waits for ``done_seq >= k`` (``cuStreamWaitValue32``).
+    the transfer completes; the stream waits for ``done_seq >= k`` (``cuStreamWaitValue32``). Once a
+    transfer has been waited on a stream, each CPU post hands its completion to the progress thread
+    itself, so a later ``wait(stream=)`` only enqueues the wait (no thread to wake on that call).
   - stream post (the "doorbell"): the stream stores 1 into ``doorbell``; the progress thread sees it,
     clears it, posts, and stores 1 into ``done_flag`` on completion; ``wait(stream=)`` waits for
     ``done_flag >= 1`` and stores 0 back. The values never change between calls, so the sequence can be
@@ -21,6 +23,7 @@ when ``s`` reaches that point. How depends on the transport:
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,6 +78,8 @@ class Transfer(Closeable):
         self._streams_used: set = set()  # streams this transfer's GPU-side waits were enqueued on
         self._closing = None  # set by close(): events the doorbell keeps being served until
         self._async_error: Exception | None = None  # a failure the progress thread saw, raised by the next call
+        self._publishing = False  # set by the first wait(stream=) of a CPU post: every CPU post publishes done_seq
+        self._publish_lock = threading.Lock()  # done_seq is advanced from this thread and the progress thread
         self.closed = False
 
     @property
@@ -120,17 +125,53 @@ class Transfer(Closeable):
         try:
             result = self._post_call()
         except Exception as e:  # noqa: BLE001 - the backend says what its exceptions mean
+            if self._publishing:  # no stream may wait for a post that never started
+                self._advance_done_seq(self._posts & 0xFFFFFFFF)
             error = self._post_error(e)
             if error is e:
                 raise
             raise error from e
-        if result == self._post_done:
-            self._state = _DONE
-            if self._notify is None:
-                return
-        else:
-            self._state = self._post_finish(result)
+        self._state = _DONE if result == self._post_done else self._post_finish(result)
+        if self._publishing:
+            self._publish_completion()
+        if self._state is _DONE and self._notify is None:
+            return
         self._after_post()
+
+    def _publish_completion(self) -> None:
+        """Store this CPU post's sequence number into ``done_seq`` once it has completed (or failed): at
+        once, or from the progress thread."""
+        sequence = self._posts & 0xFFFFFFFF
+        if self._state is _IN_PROGRESS:
+            self._watch(self._completion_publisher(sequence))
+        else:
+            self._advance_done_seq(sequence)
+
+    def _advance_done_seq(self, sequence: int) -> None:
+        """``done_seq = sequence`` unless it is already there or past it (cyclically). The publisher of post k
+        may run after post k + 1 completed and was published (both see the one request), and the word must
+        never move back: a stream waiting for k + 1 would then wait forever."""
+        with self._publish_lock:
+            values = self._words.values
+            if (sequence - int(values[_DONE_SEQ])) & 0xFFFFFFFF < 0x80000000:
+                values[_DONE_SEQ] = sequence
+
+    def _completion_publisher(self, sequence: int):
+        """A progress-thread poll that stores ``sequence`` into ``done_seq`` when the request is no longer in
+        flight (also on failure: a stream must not hang; the error reaches the next call on this handle)."""
+        backend, request = self._backend, self._request
+
+        def publish() -> bool:
+            state = backend.status(request)
+            if state is Status.IN_PROGRESS:
+                return False
+            self._advance_done_seq(sequence)
+            if state is Status.ERROR:
+                raise TransferError(f"wait(stream=): the {self.op.value} to rank {self.peer} over {self.transport} "
+                                    "failed; the peer may have exited or deregistered the memory")
+            return True
+
+        return publish
 
     def _after_post(self) -> None:
         if self._state is Status.ERROR:
@@ -262,22 +303,12 @@ class Transfer(Closeable):
             cuda.stream_write_value(stream, words.addr(_DONE_FLAG), 0)
             return
         sequence = self._posts & 0xFFFFFFFF  # the GPU compares cyclically: (int32)(word - value) >= 0
-        backend, request = self._backend, self._request
-
-        def publish_completion() -> bool:
-            state = backend.status(request)
-            if state is Status.IN_PROGRESS:
-                return False
-            words.values[_DONE_SEQ] = sequence  # also on error: the stream must not hang
-            if state is Status.ERROR:
-                raise TransferError(f"wait(stream=): the {self.op.value} to rank {self.peer} over {self.transport} "
-                                    "failed; the peer may have exited or deregistered the memory")
-            return True
-
-        # Enqueue the wait before waking the progress thread: the call then returns without competing with
-        # that thread (for the GIL and the driver) while it starts polling.
         cuda.stream_wait_value(stream, words.addr(_DONE_SEQ), sequence)
-        self._watch(publish_completion)
+        if not self._publishing:
+            # The first stream wait of this handle: publish this post's completion (the wait is enqueued
+            # first, so the call does not compete with the woken thread); later posts publish their own.
+            self._publishing = True
+            self._watch(self._completion_publisher(sequence))
 
     def _watch(self, poll) -> None:
         """Have the progress thread poll ``poll`` (until it returns True or this transfer closes)."""
