@@ -154,7 +154,7 @@ def test_progress_engine_hands_a_failure_to_its_owner_only():
     while not seen and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [str(e) for e in seen] == ["boom"]
-    assert not engine.watching(broken)
+    assert not engine.still_watched([broken])
     engine.watch(lambda: later.set() or True)  # must not raise "boom"
     assert later.wait(5), "a watch registered after a failure never ran"
     engine.close()

@@ -130,10 +130,6 @@ class ProgressEngine:
             self._thread = threading.Thread(target=self._run, name="tensorwire-progress", daemon=True)
             self._thread.start()
 
-    def watching(self, poll: Callable[[], bool]) -> bool:
-        with self._cond:
-            return poll in self._watches
-
     def still_watched(self, polls: list[Callable[[], bool]]) -> list[Callable[[], bool]]:
         """Those of ``polls`` still being polled (one lock acquisition for all of them)."""
         with self._cond:

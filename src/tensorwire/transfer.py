@@ -379,7 +379,7 @@ class Transfer(Closeable):
         backend = self._backend
 
         def release_when_drained() -> bool:
-            if any(engine.watching(w) for w in watches):
+            if engine.still_watched(watches):
                 return False
             backend.release(request)
             return True

@@ -432,7 +432,10 @@ def _bench_wait_returns(comm: Any, side: _Side, checker: "_InboxChecker") -> lis
         with comm.prepare(Op.WRITE, side.outbox, remote, transport=transport) as transfer:
             returns_s, in_flight = [], 0
             for _ in range(WAIT_RETURN_REPS):
-                transfer.post(stream=stream) if transfer.transport in STREAM_ORDERED else transfer.post()
+                if transfer.transport in STREAM_ORDERED:
+                    transfer.post(stream=stream)
+                else:
+                    transfer.post()  # CPU-driven: the case where wait(stream=) hands completion to a thread
                 start = time.perf_counter_ns()
                 transfer.wait(stream=stream)
                 returns_s.append((time.perf_counter_ns() - start) * 1e-9)
