@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import sys
 
 import pytest
 import torch
@@ -445,6 +446,25 @@ def test_wait_until_times_out_with_description():
     assert len(calls) == 3
     with pytest.raises(tw.WaitTimeoutError, match="the thing I waited for"):
         wait_until(lambda: False, 0.05, lambda: "the thing I waited for", cfg)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timer slack is a Linux thread setting")
+def test_a_sleeping_wait_tightens_the_thread_timer_slack_and_restores_it():
+    """Past its spin, wait_until sleeps with 1 µs timer slack (the default 50 µs made each short sleep ~50 µs
+    late); the caller's thread gets its own slack back afterwards, also when the wait times out."""
+    from tensorwire import progress
+
+    def slack() -> int:
+        return progress._PRCTL(progress._PR_GET_TIMERSLACK, 0, 0, 0, 0)
+
+    cfg = config.Config(timeout_s=1.0, progress_wakeup_ms=10.0, spin_us=0.0, max_sleep_us=1000.0)
+    before, seen = slack(), []
+    wait_until(lambda: seen.append(slack()) or len(seen) >= 3, 1.0, lambda: "x", cfg)
+    assert seen[0] == before and seen[-1] == progress._FINE_SLACK_NS, seen  # the first poll runs before any sleep
+    assert slack() == before
+    with pytest.raises(tw.WaitTimeoutError):
+        wait_until(lambda: False, 0.01, lambda: "x", cfg)
+    assert slack() == before
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
