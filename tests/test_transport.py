@@ -186,22 +186,36 @@ def test_notification_of_an_unpolled_write_is_still_sent():
     assert launch(_crossed_writes_with_notify, 2, env={"UCX_TLS": "tcp"}) == [True, True]
 
 
+class _SideStream:
+    """Stands in for a ``torch.cuda.Stream`` other than the legacy default stream (its handle is not 0)."""
+
+    cuda_stream = 1
+
+
+class _LegacyDefaultStream:
+    cuda_stream = 0
+
+
+class _HostWords:
+    """Stands in for a transfer's pinned words: plain host words, addressed by index."""
+
+    def __init__(self):
+        import numpy as np
+
+        self.values = np.zeros(4, dtype=np.uint32)
+
+    def addr(self, index):
+        return index
+
+
 def _stream_completions_published_per_post(rounds: int):
     """A NIXL transfer in flight after post() (UCX over TCP makes it asynchronous) waited with
     wait(stream=), round after round on one handle. The GPU side is stood in for: the stream wait is
     recorded instead of enqueued and the pinned words are plain host words. What is real is the
     completion path: the progress thread must store each round's sequence number into ``done_seq`` once
     that round's bytes have landed, the value the stream would wait for."""
-    import numpy as np
-
     from tensorwire import cuda
     from tensorwire.transfer import _DONE_SEQ
-
-    class Words:
-        values = np.zeros(4, dtype=np.uint32)
-
-        def addr(self, index):
-            return index
 
     waits = []
     cuda.stream_wait_value = lambda stream, addr, value: waits.append((addr, value))
@@ -217,11 +231,11 @@ def _stream_completions_published_per_post(rounds: int):
             comm.barrier(WAIT)
             if comm.rank == 0:
                 with comm.prepare(tw.READ, buffer[n:], remote.narrow(0, n), transport="nixl") as x:
-                    x._words = Words()
+                    x._words = _HostWords()
                     for round_ in range(1, rounds + 1):
                         buffer[n:].zero_()
                         x.post()
-                        x.wait(stream=object())
+                        x.wait(stream=_SideStream())
                         deadline = time.monotonic() + WAIT
                         while int(x._words.values[_DONE_SEQ]) != round_:  # the stream's release
                             assert time.monotonic() < deadline, f"round {round_}: done_seq never reached it"
@@ -240,3 +254,84 @@ def test_a_stream_waits_for_each_post_of_a_nixl_transfer():
     seen, waits = launch(_stream_completions_published_per_post, 2, rounds, env={"UCX_TLS": "tcp"})[0]
     assert seen == [3 * (1 << 24)] * rounds
     assert [value for _, value in waits] == list(range(1, rounds + 1))
+
+
+def _until(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(1e-4)
+
+
+def _stream_waits_are_bounded():
+    """Stream waits of NIXL transfers (UCX over TCP: in flight after post) with the GPU side stood in for.
+    Returns what rank 0 saw: the legacy default stream refused without losing the post, and a stream released
+    with an error once the timeout passed, for a CPU post and for a doorbell (stream post)."""
+    from tensorwire import cuda
+    from tensorwire.transfer import _DONE_FLAG, _DONE_SEQ, _DOORBELL
+
+    def write_value(stream, addr, value):  # the stream's store, done at once
+        words.values[addr] = value
+
+    cuda.stream_wait_value = lambda stream, addr, value: None
+    cuda.stream_write_value = write_value
+    seen = {}
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        n = 1 << 26
+        buffer = torch.zeros(2 * n, dtype=torch.uint8)
+        if comm.rank == 1:
+            buffer[:n].fill_(3)
+        with comm.register(buffer) as reg:
+            comm.publish("buf", reg.descs)
+            remote = comm.lookup("buf", 1 - comm.rank, timeout=WAIT)[0].narrow(0, n)
+            comm.barrier(WAIT)
+            if comm.rank == 0:
+                local = buffer[n:]
+                expected = 3 * n
+                with comm.prepare(tw.READ, local, remote, transport="nixl") as x:
+                    x._words = words = _HostWords()
+                    x.post()
+                    with pytest.raises(tw.InvalidArgumentError, match="legacy default stream") as refused:
+                        x.wait(stream=_LegacyDefaultStream())
+                    seen["refused"] = str(refused.value)
+                    x.wait(WAIT)  # the post was not lost
+                    seen["read_after_refusal"] = int(local.sum(dtype=torch.int64)) == expected
+
+                    local.zero_()
+                    x.post()
+                    x.wait(stream=_SideStream(), timeout=1e-4)
+                    _until(lambda: words.values[_DONE_SEQ] == 2, "the stream was never released")
+                    with pytest.raises(tw.WaitTimeoutError, match="stream was released") as late:
+                        x.status()
+                    seen["cpu_post_timeout"] = str(late.value)
+                    _until(lambda: x.status() is tw.Status.DONE, "the READ never completed")
+                    _until(lambda: not comm._engine.still_watched(x._watches), "watches outlived the READ")
+
+                with comm.prepare(tw.READ, local, remote, transport="nixl") as y:
+                    y._words = words = _HostWords()
+                    y._stream_timeout_s = 1e-4
+                    local.zero_()
+                    y.post(stream=_SideStream())
+                    _until(lambda: words.values[_DONE_FLAG] == 1, "the doorbell's stream was never released")
+                    with pytest.raises(tw.WaitTimeoutError, match="post\\(stream=\\)") as late:
+                        y.wait(stream=_SideStream())
+                    seen["doorbell_timeout"] = str(late.value)
+                    words.values[_DONE_FLAG] = 0  # as the stream's wait stores back
+                    y.post(stream=_SideStream())  # a later replay rings: released, not hung
+                    _until(lambda: words.values[_DONE_FLAG] == 1 and words.values[_DOORBELL] == 0,
+                           "a ring after the timeout was never answered")
+                    seen["doorbell_answered_after_timeout"] = True
+                    _until(lambda: int(local.sum(dtype=torch.int64)) == expected, "the stuck READ never landed")
+                    y._streams_used = set()  # no CUDA events to record on close: nothing ran on a GPU
+            comm.barrier(WAIT)
+    return seen
+
+
+def test_stream_waits_refuse_the_legacy_default_stream_and_time_out():
+    """A CPU-driven transfer's stream wait is refused on the legacy default stream (the post survives), and a
+    stream is released with a WaitTimeoutError for the next call once the timeout has passed, for a CPU post
+    waited with wait(stream=) and for a stream post's doorbell, whose later rings are still answered."""
+    seen = launch(_stream_waits_are_bounded, 2, env={"UCX_TLS": "tcp"})[0]
+    assert "side stream" in seen["refused"] and seen["read_after_refusal"], seen
+    assert "not done after 0.0001s" in seen["cpu_post_timeout"], seen
+    assert "post(stream=)" in seen["doorbell_timeout"] and seen["doorbell_answered_after_timeout"], seen

@@ -501,6 +501,7 @@ class Communicator:
         return message[0]
 
     def _wait_notification_on_stream(self, from_rank: int, stream: "torch.cuda.Stream") -> None:
+        cuda.refuse_legacy_default_stream(stream, f"wait_notification(from_rank={from_rank}, stream=)")
         if self._notification_words is None:
             self._notification_words = cuda.HostWords(self.world_size)
         words = self._notification_words

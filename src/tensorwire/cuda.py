@@ -11,9 +11,9 @@ import importlib
 import threading
 from typing import Any
 
-from .errors import BackendUnavailableError, TransferError
+from .errors import BackendUnavailableError, InvalidArgumentError, TransferError
 
-__all__ = ["driver", "check", "availability", "HostWords", "HostWordSlabs"]
+__all__ = ["driver", "check", "availability", "HostWords", "HostWordSlabs", "refuse_legacy_default_stream"]
 
 
 @functools.cache
@@ -114,6 +114,22 @@ def stream_wait_value(stream: Any, addr: int, value: int) -> None:
     cu = driver()
     check(cu.cuStreamWaitValue32(cu.CUstream(stream.cuda_stream), addr, value,
                                  cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
+
+
+def refuse_legacy_default_stream(stream: Any, what: str) -> None:
+    """Raise ``InvalidArgumentError`` if ``stream`` is CUDA's legacy default stream (handle 0, torch's default
+    current stream), for a wait the CPU releases.
+
+    Every blocking stream and every synchronous CUDA call of the process waits for work already queued on the
+    legacy default stream. A value wait queued there therefore also holds back the CUDA copies this process
+    makes for the very transfer that would release it (UCX stages GPU memory through host buffers when it
+    cannot reach it directly): a deadlock, seen on an H200 with a NIXL READ of GPU memory."""
+    if stream.cuda_stream == 0:
+        raise InvalidArgumentError(
+            f"{what}: the stream is CUDA's legacy default stream (torch's default), and this wait is released by "
+            "the CPU: CUDA work this process makes for the transfer itself would queue behind it and never run. "
+            "Wait on a side stream: s = torch.cuda.Stream(), then pass stream=s (or run under "
+            "`with torch.cuda.stream(s):`)")
 
 
 def stream_write_value(stream: Any, addr: int, value: int) -> None:

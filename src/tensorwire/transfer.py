@@ -19,17 +19,21 @@ when ``s`` reaches that point. How depends on the transport:
     clears it, posts, and stores 1 into ``done_flag`` on completion; ``wait(stream=)`` waits for
     ``done_flag >= 1`` and stores 0 back. The values never change between calls, so the sequence can be
     captured in a CUDA graph and replayed; every replay moves the bytes that are in the buffers then.
+  - a stream never waits forever: past the timeout the progress thread releases it and keeps the error for
+    the next call on the handle; and the stream may not be CUDA's legacy default stream (see
+    ``cuda.refuse_legacy_default_stream``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .backends.base import Backend, Op, Poster, Status
-from .errors import ClosedError, InvalidArgumentError, TransferError
+from .errors import ClosedError, InvalidArgumentError, TransferError, WaitTimeoutError
 from .lifetime import Closeable
 from .progress import wait_until
 
@@ -80,6 +84,7 @@ class Transfer(Closeable):
         self._async_error: Exception | None = None  # a failure the progress thread saw, raised by the next call
         self._publishing = False  # set by the first wait(stream=) of a CPU post: every CPU post publishes done_seq
         self._publish_lock = threading.Lock()  # done_seq is advanced from this thread and the progress thread
+        self._stream_timeout_s = comm.timeout_s  # how long a stream waits for a CPU-driven post: the last wait(stream=)'s
         self.closed = False
 
     @property
@@ -158,13 +163,19 @@ class Transfer(Closeable):
 
     def _completion_publisher(self, sequence: int):
         """A progress-thread poll that stores ``sequence`` into ``done_seq`` when the request is no longer in
-        flight (also on failure: a stream must not hang; the error reaches the next call on this handle)."""
+        flight, and also when it failed or is still in flight after the stream timeout: a stream must not hang;
+        the error reaches the next call on this handle."""
         backend, request = self._backend, self._request
+        deadline = time.monotonic() + self._stream_timeout_s
 
         def publish() -> bool:
             state = backend.status(request)
             if state is Status.IN_PROGRESS:
-                return False
+                if time.monotonic() < deadline:
+                    return False
+                self._async_error = self._stream_timeout_error("wait(stream=)")  # kept before the stream runs on
+                self._advance_done_seq(sequence)
+                return True
             self._advance_done_seq(sequence)
             if state is Status.ERROR:
                 raise TransferError(f"wait(stream=): the {self.op.value} to rank {self.peer} over {self.transport} "
@@ -172,6 +183,12 @@ class Transfer(Closeable):
             return True
 
         return publish
+
+    def _stream_timeout_error(self, call: str) -> WaitTimeoutError:
+        return WaitTimeoutError(
+            f"{call}: the {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport} was not "
+            f"done after {self._stream_timeout_s:.3g}s; the stream was released and what it read since is not valid. "
+            "Check the peer, or pass a larger timeout= to wait(stream=); close this transfer and prepare a new one")
 
     def _after_post(self) -> None:
         if self._state is Status.ERROR:
@@ -208,14 +225,20 @@ class Transfer(Closeable):
             return
         words = self._host_words()
         backend, request, notify = self._backend, self._request, self._notify
-        in_flight = [False]
+        in_flight, deadline, timed_out = [False], [0.0], [False]
 
         def serve() -> bool:
+            if timed_out[0]:  # the request is stuck: release every stream that rings, post nothing more
+                if words.values[_DOORBELL]:
+                    words.values[_DOORBELL] = 0
+                    words.values[_DONE_FLAG] = 1
+                return self._drained()
             if not in_flight[0]:
                 if words.values[_DOORBELL] == 0:
                     return False
                 words.values[_DOORBELL] = 0
                 in_flight[0] = True
+                deadline[0] = time.monotonic() + self._stream_timeout_s
                 try:
                     state = backend.post(request, notify)
                 except Exception as e:  # noqa: BLE001 - release the stream: an error must not hang the GPU
@@ -224,7 +247,12 @@ class Transfer(Closeable):
             else:
                 state = backend.status(request)
             if state is Status.IN_PROGRESS:
-                return False
+                if time.monotonic() < deadline[0]:
+                    return False
+                timed_out[0] = True
+                self._async_error = self._stream_timeout_error("post(stream=)")  # kept before the stream runs on
+                words.values[_DONE_FLAG] = 1
+                return self._drained()
             in_flight[0] = False
             words.values[_DONE_FLAG] = 1
             if state is Status.ERROR:  # kept for the next CPU call on this transfer; the doorbell stays served
@@ -259,7 +287,11 @@ class Transfer(Closeable):
         ``WaitTimeoutError`` after ``timeout`` seconds (default: the communicator's), ``TransferError`` or
         ``PeerLostError`` if it failed.
         With ``stream``: return at once; work enqueued on ``stream`` afterwards runs after the transfer.
-        CUDA-graph capturable together with ``post(stream=)``.
+        CUDA-graph capturable together with ``post(stream=)``. For a transport the CPU drives (``nixl``,
+        ``shm``), ``stream`` may not be CUDA's legacy default stream (``InvalidArgumentError``: that wait could
+        deadlock with the transfer's own CUDA copies), and a transfer not done within ``timeout`` (default: the
+        communicator's; it also bounds later posts' stream waits) releases the stream and makes the next call
+        on this transfer raise ``WaitTimeoutError``.
         """
         if self._state is _DONE and stream is None:  # close() clears _state
             if timeout is not None:
@@ -269,7 +301,7 @@ class Transfer(Closeable):
         if self._state is None:
             raise InvalidArgumentError("wait: the transfer was never posted; call post() first")
         if stream is not None:
-            return self._wait_on_stream(stream)
+            return self._wait_on_stream(stream, timeout)
         if self._posted_on_stream:
             raise InvalidArgumentError(
                 f"wait: the {self.op.value} to rank {self.peer} was posted on a stream; pass wait(stream=...)"
@@ -286,17 +318,21 @@ class Transfer(Closeable):
                 "the peer may have exited or deregistered the memory"
             )
 
-    def _wait_on_stream(self, stream: "torch.cuda.Stream") -> None:
+    def _wait_on_stream(self, stream: "torch.cuda.Stream", timeout: float | None) -> None:
+        stream_timeout_s = self._comm._timeout(timeout)  # rejects a bad timeout on every transport
         if self._request is None:
             return
-        self._streams_used.add(stream)
         if self._stream_ordered:
+            self._streams_used.add(stream)
             event = self._backend.completion_event(self._request)
             if event is not None:
                 stream.wait_event(event)
             return
         from . import cuda
 
+        cuda.refuse_legacy_default_stream(stream, f"wait(stream=) of the {self.op.value} over {self.transport}")
+        self._stream_timeout_s = stream_timeout_s
+        self._streams_used.add(stream)
         words = self._host_words()
         if self._posted_on_stream:
             cuda.stream_wait_value(stream, words.addr(_DONE_FLAG), 1)

@@ -421,8 +421,10 @@ def _bench_wait_returns(comm: Any, side: _Side, checker: "_InboxChecker") -> lis
     ``WAIT_RETURN_REPS`` times per transport (tensorwire's choice, then NIXL forced). A CPU-driven transport
     is posted from the CPU (``post()``), a stream-ordered one on the stream. Each repetition then records an
     event after the wait and asks, without waiting, whether it has fired: ``in_flight`` counts the
-    repetitions where the transfer was still moving when the CPU got control back."""
-    stream = torch.cuda.current_stream()
+    repetitions where the transfer was still moving when the CPU got control back. On a side stream: a
+    CPU-driven transport refuses stream waits on the legacy default stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the outbox was filled there
     size = side.half
     remote = side.remote.narrow(side.half, size)
     out: list[dict[str, Any]] = []
