@@ -13,7 +13,13 @@ from typing import Any
 
 from .errors import BackendUnavailableError, InvalidArgumentError, TransferError
 
-__all__ = ["driver", "check", "availability", "HostWords", "HostWordSlabs", "refuse_legacy_default_stream"]
+__all__ = ["driver", "check", "availability", "HostWords", "HostWordSlabs", "refuse_legacy_default_stream",
+           "COPY_PIECE_BYTES", "copy_pieces", "enqueue_copies"]
+
+# Copies are issued in pieces of at most this many bytes. Measured on an H200: a CUDA graph replays a single
+# 1 GiB memcpy node at 0.64x the speed of the same copy issued on a stream, while 256 MiB nodes replay at
+# full speed; on a stream the extra calls cost nothing measurable.
+COPY_PIECE_BYTES = 256 << 20
 
 
 @functools.cache
@@ -114,6 +120,31 @@ def stream_wait_value(stream: Any, addr: int, value: int) -> None:
     cu = driver()
     check(cu.cuStreamWaitValue32(cu.CUstream(stream.cuda_stream), addr, value,
                                  cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
+
+
+def copy_pieces(destination: int, source: int, nbytes: int) -> list[tuple[int, int, int]]:
+    """``(destination, source, nbytes)`` pointer triples that copy ``nbytes`` in pieces of at most
+    ``COPY_PIECE_BYTES``."""
+    return [(destination + offset, source + offset, min(COPY_PIECE_BYTES, nbytes - offset))
+            for offset in range(0, nbytes, COPY_PIECE_BYTES)]
+
+
+def enqueue_copies(copies: list[tuple[int, int, int]], stream: Any, device_index: int, what: str) -> None:
+    """Enqueue ``cuMemcpyAsync`` of each ``(destination, source, nbytes)`` on ``stream`` (a
+    ``torch.cuda.Stream`` of device ``device_index``). Unified addressing lets one call serve device, peer
+    (IPC-mapped) and pinned host pointers, on the copy engines. Returns at once; graph-capturable (each copy
+    becomes a memcpy node).
+
+    Measured against a Triton copy kernel on an H200 (one process, per copy, CUDA events): equal as graph
+    nodes from 4 KiB to 64 MiB (4 KiB: 7.7 µs either way, the replay's own floor), and the eager launch
+    costs ~5 µs of CPU here against ~20 µs for the kernel; so the copy engines serve every size."""
+    import torch
+
+    cu = driver()
+    handle = cu.CUstream(stream.cuda_stream)
+    with torch.cuda.device(device_index):
+        for destination, source, nbytes in copies:
+            check(cu.cuMemcpyAsync(destination, source, nbytes, handle), f"{what}: cuMemcpyAsync")
 
 
 def refuse_legacy_default_stream(stream: Any, what: str) -> None:

@@ -3,8 +3,8 @@
 Each rank exports, for every registered CUDA range, an IPC handle of the allocation that contains it
 (``cuIpcGetMemHandle`` on the allocation base) in its metadata. A rank that addresses a peer's range
 opens the allocation once (``cuIpcOpenMemHandle``, cached per peer and base, closed on ``close``) and
-copies with ``cuMemcpyAsync`` on the caller's stream: stream-ordered, copy-engine speed, and
-CUDA-graph capturable (a captured copy becomes a memcpy node with fixed pointers).
+copies with ``cuMemcpyAsync`` on the caller's stream (``cuda.enqueue_copies``): stream-ordered, copy-engine
+speed, and CUDA-graph capturable (a captured copy becomes a memcpy node with fixed pointers).
 
 Non-goal: memory from PyTorch's ``expandable_segments`` (VMM) allocator cannot be exported by
 ``cuIpcGetMemHandle``; such ranges are simply not exported and take the NIXL path.
@@ -25,10 +25,6 @@ from .base import Capabilities, Op, Segment, Status, StreamOrderedCompletion, St
 __all__ = ["CudaIpcBackend"]
 
 _EXPORT = struct.Struct("<QQQi64s")  # addr, nbytes, allocation base, device index, IPC handle
-# Copies are issued in pieces of at most this many bytes. Measured on an H200: a CUDA graph replays a single
-# 1 GiB memcpy node at 0.64x the speed of the same copy issued on a stream, while 256 MiB nodes replay at
-# full speed; on a stream the extra calls cost nothing measurable.
-COPY_PIECE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -106,17 +102,13 @@ class CudaIpcBackend(StreamOrderedCompletion):
         for mine, theirs in zip(local, remote):
             pointer = self.pointer(peer, theirs, device_index)
             destination, source = (mine.addr, pointer) if op is Op.READ else (pointer, mine.addr)
-            copies += [(destination + offset, source + offset, min(COPY_PIECE_BYTES, mine.nbytes - offset))
-                       for offset in range(0, mine.nbytes, COPY_PIECE_BYTES)]
+            copies += cuda.copy_pieces(destination, source, mine.nbytes)
         return _Request(copies, device_index)
 
     def post(self, request: _Request, notify: bytes | None, stream: "torch.cuda.Stream | None" = None) -> Status:
         stream = stream or torch.cuda.current_stream(request.device_index)
-        handle = self._cu.CUstream(stream.cuda_stream)
-        with torch.cuda.device(request.device_index):
-            for destination, source, nbytes in request.copies:
-                cuda.check(self._cu.cuMemcpyAsync(destination, source, nbytes, handle), "cuda_ipc: cuMemcpyAsync")
-            request.record(stream)
+        cuda.enqueue_copies(request.copies, stream, request.device_index, "cuda_ipc")
+        request.record(stream)
         return Status.IN_PROGRESS
 
     def release(self, request: _Request) -> None:

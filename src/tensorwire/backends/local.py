@@ -2,8 +2,10 @@
 
 NIXL between two ranges of one process falls back to UCX's TCP emulation (0.4 GB/s on an H200, against
 1.6 TB/s for a device copy), so transfers whose remote rank is this rank take this path instead.
-CUDA copies are stream-ordered (``copy_`` on the stream given to ``post``, else the current stream, as
-any PyTorch op) and CUDA-graph capturable; host copies complete inside ``post``.
+Copies that touch GPU memory are stream-ordered (``cuMemcpyAsync`` on the stream given to ``post``, else the
+current stream, as any PyTorch op; ``cuda.enqueue_copies``) and CUDA-graph capturable; host copies complete
+inside ``post``. Issuing the driver call directly rather than ``Tensor.copy_`` under a stream context costs
+less CPU per post, which a 64 MiB device copy (~35 µs) notices.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from .. import cuda
 from ..descriptors import MemoryKind
 from .base import Capabilities, Op, Segment, Status, StreamOrderedCompletion, StreamOrderedRequest
 
@@ -21,8 +24,9 @@ __all__ = ["LocalBackend"]
 
 @dataclass
 class _Request(StreamOrderedRequest):
-    pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (destination, source) uint8 views
-    device: torch.device | None  # the CUDA device the copies run on, None for host-only
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (destination, source) uint8 views, host-only requests
+    copies: list[tuple[int, int, int]]  # (destination, source, nbytes) pointers, requests touching a GPU
+    device_index: int | None  # the CUDA device the copies run on, None for host-only
 
 
 class LocalBackend(StreamOrderedCompletion):
@@ -50,24 +54,24 @@ class LocalBackend(StreamOrderedCompletion):
 
     def prepare(self, op: Op, local: list[Segment], remote: list[Segment], peer: int, notify: bytes | None) -> _Request:
         sources, destinations = (remote, local) if op is Op.READ else (local, remote)
-        pairs = [(self._view(d), self._view(s)) for d, s in zip(destinations, sources)]
-        cuda = [t.device for pair in pairs for t in pair if t.is_cuda]
-        return _Request(pairs, cuda[0] if cuda else None)
+        devices = [s.device_index for s in local + remote if s.kind is MemoryKind.CUDA]
+        if not devices:
+            return _Request([(self._view(d), self._view(s)) for d, s in zip(destinations, sources)], [], None)
+        copies = [piece for d, s in zip(destinations, sources) for piece in cuda.copy_pieces(d.addr, s.addr, d.nbytes)]
+        return _Request([], copies, devices[0])
 
     def post(self, request: _Request, notify: bytes | None, stream: "torch.cuda.Stream | None" = None) -> Status:
-        if request.device is None:
+        if request.device_index is None:
             for destination, source in request.pairs:
                 destination.copy_(source)
             return Status.DONE
-        stream = stream or torch.cuda.current_stream(request.device)
-        with torch.cuda.stream(stream):
-            for destination, source in request.pairs:
-                destination.copy_(source, non_blocking=True)
-            request.record(stream)
+        stream = stream or torch.cuda.current_stream(request.device_index)
+        cuda.enqueue_copies(request.copies, stream, request.device_index, "local")
+        request.record(stream)
         return Status.IN_PROGRESS
 
     def release(self, request: _Request) -> None:
-        request.pairs = []
+        request.pairs, request.copies = [], []
 
     def close(self) -> None:
         pass
