@@ -183,47 +183,6 @@ def test_wait_on_stream_returns_at_once_and_orders_the_consumer(transport, op_na
         assert results[1] == [5 * (1 << 28)] * 3, f"the target received {results[1]}: the source was reused too early"
 
 
-def _nixl_read_of_gpu_memory_on_a_side_stream(rounds: int):
-    """A NIXL READ of the peer's GPU memory on one GPU, which UCX stages through host buffers in this
-    process: CPU post + wait(stream=) on a side stream, a consumer kernel after it. The same wait on the legacy
-    default stream deadlocked (UCX's staging copies queued behind it) and is refused."""
-    with tw.init(timeout=INIT_TIMEOUT) as comm:
-        torch.cuda.set_device(comm.device)
-        n = 1 << 20
-        buf = torch.full((n,), comm.rank + 1, dtype=torch.int32, device=comm.device)
-        sums, refused = [], None
-        with comm.register(buf) as reg:
-            comm.publish("buf", reg.descs)
-            remote = comm.lookup("buf", 1 - comm.rank, timeout=WAIT)
-            torch.cuda.synchronize()
-            comm.barrier(WAIT)
-            if comm.rank == 0:
-                stream = torch.cuda.Stream()
-                with comm.prepare(tw.READ, buf, remote, transport="nixl") as x:
-                    for _ in range(rounds):
-                        buf.zero_()
-                        torch.cuda.synchronize()
-                        x.post()
-                        if refused is None:
-                            try:
-                                x.wait(stream=torch.cuda.default_stream())
-                            except tw.InvalidArgumentError as e:
-                                refused = str(e)
-                        x.wait(stream=stream)
-                        with torch.cuda.stream(stream):
-                            total = buf.sum(dtype=torch.int64)
-                        _finish(stream)
-                        sums.append(int(total))
-            comm.barrier(60)
-    return sums, refused
-
-
-def test_nixl_read_of_gpu_memory_completes_on_a_side_stream_and_refuses_the_legacy_one():
-    sums, refused = launch(_nixl_read_of_gpu_memory_on_a_side_stream, 2, 5, timeout=200, env=GPU_ENV)[0]
-    assert refused is not None and "legacy default stream" in refused, refused
-    assert sums == [2 * (1 << 20)] * 5, sums
-
-
 def _notification_on_stream(transport: str, rounds: int):
     with tw.init(timeout=INIT_TIMEOUT) as comm:
         torch.cuda.set_device(comm.device)
