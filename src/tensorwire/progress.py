@@ -37,20 +37,22 @@ def wait_until(ready: Callable[[], bool], timeout_s: float, describe: Callable[[
     spin_end = start + config.spin_us * 1e-6
     deadline = start + timeout_s
     max_sleep = config.max_sleep_us * 1e-6
-    while True:
-        if ready():
-            return
+
+    def now_before_deadline() -> float:
         now = time.perf_counter()
         if now >= deadline:
-            raise WaitTimeoutError(f"{describe()}: not done after {timeout_s:.3g}s; pass a larger timeout= or check the peer")
-        if now >= spin_end:
+            raise WaitTimeoutError(f"{describe()}: not done after {timeout_s:.3g}s; pass a larger timeout= or check "
+                                   "the peer")
+        return now
+
+    while not ready():
+        if now_before_deadline() >= spin_end:
             break
+    else:
+        return
     with fine_timer_slack():  # only waits that got past the spin pay the two system calls
         while not ready():
-            now = time.perf_counter()
-            if now >= deadline:
-                raise WaitTimeoutError(
-                    f"{describe()}: not done after {timeout_s:.3g}s; pass a larger timeout= or check the peer")
+            now = now_before_deadline()
             time.sleep(min(max_sleep, (now - start) / 32, deadline - now))
 
 

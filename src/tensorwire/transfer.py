@@ -84,7 +84,7 @@ class Transfer(Closeable):
         self._async_error: Exception | None = None  # a failure the progress thread saw, raised by the next call
         self._publishing = False  # set by the first wait(stream=) of a CPU post: every CPU post publishes done_seq
         self._publish_lock = threading.Lock()  # done_seq is advanced from this thread and the progress thread
-        self._stream_timeout_s = comm.timeout_s  # how long a stream waits for a CPU-driven post: the last wait(stream=)'s
+        self._stream_timeout_s = comm.timeout_s  # bounds a stream's wait for a CPU-driven post; set by wait(stream=)
         self.closed = False
 
     @property
