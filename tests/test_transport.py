@@ -187,9 +187,9 @@ def test_notification_of_an_unpolled_write_is_still_sent():
 
 
 class _SideStream:
-    """Stands in for a ``torch.cuda.Stream`` other than the legacy default stream (its handle is not 0)."""
+    """Stands in for a ``torch.cuda.Stream`` other than the legacy default stream."""
 
-    cuda_stream = 1
+    cuda_stream = 0x5EED
 
 
 class _LegacyDefaultStream:
@@ -265,8 +265,9 @@ def _until(condition, what: str) -> None:
 
 def _stream_waits_are_bounded():
     """Stream waits of NIXL transfers (UCX over TCP: in flight after post) with the GPU side stood in for.
-    Returns what rank 0 saw: the legacy default stream refused without losing the post, and a stream released
-    with an error once the timeout passed, for a CPU post and for a doorbell (stream post)."""
+    Returns what rank 0 saw: the legacy default stream refused for waits and posts without losing anything,
+    a stream released with an error once its own wait's timeout passed (and a later CPU wait not cut short by
+    it), and a doorbell (stream post) that timed out leaving the handle failed but every ring answered."""
     from tensorwire import cuda
     from tensorwire.transfer import _DONE_FLAG, _DONE_SEQ, _DOORBELL
 
@@ -288,6 +289,10 @@ def _stream_waits_are_bounded():
             if comm.rank == 0:
                 local = buffer[n:]
                 expected = 3 * n
+
+                def landed() -> bool:
+                    return int(local.sum(dtype=torch.int64)) == expected
+
                 with comm.prepare(tw.READ, local, remote, transport="nixl") as x:
                     x._words = words = _HostWords()
                     x.post()
@@ -295,43 +300,71 @@ def _stream_waits_are_bounded():
                         x.wait(stream=_LegacyDefaultStream())
                     seen["refused"] = str(refused.value)
                     x.wait(WAIT)  # the post was not lost
-                    seen["read_after_refusal"] = int(local.sum(dtype=torch.int64)) == expected
+                    seen["read_after_refusal"] = landed()
+
+                    local.zero_()
+                    with pytest.raises(tw.InvalidArgumentError, match="legacy default stream"):
+                        x.post(stream=_LegacyDefaultStream())
+                    x.post()  # still a CPU-posted handle
+                    x.wait(WAIT)
+                    seen["read_after_post_refusal"] = landed()
 
                     local.zero_()
                     x.post()
-                    x.wait(stream=_SideStream(), timeout=1e-4)
-                    _until(lambda: words.values[_DONE_SEQ] == 2, "the stream was never released")
+                    x.wait(stream=_SideStream(), timeout=WAIT)  # completes in time: from now on each post publishes
+                    _until(lambda: words.values[_DONE_SEQ] == 3, "round 3: the stream was never released")
+                    seen["in_time"] = landed()
+
+                    local.zero_()
+                    x.post()
+                    x.wait(stream=_SideStream(), timeout=1e-4)  # this post's own wait bounds its publisher
+                    _until(lambda: words.values[_DONE_SEQ] == 4, "round 4: the stream was never released")
                     with pytest.raises(tw.WaitTimeoutError, match="stream was released") as late:
-                        x.status()
+                        _until(lambda: x.status() is None, "round 4: the timeout never reached the handle")
                     seen["cpu_post_timeout"] = str(late.value)
-                    _until(lambda: x.status() is tw.Status.DONE, "the READ never completed")
+                    _until(lambda: x.status() is tw.Status.DONE, "round 4: the READ never completed")
+
+                    local.zero_()
+                    x.post()  # no stream waits for this one: round 4's short timeout must not cut it short
+                    x.wait(WAIT)
+                    seen["cpu_wait_after_timeout"] = landed()
                     _until(lambda: not comm._engine.still_watched(x._watches), "watches outlived the READ")
 
                 with comm.prepare(tw.READ, local, remote, transport="nixl") as y:
                     y._words = words = _HostWords()
-                    y._stream_timeout_s = 1e-4
                     local.zero_()
                     y.post(stream=_SideStream())
-                    _until(lambda: words.values[_DONE_FLAG] == 1, "the doorbell's stream was never released")
+                    _until(lambda: words.values[_DONE_FLAG] == 1, "the first ring was never served")
+                    y.wait(stream=_SideStream(), timeout=1e-4)  # bounds the rings that follow
+                    seen["first_ring"] = landed()
+                    local.zero_()
+                    y.post(stream=_SideStream())
+                    _until(lambda: words.values[_DONE_FLAG] == 1, "the timed-out ring's stream was never released")
                     with pytest.raises(tw.WaitTimeoutError, match="post\\(stream=\\)") as late:
                         y.wait(stream=_SideStream())
                     seen["doorbell_timeout"] = str(late.value)
-                    words.values[_DONE_FLAG] = 0  # as the stream's wait stores back
-                    y.post(stream=_SideStream())  # a later replay rings: released, not hung
+                    with pytest.raises(tw.WaitTimeoutError, match="post\\(stream=\\)"):
+                        y.post(stream=_SideStream())  # the handle stays failed
+                    words.values[_DONE_FLAG] = 0
+                    words.values[_DOORBELL] = 1  # a captured graph replaying rings without Python
                     _until(lambda: words.values[_DONE_FLAG] == 1 and words.values[_DOORBELL] == 0,
                            "a ring after the timeout was never answered")
                     seen["doorbell_answered_after_timeout"] = True
-                    _until(lambda: int(local.sum(dtype=torch.int64)) == expected, "the stuck READ never landed")
+                    _until(landed, "the stuck READ never landed")
                     y._streams_used = set()  # no CUDA events to record on close: nothing ran on a GPU
             comm.barrier(WAIT)
     return seen
 
 
 def test_stream_waits_refuse_the_legacy_default_stream_and_time_out():
-    """A CPU-driven transfer's stream wait is refused on the legacy default stream (the post survives), and a
-    stream is released with a WaitTimeoutError for the next call once the timeout has passed, for a CPU post
-    waited with wait(stream=) and for a stream post's doorbell, whose later rings are still answered."""
+    """CPU-driven transfers refuse the legacy default stream (for waits and posts, losing nothing); a stream
+    waiting for a CPU post is released with a WaitTimeoutError once that wait's timeout passed, which does not
+    bound later CPU waits; a stream post's doorbell that timed out leaves the handle failed (every call raises)
+    while later rings are still answered."""
     seen = launch(_stream_waits_are_bounded, 2, env={"UCX_TLS": "tcp"})[0]
-    assert "side stream" in seen["refused"] and seen["read_after_refusal"], seen
+    assert "side stream" in seen["refused"] and seen["read_after_refusal"] and seen["read_after_post_refusal"], seen
+    assert seen["in_time"] and seen["cpu_wait_after_timeout"], seen
     assert "not done after 0.0001s" in seen["cpu_post_timeout"], seen
-    assert "post(stream=)" in seen["doorbell_timeout"] and seen["doorbell_answered_after_timeout"], seen
+    assert seen["first_ring"], seen
+    assert "post(stream=)" in seen["doorbell_timeout"] and "0.0001s" in seen["doorbell_timeout"], seen
+    assert seen["doorbell_answered_after_timeout"], seen

@@ -480,15 +480,16 @@ class Communicator:
 
         With ``stream``: returns None at once and makes ``stream`` wait until that next notification has
         arrived (the message is consumed; the data of the WRITE it followed is in place), so a consumer
-        kernel starts with no CPU in the loop. Do not mix CPU and stream waits for the same sender. If no
-        notification arrives within the communicator's timeout, the stream is released anyway (what it then
-        reads is not valid) and the next ``wait_notification`` raises ``WaitTimeoutError``."""
+        kernel starts with no CPU in the loop. Do not mix CPU and stream waits for the same sender; ``stream``
+        may not be CUDA's legacy default stream (``InvalidArgumentError``). If no notification arrives within
+        ``timeout`` (default: the communicator's), the stream is released anyway (what it then reads is not
+        valid) and the next ``wait_notification`` raises ``WaitTimeoutError``."""
         self._check_open("wait_notification")
         self._check_rank(from_rank, "wait_notification")
         if self._stream_notification_errors:
             raise self._stream_notification_errors.popleft()
         if stream is not None:
-            return self._wait_notification_on_stream(from_rank, stream)
+            return self._wait_notification_on_stream(from_rank, stream, self._timeout(timeout))
         message: list[bytes] = []
 
         def arrived() -> bool:
@@ -500,7 +501,7 @@ class Communicator:
         wait_until(arrived, self._timeout(timeout), lambda: f"wait_notification: nothing from rank {from_rank}", self.config)
         return message[0]
 
-    def _wait_notification_on_stream(self, from_rank: int, stream: "torch.cuda.Stream") -> None:
+    def _wait_notification_on_stream(self, from_rank: int, stream: "torch.cuda.Stream", timeout_s: float) -> None:
         cuda.refuse_legacy_default_stream(stream, f"wait_notification(from_rank={from_rank}, stream=)")
         if self._notification_words is None:
             self._notification_words = cuda.HostWords(self.world_size)
@@ -508,7 +509,7 @@ class Communicator:
         self._notifications_awaited[from_rank] += 1
         target = self._notifications_awaited[from_rank]
         delivered = self._notifications_delivered
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + timeout_s
 
         def deliver() -> bool:  # progress thread: count arrivals into the word the stream waits on
             while delivered[from_rank] < target:
@@ -521,7 +522,7 @@ class Communicator:
                     delivered[from_rank] = target
                     words.values[from_rank] = target
                     raise WaitTimeoutError(
-                        f"wait_notification(stream=): nothing from rank {from_rank} within {self.timeout_s:.3g}s; the "
+                        f"wait_notification(stream=): nothing from rank {from_rank} within {timeout_s:.3g}s; the "
                         "stream was released and what it read since is not valid; check that rank")
             return True
 

@@ -147,20 +147,24 @@ def enqueue_copies(copies: list[tuple[int, int, int]], stream: Any, device_index
             check(cu.cuMemcpyAsync(destination, source, nbytes, handle), f"{what}: cuMemcpyAsync")
 
 
+_LEGACY_DEFAULT_STREAM_HANDLES = (0, 1)  # the null stream, and CU_STREAM_LEGACY
+
+
 def refuse_legacy_default_stream(stream: Any, what: str) -> None:
     """Raise ``InvalidArgumentError`` if ``stream`` is CUDA's legacy default stream (handle 0, torch's default
-    current stream), for a wait the CPU releases.
+    current stream, or ``CU_STREAM_LEGACY``), for a stream wait (or post) the CPU releases.
 
     Every blocking stream and every synchronous CUDA call of the process waits for work already queued on the
     legacy default stream. A value wait queued there therefore also holds back the CUDA copies this process
     makes for the very transfer that would release it (UCX stages GPU memory through host buffers when it
     cannot reach it directly): a deadlock, seen on an H200 with a NIXL READ of GPU memory."""
-    if stream.cuda_stream == 0:
+    if stream.cuda_stream in _LEGACY_DEFAULT_STREAM_HANDLES:
         raise InvalidArgumentError(
             f"{what}: the stream is CUDA's legacy default stream (torch's default), and this wait is released by "
             "the CPU: CUDA work this process makes for the transfer itself would queue behind it and never run. "
-            "Wait on a side stream: s = torch.cuda.Stream(), then pass stream=s (or run under "
-            "`with torch.cuda.stream(s):`)")
+            "Use a side stream: s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream()) so it follows "
+            "the producers; pass stream=s; run the consumers under `with torch.cuda.stream(s):` (or make the "
+            "default stream wait for s afterwards)")
 
 
 def stream_write_value(stream: Any, addr: int, value: int) -> None:

@@ -19,8 +19,9 @@ when ``s`` reaches that point. How depends on the transport:
     clears it, posts, and stores 1 into ``done_flag`` on completion; ``wait(stream=)`` waits for
     ``done_flag >= 1`` and stores 0 back. The values never change between calls, so the sequence can be
     captured in a CUDA graph and replayed; every replay moves the bytes that are in the buffers then.
-  - a stream never waits forever: past the timeout the progress thread releases it and keeps the error for
-    the next call on the handle; and the stream may not be CUDA's legacy default stream (see
+  - a stream is not left waiting past the timeout: the progress thread releases it, warns, and keeps the
+    error for the next call on the handle (as long as the backend's status call itself returns: see
+    docs/architecture.md, Known limits); and the stream may not be CUDA's legacy default stream (see
     ``cuda.refuse_legacy_default_stream``).
 """
 
@@ -28,10 +29,12 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import cuda
 from .backends.base import Backend, Op, Poster, Status
 from .errors import ClosedError, InvalidArgumentError, TransferError, WaitTimeoutError
 from .lifetime import Closeable
@@ -84,7 +87,11 @@ class Transfer(Closeable):
         self._async_error: Exception | None = None  # a failure the progress thread saw, raised by the next call
         self._publishing = False  # set by the first wait(stream=) of a CPU post: every CPU post publishes done_seq
         self._publish_lock = threading.Lock()  # done_seq is advanced from this thread and the progress thread
-        self._stream_timeout_s = comm.timeout_s  # bounds a stream's wait for a CPU-driven post; set by wait(stream=)
+        # Stream timeouts of CPU-driven transports: (sequence, deadline, seconds) of the last wait(stream=) of a CPU
+        # post, and the seconds that bound a doorbell's post (the last wait(stream=, timeout=) after a stream post).
+        self._stream_deadline: tuple[int, float, float] | None = None
+        self._doorbell_timeout_s = comm.timeout_s
+        self._stuck: Exception | None = None  # a doorbell that timed out: raised by every later call
         self.closed = False
 
     @property
@@ -105,7 +112,7 @@ class Transfer(Closeable):
             # posted on a stream stays IN_PROGRESS to the CPU, so it never gets here).
             self._posts += 1
             return self._post_from_cpu()
-        if self.closed:  # closing the communicator closes its transfers
+        if self.closed or self._stuck is not None:  # closing the communicator closes its transfers
             self._check_open("post")
         if stream is not None:
             return self._post_on_stream(stream)
@@ -163,17 +170,17 @@ class Transfer(Closeable):
 
     def _completion_publisher(self, sequence: int):
         """A progress-thread poll that stores ``sequence`` into ``done_seq`` when the request is no longer in
-        flight, and also when it failed or is still in flight after the stream timeout: a stream must not hang;
-        the error reaches the next call on this handle."""
+        flight, and also when it failed, or is still in flight past the timeout of the ``wait(stream=)`` that
+        waits for this very post: a stream must not hang; the error reaches the next call on this handle."""
         backend, request = self._backend, self._request
-        deadline = time.monotonic() + self._stream_timeout_s
 
         def publish() -> bool:
             state = backend.status(request)
             if state is Status.IN_PROGRESS:
-                if time.monotonic() < deadline:
+                waited = self._stream_deadline  # set by wait(stream=), possibly after this poll was registered
+                if waited is None or waited[0] != sequence or time.monotonic() < waited[1]:
                     return False
-                self._async_error = self._stream_timeout_error("wait(stream=)")  # kept before the stream runs on
+                self._async_error = self._stream_timed_out("wait(stream=)", waited[2])  # kept before the release
                 self._advance_done_seq(sequence)
                 return True
             self._advance_done_seq(sequence)
@@ -184,11 +191,14 @@ class Transfer(Closeable):
 
         return publish
 
-    def _stream_timeout_error(self, call: str) -> WaitTimeoutError:
-        return WaitTimeoutError(
+    def _stream_timed_out(self, call: str, timeout_s: float) -> WaitTimeoutError:
+        """The error of a stream released by a timeout, also warned about: a replayed graph calls no Python."""
+        error = WaitTimeoutError(
             f"{call}: the {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport} was not "
-            f"done after {self._stream_timeout_s:.3g}s; the stream was released and what it read since is not valid. "
-            "Check the peer, or pass a larger timeout= to wait(stream=); close this transfer and prepare a new one")
+            f"done after {timeout_s:.3g}s; the stream was released and what it read since is not valid. "
+            "Check the peer, or pass a larger timeout= to wait(stream=)")
+        warnings.warn(str(error), RuntimeWarning, stacklevel=2)
+        return error
 
     def _after_post(self) -> None:
         if self._state is Status.ERROR:
@@ -204,6 +214,8 @@ class Transfer(Closeable):
         self._watch(lambda: backend.status(request) is not Status.IN_PROGRESS)
 
     def _post_on_stream(self, stream: "torch.cuda.Stream") -> None:
+        if self._request is not None and not self._stream_ordered:
+            cuda.refuse_legacy_default_stream(stream, f"post(stream=) of the {self.op.value} over {self.transport}")
         self._posted_on_stream = True
         self._streams_used.add(stream)
         self._state = Status.IN_PROGRESS
@@ -214,8 +226,6 @@ class Transfer(Closeable):
             if self._notify is not None:
                 self._notify_after_copy()
             return
-        from . import cuda
-
         self._ensure_doorbell()
         cuda.stream_write_value(stream, self._words.addr(_DOORBELL), 1)
 
@@ -228,7 +238,8 @@ class Transfer(Closeable):
         in_flight, deadline, timed_out = [False], [0.0], [False]
 
         def serve() -> bool:
-            if timed_out[0]:  # the request is stuck: release every stream that rings, post nothing more
+            if timed_out[0]:  # the request is stuck: release every stream that rings, post nothing more (every
+                # call on the handle raises ``_stuck``: close it and prepare a new one)
                 if words.values[_DOORBELL]:
                     words.values[_DOORBELL] = 0
                     words.values[_DONE_FLAG] = 1
@@ -238,7 +249,7 @@ class Transfer(Closeable):
                     return False
                 words.values[_DOORBELL] = 0
                 in_flight[0] = True
-                deadline[0] = time.monotonic() + self._stream_timeout_s
+                deadline[0] = time.monotonic() + self._doorbell_timeout_s
                 try:
                     state = backend.post(request, notify)
                 except Exception as e:  # noqa: BLE001 - release the stream: an error must not hang the GPU
@@ -250,7 +261,7 @@ class Transfer(Closeable):
                 if time.monotonic() < deadline[0]:
                     return False
                 timed_out[0] = True
-                self._async_error = self._stream_timeout_error("post(stream=)")  # kept before the stream runs on
+                self._stuck = self._stream_timed_out("post(stream=)", self._doorbell_timeout_s)  # before the release
                 words.values[_DONE_FLAG] = 1
                 return self._drained()
             in_flight[0] = False
@@ -289,9 +300,11 @@ class Transfer(Closeable):
         With ``stream``: return at once; work enqueued on ``stream`` afterwards runs after the transfer.
         CUDA-graph capturable together with ``post(stream=)``. For a transport the CPU drives (``nixl``,
         ``shm``), ``stream`` may not be CUDA's legacy default stream (``InvalidArgumentError``: that wait could
-        deadlock with the transfer's own CUDA copies), and a transfer not done within ``timeout`` (default: the
-        communicator's; it also bounds later posts' stream waits) releases the stream and makes the next call
-        on this transfer raise ``WaitTimeoutError``.
+        deadlock with the transfer's own CUDA copies), and ``timeout`` (default: the communicator's) bounds the
+        stream's wait: a CPU post not done by then releases the stream, warns, and the next call on this
+        transfer raises ``WaitTimeoutError``. After ``post(stream=)`` it bounds the later stream posts of this
+        handle (the communicator's until a ``wait(stream=, timeout=)``); one that times out leaves the handle
+        failed: every call raises, and rings are released without moving bytes until it is closed.
         """
         if self._state is _DONE and stream is None:  # close() clears _state
             if timeout is not None:
@@ -328,17 +341,16 @@ class Transfer(Closeable):
             if event is not None:
                 stream.wait_event(event)
             return
-        from . import cuda
-
         cuda.refuse_legacy_default_stream(stream, f"wait(stream=) of the {self.op.value} over {self.transport}")
-        self._stream_timeout_s = stream_timeout_s
         self._streams_used.add(stream)
         words = self._host_words()
         if self._posted_on_stream:
+            self._doorbell_timeout_s = stream_timeout_s
             cuda.stream_wait_value(stream, words.addr(_DONE_FLAG), 1)
             cuda.stream_write_value(stream, words.addr(_DONE_FLAG), 0)
             return
         sequence = self._posts & 0xFFFFFFFF  # the GPU compares cyclically: (int32)(word - value) >= 0
+        self._stream_deadline = (sequence, time.monotonic() + stream_timeout_s, stream_timeout_s)
         cuda.stream_wait_value(stream, words.addr(_DONE_SEQ), sequence)
         if not self._publishing:
             # The first stream wait of this handle: publish this post's completion (the wait is enqueued
@@ -430,6 +442,8 @@ class Transfer(Closeable):
         if self.closed:
             raise ClosedError(f"{fn}: the transfer is closed; prepare a new one with comm.prepare(...)")
         self._comm._check_open(fn)
+        if self._stuck is not None:
+            raise self._stuck
         if self._async_error is not None:
             error, self._async_error = self._async_error, None
             raise error

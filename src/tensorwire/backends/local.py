@@ -5,7 +5,8 @@ NIXL between two ranges of one process falls back to UCX's TCP emulation (0.4 GB
 Copies that touch GPU memory are stream-ordered (``cuMemcpyAsync`` on the stream given to ``post``, else the
 current stream, as any PyTorch op; ``cuda.enqueue_copies``) and CUDA-graph capturable; host copies complete
 inside ``post``. Issuing the driver call directly rather than ``Tensor.copy_`` under a stream context costs
-less CPU per post, which a 64 MiB device copy (~35 µs) notices.
+less CPU per post, which a 64 MiB device copy (~35 µs) notices; without cuda-python it is ``copy_``. A request
+holds views of both ranges, so their memory outlives a registration closed while the transfer still exists.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ __all__ = ["LocalBackend"]
 
 @dataclass
 class _Request(StreamOrderedRequest):
-    pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (destination, source) uint8 views, host-only requests
-    copies: list[tuple[int, int, int]]  # (destination, source, nbytes) pointers, requests touching a GPU
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (destination, source) uint8 views
     device_index: int | None  # the CUDA device the copies run on, None for host-only
+    copies: list[tuple[int, int, int]] | None = None  # the pairs as cuMemcpyAsync pieces, when cuda-python is there
 
 
 class LocalBackend(StreamOrderedCompletion):
@@ -54,11 +55,15 @@ class LocalBackend(StreamOrderedCompletion):
 
     def prepare(self, op: Op, local: list[Segment], remote: list[Segment], peer: int, notify: bytes | None) -> _Request:
         sources, destinations = (remote, local) if op is Op.READ else (local, remote)
+        pairs = [(self._view(d), self._view(s)) for d, s in zip(destinations, sources)]
         devices = [s.device_index for s in local + remote if s.kind is MemoryKind.CUDA]
         if not devices:
-            return _Request([(self._view(d), self._view(s)) for d, s in zip(destinations, sources)], [], None)
-        copies = [piece for d, s in zip(destinations, sources) for piece in cuda.copy_pieces(d.addr, s.addr, d.nbytes)]
-        return _Request([], copies, devices[0])
+            return _Request(pairs, None)
+        request = _Request(pairs, devices[0])
+        if cuda.availability()[0]:
+            request.copies = [piece for d, s in zip(destinations, sources)
+                              for piece in cuda.copy_pieces(d.addr, s.addr, d.nbytes)]
+        return request
 
     def post(self, request: _Request, notify: bytes | None, stream: "torch.cuda.Stream | None" = None) -> Status:
         if request.device_index is None:
@@ -66,12 +71,17 @@ class LocalBackend(StreamOrderedCompletion):
                 destination.copy_(source)
             return Status.DONE
         stream = stream or torch.cuda.current_stream(request.device_index)
-        cuda.enqueue_copies(request.copies, stream, request.device_index, "local")
+        if request.copies is not None:
+            cuda.enqueue_copies(request.copies, stream, request.device_index, "local")
+        else:
+            with torch.cuda.stream(stream):
+                for destination, source in request.pairs:
+                    destination.copy_(source, non_blocking=True)
         request.record(stream)
         return Status.IN_PROGRESS
 
     def release(self, request: _Request) -> None:
-        request.pairs, request.copies = [], []
+        request.pairs, request.copies = [], None
 
     def close(self) -> None:
         pass
