@@ -196,6 +196,10 @@ class _LegacyDefaultStream:
     cuda_stream = 0
 
 
+class _CuStreamLegacy:  # CUDA's named handle for the same stream
+    cuda_stream = 1
+
+
 class _HostWords:
     """Stands in for a transfer's pinned words: plain host words, addressed by index."""
 
@@ -298,6 +302,8 @@ def _stream_waits_are_bounded():
                     x.post()
                     with pytest.raises(tw.InvalidArgumentError, match="legacy default stream") as refused:
                         x.wait(stream=_LegacyDefaultStream())
+                    with pytest.raises(tw.InvalidArgumentError, match="legacy default stream"):
+                        x.wait(stream=_CuStreamLegacy())
                     seen["refused"] = str(refused.value)
                     x.wait(WAIT)  # the post was not lost
                     seen["read_after_refusal"] = landed()
@@ -343,8 +349,9 @@ def _stream_waits_are_bounded():
                     with pytest.raises(tw.WaitTimeoutError, match="post\\(stream=\\)") as late:
                         y.wait(stream=_SideStream())
                     seen["doorbell_timeout"] = str(late.value)
-                    with pytest.raises(tw.WaitTimeoutError, match="post\\(stream=\\)"):
-                        y.post(stream=_SideStream())  # the handle stays failed
+                    for call in (lambda: y.post(stream=_SideStream()), y.status):  # the handle stays failed
+                        with pytest.raises(tw.WaitTimeoutError, match="close it and prepare a new one"):
+                            call()
                     words.values[_DONE_FLAG] = 0
                     words.values[_DOORBELL] = 1  # a captured graph replaying rings without Python
                     _until(lambda: words.values[_DONE_FLAG] == 1 and words.values[_DOORBELL] == 0,

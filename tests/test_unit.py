@@ -467,6 +467,22 @@ def test_a_sleeping_wait_tightens_the_thread_timer_slack_and_restores_it():
     assert slack() == before
 
 
+def test_a_progress_thread_warning_never_raises():
+    """Warnings the progress thread issues (a stream released by a timeout) must not raise where a filter turns
+    warnings into errors: the raise would skip the release after it, or end the thread."""
+    import warnings
+
+    from tensorwire.progress import warn_from_progress_thread
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_from_progress_thread("released")
+    assert [str(w.message) for w in caught] == ["released"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_from_progress_thread("released")  # does not raise
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
 def test_init_refuses_a_timeout_that_could_not_end(value):
     """A NaN or infinite timeout would make every wait unbounded: refused before anything starts."""

@@ -35,7 +35,7 @@ from .bootstrap import Rendezvous, resolve_environment
 from .descriptors import MemoryKind, TensorDesc
 from .memory_map import MemoryMap, PeerView, host_identity
 from .errors import BackendUnavailableError, ClosedError, InvalidArgumentError, WaitTimeoutError
-from .progress import Inbox, ProgressEngine, wait_until
+from .progress import Inbox, ProgressEngine, wait_until, warn_from_progress_thread
 from .registration import LocalMemoryMap, Registration, as_tensor_list, segment_of
 from .transfer import Transfer
 
@@ -417,7 +417,7 @@ class Communicator:
 
     def _keep_stream_notification_error(self, error: Exception) -> None:
         self._stream_notification_errors.append(error)
-        warnings.warn(f"tensorwire: {error}", RuntimeWarning, stacklevel=1)
+        warn_from_progress_thread(f"tensorwire: {error}")
 
     def _notify_when(self, peer: int, message: bytes, done: "Callable[[], bool]") -> None:
         """Deliver ``message`` to ``peer``'s inbox once ``done()`` (its copy completed) and after every
@@ -435,9 +435,9 @@ class Communicator:
 
     def _notification_failed(self, error: Exception) -> None:
         """A queued notification could not be sent: say so now (the peer's wait for it will time out)."""
-        warnings.warn(f"tensorwire: a notification could not be sent and was dropped ({error}); the peer's "
-                      "wait_notification for it will time out: check that the peer is alive and reachable "
-                      "('tensorwire doctor')", RuntimeWarning, stacklevel=1)
+        warn_from_progress_thread(f"tensorwire: a notification could not be sent and was dropped ({error}); the "
+                                  "peer's wait_notification for it will time out: check that the peer is alive and "
+                                  "reachable ('tensorwire doctor')")
 
     def _drain_outbox(self, peer: int) -> bool:
         with self._outbox_lock:

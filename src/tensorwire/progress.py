@@ -20,12 +20,13 @@ import ctypes
 import sys
 import threading
 import time
+import warnings
 from typing import Callable, Iterator
 
 from .config import Config
 from .errors import WaitTimeoutError
 
-__all__ = ["wait_until", "Inbox"]
+__all__ = ["wait_until", "Inbox", "warn_from_progress_thread"]
 
 
 def wait_until(ready: Callable[[], bool], timeout_s: float, describe: Callable[[], str], config: Config) -> None:
@@ -90,6 +91,16 @@ def fine_timer_slack() -> Iterator[None]:
     finally:
         if previous > 0:
             _PRCTL(_PR_SET_TIMERSLACK, previous, 0, 0, 0)
+
+
+def warn_from_progress_thread(message: str) -> None:
+    """``warnings.warn(message, RuntimeWarning)`` for work the progress thread did. Never raises: a filter that
+    turns warnings into errors must not stop the thread or the work after the warning (the error it reports
+    also reaches its owner's next call)."""
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    except Exception:  # noqa: BLE001 - an "error" filter raised the warning
+        pass
 
 
 class Inbox:

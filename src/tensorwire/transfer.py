@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,7 +37,7 @@ from . import cuda
 from .backends.base import Backend, Op, Poster, Status
 from .errors import ClosedError, InvalidArgumentError, TransferError, WaitTimeoutError
 from .lifetime import Closeable
-from .progress import wait_until
+from .progress import wait_until, warn_from_progress_thread
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -175,13 +174,17 @@ class Transfer(Closeable):
         backend, request = self._backend, self._request
 
         def publish() -> bool:
+            if self._posts & 0xFFFFFFFF != sequence:  # a later CPU post exists, so this one completed (a CPU
+                self._advance_done_seq(sequence)  # post is refused while one is in flight): the request is its
+                return True  # now, and its state no longer says anything about this post
             state = backend.status(request)
             if state is Status.IN_PROGRESS:
                 waited = self._stream_deadline  # set by wait(stream=), possibly after this poll was registered
                 if waited is None or waited[0] != sequence or time.monotonic() < waited[1]:
                     return False
-                self._async_error = self._stream_timed_out("wait(stream=)", waited[2])  # kept before the release
+                self._async_error = error = self._stream_timed_out("wait(stream=)", waited[2])  # before the release
                 self._advance_done_seq(sequence)
+                warn_from_progress_thread(str(error))
                 return True
             self._advance_done_seq(sequence)
             if state is Status.ERROR:
@@ -191,14 +194,12 @@ class Transfer(Closeable):
 
         return publish
 
-    def _stream_timed_out(self, call: str, timeout_s: float) -> WaitTimeoutError:
-        """The error of a stream released by a timeout, also warned about: a replayed graph calls no Python."""
-        error = WaitTimeoutError(
+    def _stream_timed_out(self, call: str, timeout_s: float, fix: str = "") -> WaitTimeoutError:
+        """The error of a stream released by a timeout (its caller also warns: a replayed graph calls no Python)."""
+        return WaitTimeoutError(
             f"{call}: the {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport} was not "
             f"done after {timeout_s:.3g}s; the stream was released and what it read since is not valid. "
-            "Check the peer, or pass a larger timeout= to wait(stream=)")
-        warnings.warn(str(error), RuntimeWarning, stacklevel=2)
-        return error
+            f"Check the peer, or pass a larger timeout= to wait(stream=){fix}")
 
     def _after_post(self) -> None:
         if self._state is Status.ERROR:
@@ -261,8 +262,11 @@ class Transfer(Closeable):
                 if time.monotonic() < deadline[0]:
                     return False
                 timed_out[0] = True
-                self._stuck = self._stream_timed_out("post(stream=)", self._doorbell_timeout_s)  # before the release
+                self._stuck = self._stream_timed_out(  # before the release
+                    "post(stream=)", self._doorbell_timeout_s,
+                    "; this transfer is failed now: close it and prepare a new one")
                 words.values[_DONE_FLAG] = 1
+                warn_from_progress_thread(str(self._stuck))
                 return self._drained()
             in_flight[0] = False
             words.values[_DONE_FLAG] = 1
@@ -443,7 +447,7 @@ class Transfer(Closeable):
             raise ClosedError(f"{fn}: the transfer is closed; prepare a new one with comm.prepare(...)")
         self._comm._check_open(fn)
         if self._stuck is not None:
-            raise self._stuck
+            raise self._stuck.with_traceback(None)  # the same error each time: do not let its traceback grow
         if self._async_error is not None:
             error, self._async_error = self._async_error, None
             raise error
