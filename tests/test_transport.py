@@ -336,6 +336,20 @@ def _stream_waits_are_bounded():
                     seen["cpu_wait_after_timeout"] = landed()
                     _until(lambda: not comm._engine.still_watched(x._watches), "watches outlived the READ")
 
+                with comm.prepare(tw.READ, local, remote, transport="nixl") as z:  # one wait per stream post
+                    z._words = words = _HostWords()
+                    local.zero_()
+                    z.post(stream=_SideStream())
+                    with pytest.raises(tw.InvalidArgumentError, match="was not waited"):
+                        z.post(stream=_SideStream())
+                    z.wait(stream=_SideStream())
+                    with pytest.raises(tw.InvalidArgumentError, match="already waited on"):
+                        z.wait(stream=_SideStream())
+                    _until(lambda: words.values[_DONE_FLAG] == 1 or landed(), "the ring was never served")
+                    _until(landed, "the stream-posted READ never landed")
+                    seen["one_wait_per_stream_post"] = True
+                    z._streams_used = set()
+
                 with comm.prepare(tw.READ, local, remote, transport="nixl") as y:
                     y._words = words = _HostWords()
                     local.zero_()
@@ -372,6 +386,6 @@ def test_stream_waits_refuse_the_legacy_default_stream_and_time_out():
     assert "side stream" in seen["refused"] and seen["read_after_refusal"] and seen["read_after_post_refusal"], seen
     assert seen["in_time"] and seen["cpu_wait_after_timeout"], seen
     assert "not done after 0.0001s" in seen["cpu_post_timeout"], seen
-    assert seen["first_ring"], seen
+    assert seen["first_ring"] and seen["one_wait_per_stream_post"], seen
     assert "post(stream=)" in seen["doorbell_timeout"] and "0.0001s" in seen["doorbell_timeout"], seen
     assert seen["doorbell_answered_after_timeout"], seen

@@ -91,6 +91,7 @@ class Transfer(Closeable):
         self._stream_deadline: tuple[int, float, float] | None = None
         self._doorbell_timeout_s = comm.timeout_s
         self._stuck: Exception | None = None  # a doorbell that timed out: raised by every later call
+        self._ring_unwaited = False  # a CPU-driven post(stream=) whose wait(stream=) has not been enqueued yet
         self.closed = False
 
     @property
@@ -102,8 +103,10 @@ class Transfer(Closeable):
         """Start the transfer. Non-blocking (a small or same-host transfer may finish inside the call).
 
         With ``stream``, the transfer starts when ``stream`` reaches this point (after the kernels that
-        produce the data) and the CPU does not wait; CUDA-graph capturable. Raises ``InvalidArgumentError``
-        if a CPU-posted transfer is still in flight; ``TransferError``/``PeerLostError`` if the backend
+        produce the data) and the CPU does not wait; CUDA-graph capturable. On a CPU-driven transport (``nixl``,
+        ``shm``) each ``post(stream=)`` is followed by exactly one ``wait(stream=)`` before the next one, on a
+        stream other than the legacy default stream. Raises ``InvalidArgumentError`` if a CPU-posted transfer is
+        still in flight or one of those rules is broken; ``TransferError``/``PeerLostError`` if the backend
         refuses it.
         """
         if stream is None and self._state is not _IN_PROGRESS and self._post_call is not None:
@@ -217,6 +220,11 @@ class Transfer(Closeable):
     def _post_on_stream(self, stream: "torch.cuda.Stream") -> None:
         if self._request is not None and not self._stream_ordered:
             cuda.refuse_legacy_default_stream(stream, f"post(stream=) of the {self.op.value} over {self.transport}")
+            if self._ring_unwaited:
+                raise InvalidArgumentError(
+                    f"post(stream=): the previous post(stream=) of this {self.op.value} over {self.transport} was not "
+                    "waited; call wait(stream=) between two stream posts (one done flag serves each pair)")
+            self._ring_unwaited = True
         self._posted_on_stream = True
         self._streams_used.add(stream)
         self._state = Status.IN_PROGRESS
@@ -346,9 +354,15 @@ class Transfer(Closeable):
                 stream.wait_event(event)
             return
         cuda.refuse_legacy_default_stream(stream, f"wait(stream=) of the {self.op.value} over {self.transport}")
+        if self._posted_on_stream and not self._ring_unwaited:
+            raise InvalidArgumentError(
+                f"wait(stream=): the last post(stream=) of this {self.op.value} over {self.transport} was already "
+                "waited on (its done flag is consumed by that wait); make another stream follow that one instead: "
+                "s2.wait_stream(s1)")
         self._streams_used.add(stream)
         words = self._host_words()
         if self._posted_on_stream:
+            self._ring_unwaited = False
             self._doorbell_timeout_s = stream_timeout_s
             cuda.stream_wait_value(stream, words.addr(_DONE_FLAG), 1)
             cuda.stream_write_value(stream, words.addr(_DONE_FLAG), 0)
