@@ -114,7 +114,7 @@ class Transfer(Closeable):
             # posted on a stream stays IN_PROGRESS to the CPU, so it never gets here).
             self._posts += 1
             return self._post_from_cpu()
-        if self.closed or self._stuck is not None:  # closing the communicator closes its transfers
+        if self.closed or self._stuck is not None:  # closed (also by closing the communicator) or failed: raise
             self._check_open("post")
         if stream is not None:
             return self._post_on_stream(stream)
@@ -244,11 +244,11 @@ class Transfer(Closeable):
             return
         words = self._host_words()
         backend, request, notify = self._backend, self._request, self._notify
-        in_flight, deadline, timed_out = [False], [0.0], [False]
+        in_flight, deadline = [False], [0.0]
 
         def serve() -> bool:
-            if timed_out[0]:  # the request is stuck: release every stream that rings, post nothing more (every
-                # call on the handle raises ``_stuck``: close it and prepare a new one)
+            if self._stuck is not None:  # the request timed out: release every stream that rings, post nothing
+                # more (every call on the handle raises ``_stuck``: close it and prepare a new one)
                 if words.values[_DOORBELL]:
                     words.values[_DOORBELL] = 0
                     words.values[_DONE_FLAG] = 1
@@ -269,7 +269,6 @@ class Transfer(Closeable):
             if state is Status.IN_PROGRESS:
                 if time.monotonic() < deadline[0]:
                     return False
-                timed_out[0] = True
                 self._stuck = self._stream_timed_out(  # before the release
                     "post(stream=)", self._doorbell_timeout_s,
                     "; this transfer is failed now: close it and prepare a new one")
