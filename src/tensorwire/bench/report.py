@@ -94,7 +94,7 @@ def comparisons(records: list[Record]) -> list[dict[str, Any]]:
 
 
 def summary(result: BenchResult) -> list[dict[str, Any]]:
-    """The three headline numbers against their goals; ``ok`` is None where a number was not measured."""
+    """The headline numbers against their goals; ``ok`` is None where a number was not measured."""
     cases = _cases(result.records)
     lines = []
     big = cases.get(("cpu", "WRITE", 64 << 20), {})
@@ -124,6 +124,8 @@ def summary(result: BenchResult) -> list[dict[str, Any]]:
                               f"median (p10-p90 {w['p10_us']:.1f}-{w['p90_us']:.1f}, first call {w['first_us']:.1f}) "
                               f"with a {format_size(w['size'])} {w['op']} in flight ({w['in_flight']}/{w['reps']} still "
                               "moving at return); goal < 20 µs"})
+    if any(r.memory == "cuda" for r in result.records):
+        lines += _gpu_latency_lines(cases)
     if result.idle:
         cores = max(i["cores"] for i in result.idle)
         lines.append({"name": "idle communicator CPU", "value": cores, "goal": "< 0.05 cores", "ok": cores < 0.05,
@@ -132,6 +134,25 @@ def summary(result: BenchResult) -> list[dict[str, Any]]:
     else:
         lines.append({"name": "idle communicator CPU", "value": None, "goal": "< 0.05 cores", "ok": None,
                       "text": "idle communicator: not measured (--idle-seconds 0)"})
+    return lines
+
+
+def _gpu_latency_lines(cases: dict[tuple[str, str, int], dict[str, Record]]) -> list[dict[str, Any]]:
+    """4 KiB on the GPU, post to completion seen on the stream, from a CUDA graph (goal <= 10 µs)."""
+    lines = []
+    for op in ("READ", "WRITE"):
+        case = cases.get(("cuda", op, 4 << 10), {})
+        name = f"4 KiB cuda {op} post to completion on the stream"
+        if TENSORWIRE_GRAPH not in case:
+            lines.append({"name": name, "value": None, "goal": "<= 10 us", "ok": None,
+                          "text": f"4 KiB cuda {op}: not measured from a graph (add 4K to --sizes, and --graphs)"})
+            continue
+        graph = case[TENSORWIRE_GRAPH]
+        others = ", ".join(f"{path} {case[path].median_us:.1f} µs" for path in (TENSORWIRE_STREAM, COPY) if path in case)
+        lines.append({"name": name, "value": graph.median_us, "goal": "<= 10 us", "ok": graph.median_us <= 10,
+                      "text": f"4 KiB cuda {op} over {graph.transport}, post to completion on the stream (GPU time, "
+                              f"launches queued ahead): graph {graph.median_us:.1f} µs median (p90 "
+                              f"{graph.p90_us:.1f}); {others}; goal <= 10 µs"})
     return lines
 
 
@@ -151,7 +172,7 @@ def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig
          f"{result.progress_wakeup_ms:g} ms when idle"),
         f"  raw nixl    {result.raw_config}; initialize_xfer once, then transfer() + tight check_xfer_state loop",
         (f"  copy        dst.copy_(src) inside rank 0; host: 1 thread (torch's default {result.default_threads} "
-         "threads in the JSON as copy-mt); GPU: CUDA events"),
+         "threads in the JSON as copy-mt); GPU: CUDA events, each chunk of calls queued before the GPU starts it"),
         f"  timing      {budget.warmup_s:g} s warm-up, then {timing}; each call timed alone; median, p10, p90",
     ]
     out = [textwrap.fill(line, 116, subsequent_indent=" " * 14) for line in out] + [""]
@@ -212,7 +233,8 @@ def to_json(result: BenchResult, head: dict[str, Any], config: BenchConfig) -> d
             **head,
             "raw_nixl": result.raw_config,
             "tensorwire_progress_wakeup_ms": result.progress_wakeup_ms,
-            "copy": f"dst.copy_(src) in rank 0; copy: 1 thread, copy-mt: {result.default_threads} threads; cuda: CUDA events",
+            "copy": (f"dst.copy_(src) in rank 0; copy: 1 thread, copy-mt: {result.default_threads} threads; cuda: CUDA "
+                     "events, calls queued ahead of the GPU"),
             "budget": asdict(config.budget),
             "memories": list(config.memories),
             "ucx_version": result.ucx_version,

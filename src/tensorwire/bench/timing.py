@@ -13,7 +13,8 @@ Two clocks:
   the bytes have landed).
 - ``CudaEventClock``: CUDA events recorded on the current stream around each call. Right for work the CPU
   only enqueues, e.g. ``dst.copy_(src)`` on a GPU. For very small copies the time includes the launch gap
-  an eager PyTorch user pays too.
+  an eager PyTorch user pays too, unless ``queue_ahead=True``: then the calls are enqueued while the stream
+  is held, as a busy serving loop keeps its GPU fed, and each interval is the GPU's own time for the call.
 
 Non-goals: flushing caches between repetitions (transfers are measured warm, as a serving loop sees them)
 and statistics beyond quantiles.
@@ -21,11 +22,13 @@ and statistics beyond quantiles.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from ..errors import InvalidArgumentError
 
@@ -100,31 +103,84 @@ class CudaEventClock:
 
     Events are reused in chunks so a long run does not allocate hundreds of thousands of them; the
     synchronisation between chunks falls outside every timed interval.
+
+    ``queue_ahead=True``: each chunk is enqueued behind a gate, a ``cuStreamWaitValue32`` on a pinned host
+    word, which the CPU opens once the whole chunk is enqueued. The GPU then runs the calls back to back and
+    no interval contains a gap where the GPU waited for the CPU's next launch: a 4 KiB copy measures its
+    time on the GPU, not the launch rate of the CPU. Only for calls that enqueue GPU work and never wait for
+    it on the CPU (such a call would wait for the closed gate): a chunk not enqueued within
+    ``gate_timeout_s`` opens the gate from a timer and raises ``InvalidArgumentError``. The first call runs
+    before any gate, so lazy module loading never happens behind one. Needs cuda-python.
     """
 
     name = "cuda-events"
     _CHUNK = 1000
+    _QUEUED_CHUNK = 64  # a few hundred stream commands: far below what CUDA queues without blocking the CPU
 
-    def __init__(self) -> None:
+    def __init__(self, queue_ahead: bool = False, gate_timeout_s: float = 10.0) -> None:
         import torch  # lazily: timing host code must not need a CUDA-capable torch
 
         self._torch = torch
+        self._gate = None
+        self._gate_timeout_s = gate_timeout_s
+        if queue_ahead:
+            from ..cuda import HostWords
+
+            self._gate = HostWords(1)
+            self.name = "cuda-events, queued ahead"
+        self._opened = 0  # chunks gated so far: chunk k waits for the word to reach k
+        self._warm = False
 
     def time_calls(self, fn: Callable[[], Any], n: int) -> list[float]:
         cuda = self._torch.cuda
-        chunk = min(n, self._CHUNK)
+        if self._gate is not None and not self._warm:
+            fn()  # outside the gate: a first call may load modules, which waits for the stream
+            cuda.synchronize()
+            self._warm = True
+        chunk = min(n, self._CHUNK if self._gate is None else self._QUEUED_CHUNK)
         starts = [cuda.Event(enable_timing=True) for _ in range(chunk)]
         ends = [cuda.Event(enable_timing=True) for _ in range(chunk)]
         samples: list[float] = []
         while len(samples) < n:
             count = min(chunk, n - len(samples))
-            for i in range(count):
-                starts[i].record()
-                fn()
-                ends[i].record()
+            with self._gated(count):
+                for i in range(count):
+                    starts[i].record()
+                    fn()
+                    ends[i].record()
             cuda.synchronize()
             samples.extend(starts[i].elapsed_time(ends[i]) * 1e-3 for i in range(count))
         return samples
+
+    @contextlib.contextmanager
+    def _gated(self, count: int) -> Iterator[None]:
+        """Hold the current stream while the block enqueues ``count`` calls (no-op without ``queue_ahead``)."""
+        if self._gate is None:
+            yield
+            return
+        from ..cuda import stream_wait_value
+
+        self._opened += 1
+        value, word = self._opened & 0xFFFFFFFF, self._gate.values
+        stream_wait_value(self._torch.cuda.current_stream(), self._gate.addr(0), value)
+        fired = threading.Event()
+
+        def open_gate() -> None:  # a call that waits for the GPU on the CPU would otherwise wait forever
+            word[0] = value
+            fired.set()
+
+        timer = threading.Timer(self._gate_timeout_s, open_gate)
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+            word[0] = value
+        if fired.is_set():
+            raise InvalidArgumentError(
+                f"CudaEventClock(queue_ahead=True): enqueuing {count} calls took over {self._gate_timeout_s:g}s, so "
+                "a call waits for the GPU on the CPU and was timed behind a closed gate; time it with "
+                "CudaEventClock() or HostClock()")
 
 
 def measure(fn: Callable[[], Any], clock: Clock | None = None, budget: Budget | None = None) -> Timing:
