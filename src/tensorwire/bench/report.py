@@ -157,7 +157,7 @@ def _gpu_latency_lines(cases: dict[tuple[str, str, int], dict[str, Record]]) -> 
 
 
 def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig) -> str:
-    """The aligned table, the idle line and, last, the three summary lines."""
+    """The aligned table, the idle line and, last, the summary lines."""
     v = head["versions"]
     budget = config.budget
     timing = (f"{budget.iters} calls" if budget.iters else f">= {budget.min_reps} calls and >= {budget.time_s:g} s")
