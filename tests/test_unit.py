@@ -552,25 +552,29 @@ def test_bench_summary_holds_wait_returns_against_their_goal():
 
 
 def test_bench_summary_holds_4k_gpu_graph_latency_against_its_goal():
-    """A 4 KiB GPU row replayed from a graph becomes a summary line, ok only at <= 10 µs, naming the stream and
-    copy rows beside it; a GPU run without graph rows says how to get one; a host-only run has no such line."""
+    """A 4 KiB GPU row replayed from a graph becomes a summary line, ok only at <= 10 µs, naming the stream,
+    copy and CPU-timed rows beside it; a GPU run without graph rows says why (no --graphs, or a transport
+    that is not stream-ordered); a host-only run has no such line."""
     from tensorwire.bench import p2p, report
 
     def record(op, path, median_us, transport="cuda_ipc"):
         return p2p.Record("cuda", op, 4096, path, median_us, median_us, median_us, 4096 / median_us / 1e3, 20, transport)
-
-    records = [record("READ", p2p.TENSORWIRE_GRAPH, 6.5), record("READ", "copy", 3.0, "torch"),
-               record("WRITE", p2p.TENSORWIRE_GRAPH, 10.5), record("WRITE", p2p.TENSORWIRE_STREAM, 7.0)]
 
     def lines_of(records):
         result = p2p.BenchResult(records=records, idle=[], raw_config="raw", progress_wakeup_ms=10,
                                  default_threads=1, ucx_version=None)
         return {line["name"]: line for line in report.summary(result)}
 
-    lines = lines_of(records)
-    read, write = (lines[f"4 KiB cuda {op} post to completion on the stream"] for op in ("READ", "WRITE"))
+    name = "4 KiB cuda {} GPU time, post to completion on the stream".format
+    lines = lines_of([record("READ", p2p.TENSORWIRE_GRAPH, 6.5), record("READ", "copy", 3.0, "torch"),
+                      record("READ", p2p.TENSORWIRE, 15.5), record("WRITE", p2p.TENSORWIRE_GRAPH, 10.5),
+                      record("WRITE", p2p.TENSORWIRE_STREAM, 7.0)])
+    read, write = lines[name("READ")], lines[name("WRITE")]
     assert (read["ok"], read["value"], write["ok"], write["value"]) == (True, 6.5, False, 10.5)
     assert "copy 3.0 µs" in read["text"] and "tensorwire (stream) 7.0 µs" in write["text"]
-    unmeasured = lines_of([record("READ", p2p.TENSORWIRE_STREAM, 7.0)])["4 KiB cuda READ post to completion on the stream"]
+    assert "post() + wait(): 15.5 µs" in read["text"] and "post() + wait()" not in write["text"]
+    unmeasured = lines_of([record("READ", p2p.TENSORWIRE_STREAM, 7.0)])[name("READ")]
     assert unmeasured["ok"] is None and "--graphs" in unmeasured["text"]
+    over_nixl = lines_of([record("READ", p2p.TENSORWIRE, 40.0, "nixl")])[name("READ")]
+    assert over_nixl["ok"] is None and "chose nixl, which is not stream-ordered" in over_nixl["text"]
     assert not any("cuda" in name for name in lines_of([]))

@@ -24,8 +24,8 @@ measures, on the same registered buffers:
 - ``copy``: ``dst.copy_(src)`` of the same bytes inside rank 0: host memory with one thread (a transfer is
   one stream of bytes), plus torch's default thread count as ``copy-mt`` (JSON).
 
-GPU rows other than ``tensorwire`` and ``raw nixl`` are timed with CUDA events, each chunk of calls enqueued
-before the GPU may start it (``CudaEventClock(queue_ahead=True)``): a row is the GPU's time for the work, as
+The GPU rows ``tensorwire (stream)``, ``tensorwire (graph)``, ``tensorwire (in-process)`` and ``copy`` are
+timed with CUDA events, each chunk of calls enqueued before the GPU may start it (``CudaEventClock(queue_ahead=True)``): a row is the GPU's time for the work, as
 a serving loop that keeps its GPU fed sees it, not the CPU's launch rate (an eager 4 KiB copy is mostly
 launch). What the CPU pays for a transfer is in the ``tensorwire`` row: the wall clock around
 ``post()`` + ``wait()``.

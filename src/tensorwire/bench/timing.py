@@ -108,14 +108,18 @@ class CudaEventClock:
     word, which the CPU opens once the whole chunk is enqueued. The GPU then runs the calls back to back and
     no interval contains a gap where the GPU waited for the CPU's next launch: a 4 KiB copy measures its
     time on the GPU, not the launch rate of the CPU. Only for calls that enqueue GPU work and never wait for
-    it on the CPU (such a call would wait for the closed gate): a chunk not enqueued within
-    ``gate_timeout_s`` opens the gate from a timer and raises ``InvalidArgumentError``. The first call runs
-    before any gate, so lazy module loading never happens behind one. Needs cuda-python.
+    it on the CPU (such a call would wait for the closed gate), and that enqueue few commands each (a chunk
+    of calls that overfills CUDA's launch queue blocks the CPU behind the gate too): a chunk not enqueued
+    within ``gate_timeout_s`` opens the gate from a timer and raises ``InvalidArgumentError``. The gate is
+    on the current stream; a legacy-default current stream would also hold the other blocking streams of
+    this device, but only until the chunk is enqueued. Each ``time_calls`` starts with one untimed call
+    outside the gate, so that a function's first call (lazy module loading, a first allocation, both of
+    which wait for the GPU) never runs behind one. Needs cuda-python.
     """
 
     name = "cuda-events"
     _CHUNK = 1000
-    _QUEUED_CHUNK = 64  # a few hundred stream commands: far below what CUDA queues without blocking the CPU
+    _QUEUED_CHUNK = 64  # calls per gate: for a few stream commands each, far below CUDA's launch queue
 
     def __init__(self, queue_ahead: bool = False, gate_timeout_s: float = 10.0) -> None:
         import torch  # lazily: timing host code must not need a CUDA-capable torch
@@ -124,19 +128,20 @@ class CudaEventClock:
         self._gate = None
         self._gate_timeout_s = gate_timeout_s
         if queue_ahead:
-            from ..cuda import HostWords
+            from ..cuda import HostWords, driver
 
+            driver()  # cuda-python missing: say so here, not from inside the first gate
             self._gate = HostWords(1)
             self.name = "cuda-events, queued ahead"
-        self._opened = 0  # chunks gated so far: chunk k waits for the word to reach k
-        self._warm = False
+        self._gate_value = 0  # the value that opens the latest gate; each chunk waits for one more
 
     def time_calls(self, fn: Callable[[], Any], n: int) -> list[float]:
+        """Call ``fn`` ``n`` times on the current stream; each call's GPU time in seconds. Blocks until the
+        GPU has run every call (a ``synchronize`` per chunk)."""
         cuda = self._torch.cuda
-        if self._gate is not None and not self._warm:
-            fn()  # outside the gate: a first call may load modules, which waits for the stream
+        if self._gate is not None:
+            fn()  # outside the gate: a first call may load modules or allocate, which waits for the GPU
             cuda.synchronize()
-            self._warm = True
         chunk = min(n, self._CHUNK if self._gate is None else self._QUEUED_CHUNK)
         starts = [cuda.Event(enable_timing=True) for _ in range(chunk)]
         ends = [cuda.Event(enable_timing=True) for _ in range(chunk)]
@@ -154,15 +159,16 @@ class CudaEventClock:
 
     @contextlib.contextmanager
     def _gated(self, count: int) -> Iterator[None]:
-        """Hold the current stream while the block enqueues ``count`` calls (no-op without ``queue_ahead``)."""
+        """Hold the current stream while the block enqueues ``count`` calls (no-op without ``queue_ahead``).
+        The gate is opened however the block ends; a timer opens it if the block takes too long (the timer's
+        thread needs the GIL, which a call blocked in CUDA's launch queue or in a wait releases)."""
         if self._gate is None:
             yield
             return
         from ..cuda import stream_wait_value
 
-        self._opened += 1
-        value, word = self._opened & 0xFFFFFFFF, self._gate.values
-        stream_wait_value(self._torch.cuda.current_stream(), self._gate.addr(0), value)
+        self._gate_value = (self._gate_value + 1) & 0xFFFFFFFF
+        value, word = self._gate_value, self._gate.values
         fired = threading.Event()
 
         def open_gate() -> None:  # a call that waits for the GPU on the CPU would otherwise wait forever
@@ -170,17 +176,18 @@ class CudaEventClock:
             fired.set()
 
         timer = threading.Timer(self._gate_timeout_s, open_gate)
-        timer.start()
         try:
+            stream_wait_value(self._torch.cuda.current_stream(), self._gate.addr(0), value)
+            timer.start()
             yield
         finally:
             timer.cancel()
             word[0] = value
         if fired.is_set():
             raise InvalidArgumentError(
-                f"CudaEventClock(queue_ahead=True): enqueuing {count} calls took over {self._gate_timeout_s:g}s, so "
-                "a call waits for the GPU on the CPU and was timed behind a closed gate; time it with "
-                "CudaEventClock() or HostClock()")
+                f"CudaEventClock(queue_ahead=True): enqueuing {count} calls took over {self._gate_timeout_s:g}s "
+                "behind a closed gate, so a call waits for the GPU on the CPU or enqueues more than CUDA queues "
+                "without blocking; time it with CudaEventClock() or HostClock()")
 
 
 def measure(fn: Callable[[], Any], clock: Clock | None = None, budget: Budget | None = None) -> Timing:
