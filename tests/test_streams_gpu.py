@@ -183,6 +183,56 @@ def test_wait_on_stream_returns_at_once_and_orders_the_consumer(transport, op_na
         assert results[1] == [5 * (1 << 28)] * 3, f"the target received {results[1]}: the source was reused too early"
 
 
+def _staged_read_with_a_consumer_behind_its_stream_wait(rounds: int):
+    """Rank 0 READs 4 MiB of rank 1's GPU memory over NIXL (UCX stages it through host buffers between two
+    processes on one GPU), posts from the CPU, waits on a side stream with a 3 s timeout and queues a first,
+    never-run reduction behind the wait. UCX's unpacking copy can then wait for that stream (docs/architecture.md,
+    Known limits). Each round: the stream must drain in bounded time and the sum must be right, unless the
+    handle reported the timeout; then the handle must still work from the CPU."""
+    outcomes = []
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        torch.cuda.set_device(comm.device)
+        n = 1 << 20
+        buf = torch.full((n,), 5 if comm.rank == 1 else 0, dtype=torch.int32, device=comm.device)
+        torch.cuda.synchronize()
+        with comm.register(buf) as reg:
+            comm.publish("buf", reg.descs)
+            comm.barrier(WAIT)
+            if comm.rank == 0:
+                stream = torch.cuda.Stream()
+                with comm.prepare(tw.READ, buf, comm.lookup("buf", 1, timeout=WAIT), transport="nixl") as x:
+                    for _ in range(rounds):
+                        buf.zero_()
+                        torch.cuda.synchronize()
+                        x.post()
+                        x.wait(stream=stream, timeout=3.0)
+                        with torch.cuda.stream(stream):
+                            total = buf.sum(dtype=torch.int64)
+                        _finish(stream, 60)
+                        try:
+                            x.wait(WAIT)
+                            outcomes.append("right" if int(total) == 5 * n else f"wrong sum {int(total)}, no error")
+                        except tw.WaitTimeoutError as e:
+                            assert "stream was released" in str(e), e
+                            outcomes.append("released by its timeout")
+                            x.wait(WAIT)  # the READ itself completes once the stream moved on
+                        buf.zero_()
+                        torch.cuda.synchronize()
+                        x.post()
+                        x.wait(WAIT)
+                        assert int(buf.sum(dtype=torch.int64)) == 5 * n, "the handle no longer reads right"
+            comm.barrier(3 * WAIT)
+    return outcomes
+
+
+def test_a_stream_wait_on_a_staged_nixl_read_is_bounded():
+    """The stream drains in bounded time even where UCX's staged copy waits for it; a consumer never reads
+    wrong bytes silently: either the sum is right or the handle raised WaitTimeoutError."""
+    outcomes = launch(_staged_read_with_a_consumer_behind_its_stream_wait, 2, 3, timeout=200, env=GPU_ENV)[0]
+    print(f"staged nixl READ with a consumer behind its stream wait: {outcomes}")
+    assert len(outcomes) == 3 and all(o in ("right", "released by its timeout") for o in outcomes), outcomes
+
+
 def _notification_on_stream(transport: str, rounds: int):
     with tw.init(timeout=INIT_TIMEOUT) as comm:
         torch.cuda.set_device(comm.device)

@@ -378,6 +378,90 @@ def _stream_waits_are_bounded():
     return seen
 
 
+def _stream_waits_released_while_progress_is_stuck():
+    """Rank 0's progress thread is held inside a backend call (as UCX's staged copies into GPU memory can be:
+    docs/architecture.md, Known limits) while streams wait: a stream waiting for a CPU post, a doorbell's
+    stream and a stream waiting for a notification that never comes must each be released once their own
+    timeout passes, with the error reaching the next call, and everything must work again afterwards."""
+    from tensorwire import cuda
+    from tensorwire.transfer import _DONE_FLAG, _DONE_SEQ
+
+    stores = {}
+
+    def write_value(stream, addr, value):  # the stream's store, done at once
+        stores["words"].values[addr] = value
+
+    cuda.stream_wait_value = lambda stream, addr, value: None
+    cuda.stream_write_value = write_value
+    seen = {}
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        n = 1 << 24
+        buffer = torch.zeros(2 * n, dtype=torch.uint8)
+        buffer[:n].fill_(comm.rank + 1)
+        with comm.register(buffer) as reg:
+            comm.publish("buf", reg.descs)
+            remote = comm.lookup("buf", 1 - comm.rank, timeout=WAIT)[0].narrow(0, n)
+            comm.barrier(WAIT)
+            if comm.rank == 0:
+                local, backend = buffer[n:], comm._nixl
+                unstick, stuck_calls = threading.Event(), []
+
+                def stuck_in_progress_thread(call):
+                    def status(request):
+                        if threading.current_thread().name == "tensorwire-progress":
+                            stuck_calls.append(call)
+                            unstick.wait(3 * WAIT)  # a status call that returns only once the GPU moves on
+                        return call(request)
+                    return status
+
+                try:
+                    with comm.prepare(tw.READ, local, remote, transport="nixl") as y:  # a doorbell: served, then stuck
+                        y._words = stores["words"] = words = _HostWords()
+                        y.post(stream=_SideStream())
+                        _until(lambda: words.values[_DONE_FLAG] == 1, "the first ring was never served")
+                        y.wait(stream=_SideStream(), timeout=0.2)  # bounds the next ring; consumes the flag (stood in)
+                        backend.status = stuck_in_progress_thread(type(backend).status.__get__(backend))
+                        y.post(stream=_SideStream())
+                        _until(lambda: words.values[_DONE_FLAG] == 1, "a doorbell's stream was never released")
+                        seen["ring_released_while_stuck"] = bool(stuck_calls) and not unstick.is_set()
+                        with pytest.raises(tw.WaitTimeoutError, match="close it and prepare a new one"):
+                            y.post(stream=_SideStream())
+                        y._streams_used = set()  # no CUDA events to record on close: nothing ran on a GPU
+                    with comm.prepare(tw.READ, local, remote, transport="nixl") as x:  # the progress thread: still stuck
+                        x._words = stores["words"] = words = _HostWords()
+                        x.post()
+                        x.wait(stream=_SideStream(), timeout=0.2)
+                        _until(lambda: words.values[_DONE_SEQ] == 1, "a CPU post's stream wait was never released")
+                        seen["wait_released_while_stuck"] = not unstick.is_set()
+                        with pytest.raises(tw.WaitTimeoutError, match="stream was released"):
+                            x.status()
+                        x._streams_used = set()
+                    comm._notification_words = stores["words"] = words = _HostWords()
+                    comm.wait_notification(1, stream=_SideStream(), timeout=0.2)
+                    _until(lambda: words.values[1] == 1, "a notification's stream wait was never released")
+                    seen["notification_released_while_stuck"] = not unstick.is_set()
+                    with pytest.raises(tw.WaitTimeoutError, match="nothing from rank 1"):
+                        comm.wait_notification(1, timeout=WAIT)
+                finally:  # a failure above must not leave the progress thread held
+                    unstick.set()
+                del backend.status
+                with comm.prepare(tw.READ, local, remote, transport="nixl") as z:  # all works again
+                    local.zero_()
+                    z.post()
+                    z.wait(WAIT)
+                    seen["read_after"] = int(local.sum(dtype=torch.int64)) == 2 * n
+            comm.barrier(3 * WAIT)
+    return seen
+
+
+def test_stream_waits_are_released_on_time_while_the_progress_thread_is_stuck():
+    """Stream timeouts fire from their own thread: a progress thread held inside a backend call (UCX can wait
+    there for the very stream the timeout releases) delays none of them."""
+    seen = launch(_stream_waits_released_while_progress_is_stuck, 2, env={"UCX_TLS": "tcp"})[0]
+    assert seen == {"wait_released_while_stuck": True, "ring_released_while_stuck": True,
+                    "notification_released_while_stuck": True, "read_after": True}, seen
+
+
 def test_stream_waits_refuse_the_legacy_default_stream_and_time_out():
     """CPU-driven transfers refuse the legacy default stream (for waits and posts, losing nothing); a stream
     waiting for a CPU post is released with a WaitTimeoutError once that wait's timeout passed, which does not

@@ -578,3 +578,42 @@ def test_bench_summary_holds_4k_gpu_graph_latency_against_its_goal():
     over_nixl = lines_of([record("READ", p2p.TENSORWIRE, 40.0, "nixl")])[name("READ")]
     assert over_nixl["ok"] is None and "chose nixl, which is not stream-ordered" in over_nixl["text"]
     assert not any("cuda" in name for name in lines_of([]))
+
+
+def test_deadlines_run_each_keys_latest_action_once_at_its_time():
+    """An armed action runs once, not before its deadline; re-arming a key replaces its action (the first
+    never runs), disarming forgets it; an action that raises warns and spares the others; an idle thread
+    sleeps instead of polling (no wake-ups while nothing is armed)."""
+    import threading
+    import time
+
+    from tensorwire.progress import Deadlines
+
+    deadlines = Deadlines()
+    ran: list[tuple[str, float]] = []
+    done = threading.Event()
+
+    def action(name: str):
+        return lambda: ran.append((name, time.monotonic()))
+
+    def boom():
+        raise RuntimeError("boom")
+
+    start = time.monotonic()
+    try:
+        deadlines.arm("a", start + 0.05, action("a-first"))
+        deadlines.arm("a", start + 0.10, action("a"))  # replaces a-first
+        deadlines.arm("b", start + 0.05, action("b"))
+        deadlines.arm("c", start + 0.02, action("c"))
+        deadlines.disarm("c")
+        deadlines.arm("boom", start + 0.01, boom)
+        deadlines.arm("last", start + 0.15, done.set)
+        with pytest.warns(RuntimeWarning, match="a timeout action failed: RuntimeError: boom"):
+            assert done.wait(5), "the last action never ran"
+            time.sleep(0.05)
+        assert [name for name, _ in ran] == ["b", "a"], ran
+        assert ran[0][1] >= start + 0.05 and ran[1][1] >= start + 0.10, (start, ran)
+        assert deadlines._wakes_at == float("inf")  # nothing armed: asleep until notified
+    finally:
+        deadlines.close()
+    assert not deadlines._thread.is_alive()

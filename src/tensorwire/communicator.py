@@ -35,7 +35,7 @@ from .bootstrap import Rendezvous, resolve_environment
 from .descriptors import MemoryKind, TensorDesc
 from .memory_map import MemoryMap, PeerView, host_identity
 from .errors import BackendUnavailableError, ClosedError, InvalidArgumentError, WaitTimeoutError
-from .progress import Inbox, ProgressEngine, wait_until, warn_from_progress_thread
+from .progress import Deadlines, Inbox, ProgressEngine, wait_until, warn_from_progress_thread
 from .registration import LocalMemoryMap, Registration, as_tensor_list, segment_of
 from .transfer import Transfer
 
@@ -100,6 +100,7 @@ class Communicator:
             self._backends["cuda_ipc"] = CudaIpcBackend()
         self._inbox = Inbox(self._nixl.notifications)
         self._engine = ProgressEngine(cfg)
+        self._deadlines = Deadlines()  # the timeouts that release stream waits, apart from the progress thread
         self._warned: set[str] = set()
         self._touched: set[tuple] = set()  # remote ranges NIXL has mapped (see _touch_remote_allocations)
         self._outbox: dict[int, collections.deque] = {}  # per peer: (done, message) in posting order
@@ -108,6 +109,7 @@ class Communicator:
         self._transfer_words = cuda.HostWordSlabs(4)  # each stream-completed CPU-driven transfer's words
         self._notifications_awaited = [0] * self.world_size
         self._notifications_delivered = [0] * self.world_size
+        self._notification_lock = threading.Lock()  # arrivals (progress thread) vs. timeouts (deadline thread)
         self._stream_notification_errors: collections.deque = collections.deque()  # raised by wait_notification
         self._epoch = 0
         self._peers: dict[int, PeerView] = {}
@@ -508,24 +510,29 @@ class Communicator:
         words = self._notification_words
         self._notifications_awaited[from_rank] += 1
         target = self._notifications_awaited[from_rank]
-        delivered = self._notifications_delivered
-        deadline = time.monotonic() + timeout_s
+        delivered, lock = self._notifications_delivered, self._notification_lock
 
         def deliver() -> bool:  # progress thread: count arrivals into the word the stream waits on
             while delivered[from_rank] < target:
-                if self._inbox.try_pop(from_rank) is not None:
+                if self._inbox.try_pop(from_rank) is None:
+                    return False
+                with lock:
                     delivered[from_rank] += 1
                     words.values[from_rank] = delivered[from_rank]
-                elif time.monotonic() < deadline:
-                    return False
-                else:  # a stuck or dead peer must not hold the GPU forever
-                    delivered[from_rank] = target
-                    words.values[from_rank] = target
-                    raise WaitTimeoutError(
-                        f"wait_notification(stream=): nothing from rank {from_rank} within {timeout_s:.3g}s; the "
-                        "stream was released and what it read since is not valid; check that rank")
             return True
 
+        def release_late() -> None:  # deadline thread: a stuck or dead peer must not hold the GPU forever
+            with lock:
+                if delivered[from_rank] >= target:
+                    return
+                delivered[from_rank] = target  # what arrives late counts toward a later wait
+                words.values[from_rank] = target
+            self._keep_stream_notification_error(WaitTimeoutError(
+                f"wait_notification(stream=): nothing from rank {from_rank} within {timeout_s:.3g}s; the stream "
+                "was released and what it read since is not valid; check that rank"))
+
+        # One deadline per sender: a later wait for the same sender moves it (its release covers the earlier).
+        self._deadlines.arm(("notification", from_rank), time.monotonic() + timeout_s, release_late)
         cuda.stream_wait_value(stream, words.addr(from_rank), target)  # before waking the progress thread
         self._engine.watch(deliver, on_error=self._keep_stream_notification_error)
         return None
@@ -548,6 +555,7 @@ class Communicator:
         self.closed = True
         self._release_stream_waits()
         self._engine.close()
+        self._deadlines.close()
         for backend in self._backends.values():
             backend.close()
         try:

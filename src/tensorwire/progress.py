@@ -8,6 +8,11 @@ While it sleeps, the waiting thread's timer slack is 1 µs instead of Linux's de
 default, every short sleep overshoots by ~50 µs (measured: a 10 µs ``time.sleep`` took ~90 µs on a 2-core VM,
 ~30 µs with 1 µs slack), which alone made a 64 MiB GPU transfer look 30% slower than its copy.
 
+Deadlines. A GPU stream waiting on a word the CPU stores is released when its timeout passes by its own
+thread (``Deadlines``), not by the progress thread: the progress thread can be stuck inside a backend call
+whose progress waits for that very stream (UCX unpacking a staged transfer into GPU memory, see
+docs/architecture.md), and only the release unblocks it.
+
 Notifications. A backend delivers notifications to exactly one consumer (NIXL's ``get_new_notifs``
 consumes them); the ``Inbox`` is that consumer and queues them per sender, in arrival order.
 """
@@ -17,16 +22,17 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import math
 import sys
 import threading
 import time
 import warnings
-from typing import Callable, Iterator
+from typing import Callable, Hashable, Iterator
 
 from .config import Config
 from .errors import WaitTimeoutError
 
-__all__ = ["wait_until", "Inbox", "warn_from_progress_thread"]
+__all__ = ["wait_until", "Inbox", "Deadlines", "warn_from_progress_thread"]
 
 
 def wait_until(ready: Callable[[], bool], timeout_s: float, describe: Callable[[], str], config: Config) -> None:
@@ -251,3 +257,71 @@ class ProgressEngine:
                 idle_since = now
                 continue
             time.sleep(min(self._max_sleep, max(2e-5, (now - idle_since) / 32)))
+
+
+class Deadlines:
+    """Actions that run at a time, on their own thread: the timeouts that release GPU stream waits.
+
+    An action only stores host memory and records an error: no CUDA call, no backend call, never blocking,
+    so it runs on time even while the progress thread is stuck in a backend call. A key has one pending
+    action: arming it again replaces it (a transfer has one stream wait outstanding at a time), so a handle
+    posted and waited in a loop holds one entry, not one per round; an action that finds its wait already
+    complete does nothing. The thread sleeps until the earliest deadline, and indefinitely while none is
+    armed, so an idle communicator costs nothing; arming a later deadline does not wake it.
+    """
+
+    def __init__(self) -> None:
+        self._due: dict[Hashable, tuple[float, Callable[[], None]]] = {}
+        self._cond = threading.Condition()
+        self._wakes_at = math.inf  # when the sleeping thread wakes by itself (inf: only when notified)
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def start(self) -> None:
+        """Start the thread now, so that a latency-sensitive first ``arm`` does not pay ``Thread.start``."""
+        with self._cond:
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(target=self._run, name="tensorwire-deadlines", daemon=True)
+                self._thread.start()
+
+    def arm(self, key: Hashable, deadline: float, action: Callable[[], None]) -> None:
+        """Run ``action()`` at ``deadline`` (``time.monotonic()`` seconds) unless ``key`` is re-armed or
+        disarmed first. Never blocks (one lock)."""
+        if self._thread is None:
+            self.start()
+        with self._cond:
+            self._due[key] = (deadline, action)
+            if deadline < self._wakes_at:
+                self._cond.notify()
+
+    def disarm(self, key: Hashable) -> None:
+        """Forget ``key``'s action (the thread, if it sleeps until that deadline, wakes and sleeps on)."""
+        with self._cond:
+            self._due.pop(key, None)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._due.clear()
+            self._cond.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopped:
+                    return
+                now = time.monotonic()
+                due = [key for key, (deadline, _) in self._due.items() if deadline <= now]
+                actions = [self._due.pop(key)[1] for key in due]
+                if not actions:
+                    self._wakes_at = min((deadline for deadline, _ in self._due.values()), default=math.inf)
+                    self._cond.wait(None if self._wakes_at == math.inf else self._wakes_at - now)
+                    self._wakes_at = math.inf
+                    continue
+            for action in actions:
+                try:
+                    action()
+                except Exception as e:  # noqa: BLE001 - one failed action must not stop the others
+                    warn_from_progress_thread(f"tensorwire: a timeout action failed: {type(e).__name__}: {e}")

@@ -79,6 +79,7 @@ class Transfer(Closeable):
         if uses_cuda and self._request is not None and not self._stream_ordered:
             self._host_words()
             comm._engine.start()  # wait(stream=) hands completion to it: have it running before the first
+            comm._deadlines.start()  # and arms its timeout there
         self._doorbell_watch = None
         self._watches: list = []  # progress-thread watches on this transfer's request, drained on close
         self._streams_used: set = set()  # streams this transfer's GPU-side waits were enqueued on
@@ -86,9 +87,7 @@ class Transfer(Closeable):
         self._async_error: Exception | None = None  # a failure the progress thread saw, raised by the next call
         self._publishing = False  # set by the first wait(stream=) of a CPU post: every CPU post publishes done_seq
         self._publish_lock = threading.Lock()  # done_seq is advanced from this thread and the progress thread
-        # Stream timeouts of CPU-driven transports: (sequence, deadline, seconds) of the last wait(stream=) of a CPU
-        # post, and the seconds that bound a doorbell's post (the last wait(stream=, timeout=) after a stream post).
-        self._stream_deadline: tuple[int, float, float] | None = None
+        # The seconds that bound a doorbell's post: the last wait(stream=, timeout=) after a stream post.
         self._doorbell_timeout_s = comm.timeout_s
         self._stuck: Exception | None = None  # a doorbell that timed out: raised by every later call
         self._ring_unwaited = False  # a CPU-driven post(stream=) whose wait(stream=) has not been enqueued yet
@@ -172,8 +171,8 @@ class Transfer(Closeable):
 
     def _completion_publisher(self, sequence: int):
         """A progress-thread poll that stores ``sequence`` into ``done_seq`` when the request is no longer in
-        flight, and also when it failed, or is still in flight past the timeout of the ``wait(stream=)`` that
-        waits for this very post: a stream must not hang; the error reaches the next call on this handle."""
+        flight, also when it failed (the error reaches the next call on this handle). A wait that outlives its
+        timeout is released by ``_release_late_wait`` instead."""
         backend, request = self._backend, self._request
 
         def publish() -> bool:
@@ -182,13 +181,7 @@ class Transfer(Closeable):
                 return True  # now, and its state no longer says anything about this post
             state = backend.status(request)
             if state is Status.IN_PROGRESS:
-                waited = self._stream_deadline  # set by wait(stream=), possibly after this poll was registered
-                if waited is None or waited[0] != sequence or time.monotonic() < waited[1]:
-                    return False
-                self._async_error = error = self._stream_timed_out("wait(stream=)", waited[2])  # before the release
-                self._advance_done_seq(sequence)
-                warn_from_progress_thread(str(error))
-                return True
+                return False
             self._advance_done_seq(sequence)
             if state is Status.ERROR:
                 raise TransferError(f"wait(stream=): the {self.op.value} to rank {self.peer} over {self.transport} "
@@ -196,6 +189,18 @@ class Transfer(Closeable):
             return True
 
         return publish
+
+    def _release_late_wait(self, sequence: int, timeout_s: float) -> None:
+        """The deadline of the ``wait(stream=)`` of CPU post ``sequence``: if ``done_seq`` has not reached it,
+        store it (the stream must not hang) and keep a ``WaitTimeoutError`` for the next call. Runs on the
+        deadline thread: host stores only, so it fires even while the progress thread is stuck in NIXL."""
+        with self._publish_lock:
+            values = self._words.values
+            if (int(values[_DONE_SEQ]) - sequence) & 0xFFFFFFFF < 0x80000000:
+                return  # published in time (done_seq >= sequence, cyclically)
+            self._async_error = error = self._stream_timed_out("wait(stream=)", timeout_s)  # before the release
+            values[_DONE_SEQ] = sequence
+        warn_from_progress_thread(str(error))
 
     def _stream_timed_out(self, call: str, timeout_s: float, fix: str = "") -> WaitTimeoutError:
         """The error of a stream released by a timeout (its caller also warns: a replayed graph calls no Python)."""
@@ -244,7 +249,18 @@ class Transfer(Closeable):
             return
         words = self._host_words()
         backend, request, notify = self._backend, self._request, self._notify
-        in_flight, deadline = [False], [0.0]
+        deadlines = self._comm._deadlines
+        in_flight, rings_served = [False], [0]
+
+        def release_stuck_ring(ring: int) -> None:  # the deadline thread: host stores only
+            with self._publish_lock:
+                if rings_served[0] != ring or self._stuck is not None:
+                    return  # served in time
+                self._stuck = self._stream_timed_out(  # before the release
+                    "post(stream=)", self._doorbell_timeout_s,
+                    "; this transfer is failed now: close it and prepare a new one")
+                words.values[_DONE_FLAG] = 1
+            warn_from_progress_thread(str(self._stuck))
 
         def serve() -> bool:
             if self._stuck is not None:  # the request timed out: release every stream that rings, post nothing
@@ -258,7 +274,9 @@ class Transfer(Closeable):
                     return False
                 words.values[_DOORBELL] = 0
                 in_flight[0] = True
-                deadline[0] = time.monotonic() + self._doorbell_timeout_s
+                ring = rings_served[0]
+                deadlines.arm((self, "ring"), time.monotonic() + self._doorbell_timeout_s,
+                              lambda: release_stuck_ring(ring))
                 try:
                     state = backend.post(request, notify)
                 except Exception as e:  # noqa: BLE001 - release the stream: an error must not hang the GPU
@@ -267,16 +285,13 @@ class Transfer(Closeable):
             else:
                 state = backend.status(request)
             if state is Status.IN_PROGRESS:
-                if time.monotonic() < deadline[0]:
-                    return False
-                self._stuck = self._stream_timed_out(  # before the release
-                    "post(stream=)", self._doorbell_timeout_s,
-                    "; this transfer is failed now: close it and prepare a new one")
+                return False
+            with self._publish_lock:
+                if self._stuck is not None:  # its deadline released the stream already: never release twice
+                    return self._drained()
+                in_flight[0] = False
+                rings_served[0] += 1
                 words.values[_DONE_FLAG] = 1
-                warn_from_progress_thread(str(self._stuck))
-                return self._drained()
-            in_flight[0] = False
-            words.values[_DONE_FLAG] = 1
             if state is Status.ERROR:  # kept for the next CPU call on this transfer; the doorbell stays served
                 self._async_error = TransferError(
                     f"post(stream=): the {self.op.value} to rank {self.peer} over {self.transport} failed; the bytes "
@@ -367,7 +382,8 @@ class Transfer(Closeable):
             cuda.stream_write_value(stream, words.addr(_DONE_FLAG), 0)
             return
         sequence = self._posts & 0xFFFFFFFF  # the GPU compares cyclically: (int32)(word - value) >= 0
-        self._stream_deadline = (sequence, time.monotonic() + stream_timeout_s, stream_timeout_s)
+        self._comm._deadlines.arm((self, "wait"), time.monotonic() + stream_timeout_s,
+                                  lambda: self._release_late_wait(sequence, stream_timeout_s))
         cuda.stream_wait_value(stream, words.addr(_DONE_SEQ), sequence)
         if not self._publishing:
             # The first stream wait of this handle: publish this post's completion (the wait is enqueued
@@ -432,6 +448,8 @@ class Transfer(Closeable):
         engine = self._comm._engine
         watches = engine.still_watched(self._watches)
         if not watches:
+            for wait in ("wait", "ring"):  # nothing in flight: no stream waits on it (else its deadline stays)
+                self._comm._deadlines.disarm((self, wait))
             self._backend.release(request)
             return
         # A stream may still be waiting on this transfer (wait(stream=), a doorbell a graph rings): let the
