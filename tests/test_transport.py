@@ -436,10 +436,21 @@ def _stream_waits_released_while_progress_is_stuck():
                         with pytest.raises(tw.WaitTimeoutError, match="stream was released"):
                             x.status()
                         x._streams_used = set()
+                    with comm.prepare(tw.READ, local, remote, transport="nixl") as w:  # rung while it is stuck
+                        w._words = stores["words"] = words = _HostWords()
+                        w.post(stream=_SideStream())
+                        w.wait(stream=_SideStream(), timeout=0.2)
+                        _until(lambda: words.values[_DONE_FLAG] == 1, "a ring never picked up was never released")
+                        seen["unpicked_ring_released_while_stuck"] = not unstick.is_set()
+                        with pytest.raises(tw.WaitTimeoutError, match="close it and prepare a new one"):
+                            w.status()
+                        w._streams_used = set()
                     comm._notification_words = stores["words"] = words = _HostWords()
                     comm.wait_notification(1, stream=_SideStream(), timeout=0.2)
+                    comm.wait_notification(1, stream=_SideStream(), timeout=60)  # must not stretch the first
                     _until(lambda: words.values[1] == 1, "a notification's stream wait was never released")
-                    seen["notification_released_while_stuck"] = not unstick.is_set()
+                    time.sleep(0.3)
+                    seen["notification_released_while_stuck"] = not unstick.is_set() and words.values[1] == 1
                     with pytest.raises(tw.WaitTimeoutError, match="nothing from rank 1"):
                         comm.wait_notification(1, timeout=WAIT)
                 finally:  # a failure above must not leave the progress thread held
@@ -459,7 +470,8 @@ def test_stream_waits_are_released_on_time_while_the_progress_thread_is_stuck():
     there for the very stream the timeout releases) delays none of them."""
     seen = launch(_stream_waits_released_while_progress_is_stuck, 2, env={"UCX_TLS": "tcp"})[0]
     assert seen == {"wait_released_while_stuck": True, "ring_released_while_stuck": True,
-                    "notification_released_while_stuck": True, "read_after": True}, seen
+                    "unpicked_ring_released_while_stuck": True, "notification_released_while_stuck": True,
+                    "read_after": True}, seen
 
 
 def test_stream_waits_refuse_the_legacy_default_stream_and_time_out():

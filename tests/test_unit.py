@@ -574,16 +574,19 @@ def test_bench_summary_holds_4k_gpu_graph_latency_against_its_goal():
     assert "copy 3.0 µs" in read["text"] and "tensorwire (stream) 7.0 µs" in write["text"]
     assert "post() + wait(): 15.5 µs" in read["text"] and "post() + wait()" not in write["text"]
     unmeasured = lines_of([record("READ", p2p.TENSORWIRE_STREAM, 7.0)])[name("READ")]
-    assert unmeasured["ok"] is None and "--graphs" in unmeasured["text"]
+    assert unmeasured["ok"] is None and "(add --graphs)" in unmeasured["text"]
+    no_4k = lines_of([record("WRITE", p2p.TENSORWIRE_GRAPH, 3.0)])[name("READ")]
+    assert no_4k["ok"] is None and "add 4K to --sizes, and --graphs" in no_4k["text"]
     over_nixl = lines_of([record("READ", p2p.TENSORWIRE, 40.0, "nixl")])[name("READ")]
     assert over_nixl["ok"] is None and "chose nixl, which is not stream-ordered" in over_nixl["text"]
     assert not any("cuda" in name for name in lines_of([]))
 
 
-def test_deadlines_run_each_keys_latest_action_once_at_its_time():
-    """An armed action runs once, not before its deadline; re-arming a key replaces its action (the first
-    never runs), disarming forgets it; an action that raises warns and spares the others; an idle thread
-    sleeps instead of polling (no wake-ups while nothing is armed)."""
+def test_deadlines_run_each_action_once_at_its_time_and_sleep_otherwise():
+    """An armed action runs once, not before its deadline; arming an armed key keeps the earlier deadline and
+    its action; disarming forgets it; an action that raises warns and spares the others; a deadline beyond
+    what a thread can sleep does not end the thread; the thread does not wake while nothing is due, nor when a
+    later deadline than the one it sleeps until is armed."""
     import threading
     import time
 
@@ -601,19 +604,28 @@ def test_deadlines_run_each_keys_latest_action_once_at_its_time():
 
     start = time.monotonic()
     try:
-        deadlines.arm("a", start + 0.05, action("a-first"))
-        deadlines.arm("a", start + 0.10, action("a"))  # replaces a-first
-        deadlines.arm("b", start + 0.05, action("b"))
+        deadlines.arm("huge", start + 1e10, action("huge"))  # beyond threading.TIMEOUT_MAX
+        deadlines.arm("a", start + 0.10, action("a-later"))
+        deadlines.arm("a", start + 0.05, action("a"))  # earlier: replaces
+        deadlines.arm("b", start + 0.06, action("b"))
+        deadlines.arm("b", start + 0.20, action("b-later"))  # later: the first stays
         deadlines.arm("c", start + 0.02, action("c"))
         deadlines.disarm("c")
         deadlines.arm("boom", start + 0.01, boom)
         deadlines.arm("last", start + 0.15, done.set)
         with pytest.warns(RuntimeWarning, match="a timeout action failed: RuntimeError: boom"):
-            assert done.wait(5), "the last action never ran"
-            time.sleep(0.05)
-        assert [name for name, _ in ran] == ["b", "a"], ran
-        assert ran[0][1] >= start + 0.05 and ran[1][1] >= start + 0.10, (start, ran)
-        assert deadlines._wakes_at == float("inf")  # nothing armed: asleep until notified
+            assert done.wait(5), "the last action never ran: the thread ended or overslept"
+        assert [name for name, _ in ran] == ["a", "b"], ran
+        assert ran[0][1] >= start + 0.05 and ran[1][1] >= start + 0.06, (start, ran)
+        time.sleep(0.05)
+        woken = deadlines.wakeups
+        deadlines.arm("far", time.monotonic() + 100, action("far"))  # earlier than "huge": wakes it once
+        time.sleep(0.05)
+        woken_after_far = deadlines.wakeups
+        deadlines.arm("farther", time.monotonic() + 200, action("farther"))  # later than "far": no wake
+        time.sleep(0.1)
+        assert woken_after_far == woken + 1 and deadlines.wakeups == woken_after_far, (woken, woken_after_far,
+                                                                                      deadlines.wakeups)
     finally:
         deadlines.close()
-    assert not deadlines._thread.is_alive()
+    assert not deadlines._thread.is_alive() and [name for name, _ in ran] == ["a", "b"]

@@ -512,13 +512,17 @@ class Communicator:
         target = self._notifications_awaited[from_rank]
         delivered, lock = self._notifications_delivered, self._notification_lock
 
+        key = ("notification", from_rank, target)
+
         def deliver() -> bool:  # progress thread: count arrivals into the word the stream waits on
             while delivered[from_rank] < target:
                 if self._inbox.try_pop(from_rank) is None:
                     return False
                 with lock:
-                    delivered[from_rank] += 1
-                    words.values[from_rank] = delivered[from_rank]
+                    if delivered[from_rank] < target:  # else the deadline released it: this one came late
+                        delivered[from_rank] += 1
+                        words.values[from_rank] = delivered[from_rank]
+            self._deadlines.disarm(key)
             return True
 
         def release_late() -> None:  # deadline thread: a stuck or dead peer must not hold the GPU forever
@@ -531,8 +535,7 @@ class Communicator:
                 f"wait_notification(stream=): nothing from rank {from_rank} within {timeout_s:.3g}s; the stream "
                 "was released and what it read since is not valid; check that rank"))
 
-        # One deadline per sender: a later wait for the same sender moves it (its release covers the earlier).
-        self._deadlines.arm(("notification", from_rank), time.monotonic() + timeout_s, release_late)
+        self._deadlines.arm(key, time.monotonic() + timeout_s, release_late)
         cuda.stream_wait_value(stream, words.addr(from_rank), target)  # before waking the progress thread
         self._engine.watch(deliver, on_error=self._keep_stream_notification_error)
         return None

@@ -81,6 +81,7 @@ class Transfer(Closeable):
             comm._engine.start()  # wait(stream=) hands completion to it: have it running before the first
             comm._deadlines.start()  # and arms its timeout there
         self._doorbell_watch = None
+        self._check_unpicked_ring = None  # the doorbell's check for rings the progress thread never picked up
         self._watches: list = []  # progress-thread watches on this transfer's request, drained on close
         self._streams_used: set = set()  # streams this transfer's GPU-side waits were enqueued on
         self._closing = None  # set by close(): events the doorbell keeps being served until
@@ -168,6 +169,7 @@ class Transfer(Closeable):
             values = self._words.values
             if (sequence - int(values[_DONE_SEQ])) & 0xFFFFFFFF < 0x80000000:
                 values[_DONE_SEQ] = sequence
+        self._comm._deadlines.disarm((self, "wait", sequence))
 
     def _completion_publisher(self, sequence: int):
         """A progress-thread poll that stores ``sequence`` into ``done_seq`` when the request is no longer in
@@ -190,16 +192,33 @@ class Transfer(Closeable):
 
         return publish
 
+    def _arm_wait_deadline(self, sequence: int, timeout_s: float) -> None:
+        """Have the deadline thread release the stream wait for CPU post ``sequence`` after ``timeout_s``.
+        Armed first, then disarmed if the post was published already (its publisher may have disarmed it
+        just before it was armed): only waits in flight stay in the table."""
+        key = (self, "wait", sequence)
+        self._comm._deadlines.arm(key, time.monotonic() + timeout_s, lambda: self._release_late_wait(sequence, timeout_s))
+        if self._published(sequence):
+            self._comm._deadlines.disarm(key)
+
+    def _published(self, sequence: int) -> bool:
+        """``done_seq`` has reached ``sequence`` (cyclically)."""
+        return (int(self._words.values[_DONE_SEQ]) - sequence) & 0xFFFFFFFF < 0x80000000
+
     def _release_late_wait(self, sequence: int, timeout_s: float) -> None:
         """The deadline of the ``wait(stream=)`` of CPU post ``sequence``: if ``done_seq`` has not reached it,
         store it (the stream must not hang) and keep a ``WaitTimeoutError`` for the next call. Runs on the
         deadline thread: host stores only, so it fires even while the progress thread is stuck in NIXL."""
         with self._publish_lock:
-            values = self._words.values
-            if (int(values[_DONE_SEQ]) - sequence) & 0xFFFFFFFF < 0x80000000:
-                return  # published in time (done_seq >= sequence, cyclically)
+            if self._published(sequence):
+                return  # in time
+            # Known complete (a later post exists, or this thread saw it done) but not published yet: the
+            # progress thread is late, the bytes are right.
+            if self._posts & 0xFFFFFFFF != sequence or self._state is Status.DONE:
+                self._words.values[_DONE_SEQ] = sequence
+                return
             self._async_error = error = self._stream_timed_out("wait(stream=)", timeout_s)  # before the release
-            values[_DONE_SEQ] = sequence
+            self._words.values[_DONE_SEQ] = sequence
         warn_from_progress_thread(str(error))
 
     def _stream_timed_out(self, call: str, timeout_s: float, fix: str = "") -> WaitTimeoutError:
@@ -249,8 +268,9 @@ class Transfer(Closeable):
             return
         words = self._host_words()
         backend, request, notify = self._backend, self._request, self._notify
-        deadlines = self._comm._deadlines
+        deadlines, engine = self._comm._deadlines, self._comm._engine
         in_flight, rings_served = [False], [0]
+        unpicked_at_last_check: list[int | None] = [None]  # rings_served then, if a ring was waiting unpicked
 
         def release_stuck_ring(ring: int) -> None:  # the deadline thread: host stores only
             with self._publish_lock:
@@ -259,8 +279,21 @@ class Transfer(Closeable):
                 self._stuck = self._stream_timed_out(  # before the release
                     "post(stream=)", self._doorbell_timeout_s,
                     "; this transfer is failed now: close it and prepare a new one")
+                words.values[_DOORBELL] = 0
                 words.values[_DONE_FLAG] = 1
             warn_from_progress_thread(str(self._stuck))
+
+        def check_unpicked_ring() -> None:
+            """The deadline thread, every half timeout while the doorbell is served: a ring that waited
+            unpicked at two checks in a row (the progress thread is held elsewhere) is released as timed out."""
+            if not engine.still_watched([serve_until_drained]):
+                return
+            ring = rings_served[0]
+            unpicked = words.values[_DOORBELL] != 0 and not in_flight[0]
+            if unpicked and unpicked_at_last_check[0] == ring:
+                release_stuck_ring(ring)
+            unpicked_at_last_check[0] = ring if unpicked else None
+            self._arm_ring_check()
 
         def serve() -> bool:
             if self._stuck is not None:  # the request timed out: release every stream that rings, post nothing
@@ -270,12 +303,13 @@ class Transfer(Closeable):
                     words.values[_DONE_FLAG] = 1
                 return self._drained()
             if not in_flight[0]:
-                if words.values[_DOORBELL] == 0:
-                    return False
-                words.values[_DOORBELL] = 0
-                in_flight[0] = True
-                ring = rings_served[0]
-                deadlines.arm((self, "ring"), time.monotonic() + self._doorbell_timeout_s,
+                with self._publish_lock:  # against release_stuck_ring
+                    if words.values[_DOORBELL] == 0 or self._stuck is not None:
+                        return False
+                    words.values[_DOORBELL] = 0
+                    in_flight[0] = True
+                    ring = rings_served[0]
+                deadlines.arm((self, "ring", ring), time.monotonic() + self._doorbell_timeout_s,
                               lambda: release_stuck_ring(ring))
                 try:
                     state = backend.post(request, notify)
@@ -290,8 +324,10 @@ class Transfer(Closeable):
                 if self._stuck is not None:  # its deadline released the stream already: never release twice
                     return self._drained()
                 in_flight[0] = False
+                ring = rings_served[0]
                 rings_served[0] += 1
                 words.values[_DONE_FLAG] = 1
+            deadlines.disarm((self, "ring", ring))
             if state is Status.ERROR:  # kept for the next CPU call on this transfer; the doorbell stays served
                 self._async_error = TransferError(
                     f"post(stream=): the {self.op.value} to rank {self.peer} over {self.transport} failed; the bytes "
@@ -304,7 +340,15 @@ class Transfer(Closeable):
             return serve()
 
         self._doorbell_watch = serve_until_drained
+        self._check_unpicked_ring = check_unpicked_ring
         self._watch(serve_until_drained)
+        self._arm_ring_check()
+
+    def _arm_ring_check(self) -> None:
+        """(Re)arm the doorbell's unpicked-ring check half the doorbell timeout from now (an earlier check
+        already armed stays)."""
+        self._comm._deadlines.arm((self, "ring check"), time.monotonic() + self._doorbell_timeout_s / 2,
+                                  self._check_unpicked_ring)
 
     # --- completion -----------------------------------------------------------------------------
     def status(self) -> Status:
@@ -378,12 +422,12 @@ class Transfer(Closeable):
         if self._posted_on_stream:
             self._ring_unwaited = False
             self._doorbell_timeout_s = stream_timeout_s
+            self._arm_ring_check()  # the new timeout's period, if shorter
             cuda.stream_wait_value(stream, words.addr(_DONE_FLAG), 1)
             cuda.stream_write_value(stream, words.addr(_DONE_FLAG), 0)
             return
         sequence = self._posts & 0xFFFFFFFF  # the GPU compares cyclically: (int32)(word - value) >= 0
-        self._comm._deadlines.arm((self, "wait"), time.monotonic() + stream_timeout_s,
-                                  lambda: self._release_late_wait(sequence, stream_timeout_s))
+        self._arm_wait_deadline(sequence, stream_timeout_s)
         cuda.stream_wait_value(stream, words.addr(_DONE_SEQ), sequence)
         if not self._publishing:
             # The first stream wait of this handle: publish this post's completion (the wait is enqueued
@@ -448,8 +492,7 @@ class Transfer(Closeable):
         engine = self._comm._engine
         watches = engine.still_watched(self._watches)
         if not watches:
-            for wait in ("wait", "ring"):  # nothing in flight: no stream waits on it (else its deadline stays)
-                self._comm._deadlines.disarm((self, wait))
+            self._comm._deadlines.disarm((self, "ring check"))  # nothing in flight, no ring to serve
             self._backend.release(request)
             return
         # A stream may still be waiting on this transfer (wait(stream=), a doorbell a graph rings): let the

@@ -147,8 +147,10 @@ def _gpu_latency_lines(cases: dict[tuple[str, str, int], dict[str, Record]]) -> 
         name = f"4 KiB cuda {op} GPU time, post to completion on the stream"
         if TENSORWIRE_GRAPH not in case:
             chosen = case.get(TENSORWIRE)
-            why = (f"tensorwire chose {chosen.transport}, which is not stream-ordered" if chosen is not None
-                   and chosen.transport not in STREAM_ORDERED else "add 4K to --sizes, and --graphs")
+            if chosen is not None and chosen.transport not in STREAM_ORDERED:
+                why = f"tensorwire chose {chosen.transport}, which is not stream-ordered"
+            else:
+                why = "add --graphs" if case else "add 4K to --sizes, and --graphs"
             lines.append({"name": name, "value": None, "goal": "<= 10 us", "ok": None,
                           "text": f"4 KiB cuda {op}: not measured from a graph ({why})"})
             continue
