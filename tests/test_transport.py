@@ -374,7 +374,7 @@ def _stream_waits_are_bounded():
                     time.sleep(0.1)  # a READ posted for that ring would land meanwhile (64 MiB over TCP: ~50 ms)
                     seen["doorbell_answered_after_timeout"] = int(local.sum(dtype=torch.int64)) == 0  # nothing moved
                     y._streams_used = set()  # no CUDA events to record on close: nothing ran on a GPU
-            comm.barrier(WAIT)
+            comm.barrier(6 * WAIT)  # rank 1 waits here for all of rank 0's rounds (64 MiB each, over TCP)
     return seen
 
 

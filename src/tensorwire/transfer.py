@@ -46,6 +46,7 @@ __all__ = ["Transfer"]
 
 _DOORBELL, _DONE_FLAG, _DONE_SEQ = 0, 1, 2
 _DONE, _IN_PROGRESS = Status.DONE, Status.IN_PROGRESS
+_RING_CHECK_MIN_S = 0.02  # the shortest period of a doorbell's check for rings nobody picked up
 
 
 class Transfer(Closeable):
@@ -345,10 +346,11 @@ class Transfer(Closeable):
         self._arm_ring_check()
 
     def _arm_ring_check(self) -> None:
-        """(Re)arm the doorbell's unpicked-ring check half the doorbell timeout from now (an earlier check
-        already armed stays)."""
-        self._comm._deadlines.arm((self, "ring check"), time.monotonic() + self._doorbell_timeout_s / 2,
-                                  self._check_unpicked_ring)
+        """(Re)arm the doorbell's unpicked-ring check half the doorbell timeout from now, at least
+        ``_RING_CHECK_MIN_S`` (a tiny timeout must not turn the check into a spin that takes the GIL from the
+        threads it checks on); an earlier check already armed stays."""
+        period = max(self._doorbell_timeout_s / 2, _RING_CHECK_MIN_S)
+        self._comm._deadlines.arm((self, "ring check"), time.monotonic() + period, self._check_unpicked_ring)
 
     # --- completion -----------------------------------------------------------------------------
     def status(self) -> Status:
