@@ -260,6 +260,21 @@ def test_a_stream_waits_for_each_post_of_a_nixl_transfer():
     assert [value for _, value in waits] == list(range(1, rounds + 1))
 
 
+def _stand_in_stream_memory_ops() -> dict:
+    """Stand in for the GPU's stream memory operations in this process: a stream's store lands at once in
+    ``stores["words"]`` (set it to the words in use), a stream wait is not enqueued. Returns ``stores``."""
+    from tensorwire import cuda
+
+    stores = {}
+
+    def write_value(stream, addr, value):
+        stores["words"].values[addr] = value
+
+    cuda.stream_wait_value = lambda stream, addr, value: None
+    cuda.stream_write_value = write_value
+    return stores
+
+
 def _until(condition, what: str) -> None:
     deadline = time.monotonic() + WAIT
     while not condition():
@@ -272,14 +287,9 @@ def _stream_waits_are_bounded():
     Returns what rank 0 saw: the legacy default stream refused for waits and posts without losing anything,
     a stream released with an error once its own wait's timeout passed (and a later CPU wait not cut short by
     it), and a doorbell (stream post) that timed out leaving the handle failed but every ring answered."""
-    from tensorwire import cuda
     from tensorwire.transfer import _DONE_FLAG, _DONE_SEQ, _DOORBELL
 
-    def write_value(stream, addr, value):  # the stream's store, done at once
-        words.values[addr] = value
-
-    cuda.stream_wait_value = lambda stream, addr, value: None
-    cuda.stream_write_value = write_value
+    stores = _stand_in_stream_memory_ops()
     seen = {}
     with tw.init(timeout=INIT_TIMEOUT) as comm:
         n = 1 << 26
@@ -298,7 +308,7 @@ def _stream_waits_are_bounded():
                     return int(local.sum(dtype=torch.int64)) == expected
 
                 with comm.prepare(tw.READ, local, remote, transport="nixl") as x:
-                    x._words = words = _HostWords()
+                    x._words = stores["words"] = words = _HostWords()
                     x.post()
                     with pytest.raises(tw.InvalidArgumentError, match="legacy default stream") as refused:
                         x.wait(stream=_LegacyDefaultStream())
@@ -337,7 +347,7 @@ def _stream_waits_are_bounded():
                     _until(lambda: not comm._engine.still_watched(x._watches), "watches outlived the READ")
 
                 with comm.prepare(tw.READ, local, remote, transport="nixl") as z:  # one wait per stream post
-                    z._words = words = _HostWords()
+                    z._words = stores["words"] = words = _HostWords()
                     local.zero_()
                     z.post(stream=_SideStream())
                     with pytest.raises(tw.InvalidArgumentError, match="was not waited"):
@@ -350,7 +360,7 @@ def _stream_waits_are_bounded():
                     z._streams_used = set()
 
                 with comm.prepare(tw.READ, local, remote, transport="nixl") as y:
-                    y._words = words = _HostWords()
+                    y._words = stores["words"] = words = _HostWords()
                     local.zero_()
                     y.post(stream=_SideStream())
                     _until(lambda: words.values[_DONE_FLAG] == 1, "the first ring was never served")
@@ -383,16 +393,9 @@ def _stream_waits_released_while_progress_is_stuck():
     docs/architecture.md, Known limits) while streams wait: a stream waiting for a CPU post, a doorbell's
     stream and a stream waiting for a notification that never comes must each be released once their own
     timeout passes, with the error reaching the next call, and everything must work again afterwards."""
-    from tensorwire import cuda
     from tensorwire.transfer import _DONE_FLAG, _DONE_SEQ
 
-    stores = {}
-
-    def write_value(stream, addr, value):  # the stream's store, done at once
-        stores["words"].values[addr] = value
-
-    cuda.stream_wait_value = lambda stream, addr, value: None
-    cuda.stream_write_value = write_value
+    stores = _stand_in_stream_memory_ops()
     seen = {}
     with tw.init(timeout=INIT_TIMEOUT) as comm:
         n = 1 << 24
@@ -414,6 +417,21 @@ def _stream_waits_released_while_progress_is_stuck():
                         return call(request)
                     return status
 
+                def released_while_stuck(post_on_stream: bool) -> bool:
+                    """A fresh handle posted (on a stream or from the CPU) and waited on a stream: released by
+                    its 0.2 s timeout, with the error on the next call."""
+                    with comm.prepare(tw.READ, local, remote, transport="nixl") as t:
+                        t._words = stores["words"] = words = _HostWords()
+                        t.post(stream=_SideStream()) if post_on_stream else t.post()
+                        t.wait(stream=_SideStream(), timeout=0.2)
+                        word = _DONE_FLAG if post_on_stream else _DONE_SEQ
+                        _until(lambda: words.values[word] == 1, f"post_on_stream={post_on_stream}: never released")
+                        released = not unstick.is_set()
+                        with pytest.raises(tw.WaitTimeoutError, match="stream was released"):
+                            t.status()
+                        t._streams_used = set()  # no CUDA events to record on close: nothing ran on a GPU
+                    return released
+
                 try:
                     with comm.prepare(tw.READ, local, remote, transport="nixl") as y:  # a doorbell: served, then stuck
                         y._words = stores["words"] = words = _HostWords()
@@ -427,24 +445,9 @@ def _stream_waits_released_while_progress_is_stuck():
                         with pytest.raises(tw.WaitTimeoutError, match="close it and prepare a new one"):
                             y.post(stream=_SideStream())
                         y._streams_used = set()  # no CUDA events to record on close: nothing ran on a GPU
-                    with comm.prepare(tw.READ, local, remote, transport="nixl") as x:  # the progress thread: still stuck
-                        x._words = stores["words"] = words = _HostWords()
-                        x.post()
-                        x.wait(stream=_SideStream(), timeout=0.2)
-                        _until(lambda: words.values[_DONE_SEQ] == 1, "a CPU post's stream wait was never released")
-                        seen["wait_released_while_stuck"] = not unstick.is_set()
-                        with pytest.raises(tw.WaitTimeoutError, match="stream was released"):
-                            x.status()
-                        x._streams_used = set()
-                    with comm.prepare(tw.READ, local, remote, transport="nixl") as w:  # rung while it is stuck
-                        w._words = stores["words"] = words = _HostWords()
-                        w.post(stream=_SideStream())
-                        w.wait(stream=_SideStream(), timeout=0.2)
-                        _until(lambda: words.values[_DONE_FLAG] == 1, "a ring never picked up was never released")
-                        seen["unpicked_ring_released_while_stuck"] = not unstick.is_set()
-                        with pytest.raises(tw.WaitTimeoutError, match="close it and prepare a new one"):
-                            w.status()
-                        w._streams_used = set()
+                    # The progress thread is still held: a CPU post's stream wait, then a ring it never picks up.
+                    seen["wait_released_while_stuck"] = released_while_stuck(post_on_stream=False)
+                    seen["unpicked_ring_released_while_stuck"] = released_while_stuck(post_on_stream=True)
                     comm._notification_words = stores["words"] = words = _HostWords()
                     comm.wait_notification(1, stream=_SideStream(), timeout=0.2)
                     comm.wait_notification(1, stream=_SideStream(), timeout=60)  # must not stretch the first
