@@ -307,7 +307,8 @@ class Deadlines:
         del armed  # outside the lock (see the class docstring)
 
     def disarm(self, key: Hashable) -> None:
-        """Forget ``key``'s action (the thread, if it sleeps until that deadline, wakes and sleeps on)."""
+        """Forget ``key``'s action. Not woken for it: a thread sleeping until that deadline wakes then, finds
+        nothing due and sleeps on."""
         with self._cond:
             dropped = self._due.pop(key, None)
         del dropped

@@ -27,6 +27,7 @@ when ``s`` reaches that point. How depends on the transport:
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -167,9 +168,8 @@ class Transfer(Closeable):
         may run after post k + 1 completed and was published (both see the one request), and the word must
         never move back: a stream waiting for k + 1 would then wait forever."""
         with self._publish_lock:
-            values = self._words.values
-            if (sequence - int(values[_DONE_SEQ])) & 0xFFFFFFFF < 0x80000000:
-                values[_DONE_SEQ] = sequence
+            if not self._published(sequence):
+                self._words.values[_DONE_SEQ] = sequence
         self._comm._deadlines.disarm((self, "wait", sequence))
 
     def _completion_publisher(self, sequence: int):
@@ -198,7 +198,8 @@ class Transfer(Closeable):
         Armed first, then disarmed if the post was published already (its publisher may have disarmed it
         just before it was armed): only waits in flight stay in the table."""
         key = (self, "wait", sequence)
-        self._comm._deadlines.arm(key, time.monotonic() + timeout_s, lambda: self._release_late_wait(sequence, timeout_s))
+        release = functools.partial(self._release_late_wait, sequence, timeout_s)
+        self._comm._deadlines.arm(key, time.monotonic() + timeout_s, release)
         if self._published(sequence):
             self._comm._deadlines.disarm(key)
 

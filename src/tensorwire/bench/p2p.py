@@ -25,10 +25,10 @@ measures, on the same registered buffers:
   one stream of bytes), plus torch's default thread count as ``copy-mt`` (JSON).
 
 The GPU rows ``tensorwire (stream)``, ``tensorwire (graph)``, ``tensorwire (in-process)`` and ``copy`` are
-timed with CUDA events, each chunk of calls enqueued before the GPU may start it (``CudaEventClock(queue_ahead=True)``): a row is the GPU's time for the work, as
-a serving loop that keeps its GPU fed sees it, not the CPU's launch rate (an eager 4 KiB copy is mostly
-launch). What the CPU pays for a transfer is in the ``tensorwire`` row: the wall clock around
-``post()`` + ``wait()``.
+timed with CUDA events, each chunk of calls enqueued before the GPU may start it
+(``CudaEventClock(queue_ahead=True)``): a row is the GPU's time for the work, as a serving loop that keeps its
+GPU fed sees it, not the CPU's launch rate (an eager 4 KiB copy is mostly launch). What the CPU pays for a
+transfer is in the ``tensorwire`` row: the wall clock around ``post()`` + ``wait()``.
 
 The transfer paths are timed interleaved (``measure_interleaved``): run to run, this VM's 64 MiB copies
 wander by 15%, which back-to-back measurement turned into fake ratios. Each rank's buffer is

@@ -19,12 +19,12 @@ from .p2p import (
     _TENSORWIRE_PATHS,
     COPY,
     RAW,
+    STREAM_ORDERED,
     TENSORWIRE,
     TENSORWIRE_GRAPH,
     TENSORWIRE_IN_PROCESS,
     TENSORWIRE_NIXL,
     TENSORWIRE_STREAM,
-    STREAM_ORDERED,
     BenchConfig,
     BenchResult,
     Record,
@@ -155,7 +155,8 @@ def _gpu_latency_lines(cases: dict[tuple[str, str, int], dict[str, Record]]) -> 
                           "text": f"4 KiB cuda {op}: not measured from a graph ({why})"})
             continue
         graph = case[TENSORWIRE_GRAPH]
-        others = "".join(f"; {path} {case[path].median_us:.1f} µs" for path in (TENSORWIRE_STREAM, COPY) if path in case)
+        others = "".join(f"; {path} {case[path].median_us:.1f} µs"
+                         for path in (TENSORWIRE_STREAM, COPY) if path in case)
         cpu = case.get(TENSORWIRE)
         cpu_text = (f"; the CPU's wall clock for post() + wait(): {cpu.median_us:.1f} µs" if cpu is not None else "")
         lines.append({"name": name, "value": graph.median_us, "goal": "<= 10 us", "ok": graph.median_us <= 10,
