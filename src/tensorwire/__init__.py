@@ -13,6 +13,7 @@ from __future__ import annotations
 from . import testing
 from .backends import BackendInfo, backends
 from .backends.base import Op, Status
+from .blocks import BlockPool, BlockPoolDesc, BlockTransfer
 from .communicator import Communicator, init
 from .descriptors import MemoryKind, TensorDesc
 from .errors import (
@@ -35,6 +36,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "READ", "WRITE", "Op", "Status", "init", "Communicator", "Registration", "Transfer", "TensorDesc",
+    "BlockPool", "BlockPoolDesc", "BlockTransfer",
     "MemoryKind", "BackendInfo", "backends", "testing", "TensorwireError", "InvalidArgumentError",
     "ClosedError", "BackendUnavailableError", "TransferError", "WaitTimeoutError", "PeerLostError",
     "moe", "all_to_all_v",

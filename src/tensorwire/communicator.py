@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from . import config as config_module
 from . import cuda
+from . import blocks as blocks_module
 from .backends.base import Backend, Op, Segment, Status
 from .backends.local import LocalBackend
 from .backends.nixl import NixlBackend
@@ -37,6 +38,7 @@ from .memory_map import MemoryMap, PeerView, host_identity
 from .errors import BackendUnavailableError, ClosedError, InvalidArgumentError, WaitTimeoutError
 from .progress import Deadlines, Inbox, ProgressEngine, wait_until, warn_from_progress_thread
 from .registration import LocalMemoryMap, Registration, as_tensor_list, segment_of
+from .blocks import BlockPool, BlockPoolDesc, BlockTransfer
 from .transfer import Transfer
 
 __all__ = ["Communicator", "init"]
@@ -351,7 +353,7 @@ class Communicator:
                 self._nixl.release(request)
             self._touched.add(key)
 
-    def _check_remote_ranges(self, peer: int, remote_descs: list[TensorDesc]) -> None:
+    def _check_remote_ranges(self, peer: int, remote_descs: list[TensorDesc], fn: str = "prepare") -> None:
         """Every non-empty remote range must lie inside memory ``peer`` registered (refreshing our view)."""
         if peer == self.rank:
             regions, epoch = self._local_map.descs(), self._epoch
@@ -364,12 +366,12 @@ class Communicator:
             holders = [region for region in regions if region.contains(d)]
             if not holders:
                 raise InvalidArgumentError(
-                    f"prepare: remote item {i} [0x{d.addr:x}, +{d.nbytes}) on {d.device} is outside what rank {peer} "
+                    f"{fn}: remote item {i} [0x{d.addr:x}, +{d.nbytes}) on {d.device} is outside what rank {peer} "
                     f"has registered (epoch {epoch}); use descriptors from lookup() or narrow() inside them"
                 )
             if all(region.epoch != d.epoch for region in holders):
                 raise InvalidArgumentError(
-                    f"prepare: remote item {i} [0x{d.addr:x}, +{d.nbytes}) comes from a registration of rank {peer} "
+                    f"{fn}: remote item {i} [0x{d.addr:x}, +{d.nbytes}) comes from a registration of rank {peer} "
                     f"that was closed (descriptor epoch {d.epoch}; those bytes now belong to registration epoch "
                     f"{holders[0].epoch}); look the descriptor up again"
                 )
@@ -539,6 +541,106 @@ class Communicator:
         cuda.stream_wait_value(stream, words.addr(from_rank), target)  # before waking the progress thread
         self._engine.watch(deliver, on_error=self._keep_stream_notification_error)
         return None
+
+    # --- KV-cache blocks ---------------------------------------------------------------------------
+    def register_blocks(self, views: "torch.Tensor | Sequence[torch.Tensor]") -> BlockPool:
+        """A ``BlockPool`` over ``views`` (each ``[num_blocks, ...]`` on one CPU or CUDA device, block i =
+        ``view[i]``, one contiguous byte range). Views inside tensors registered with ``register`` use that
+        registration; otherwise their spans are registered here (and deregistered by ``pool.close()``). Local,
+        not collective; blocks while the memory is pinned. See ``tensorwire.blocks``."""
+        self._check_open("register_blocks")
+        views, layout = blocks_module.pool_layout(views)
+        spans = layout.spans()
+        holders = [self._local_map.find(s) for s in spans]
+        owned = None
+        if any(h is None for h in holders):
+            if any(h is not None or self._local_map.overlapping(s) for h, s in zip(holders, spans)):
+                raise InvalidArgumentError(
+                    "register_blocks: some views lie in registered tensors and some do not (or only partly); register "
+                    "the tensors that hold all the views with comm.register first, or none of them")
+            owned = self.register(blocks_module.spans_to_register(views, layout))
+            holders = [self._local_map.find(s) for s in spans]
+        return BlockPool(self, views, layout, holders, owned)
+
+    def publish_blocks(self, key: str, pool: BlockPool) -> None:
+        """Make ``pool``'s descriptor visible to every rank under ``(key, self.rank)``. Non-blocking, not
+        collective."""
+        self._check_open("publish_blocks")
+        self._check_key(key, "publish_blocks")
+        self._check_pool(pool, "publish_blocks")
+        self._rendezvous.set(f"blocks/{self.rank}/{key}", pool.desc.pack())
+
+    def lookup_blocks(self, key: str, rank: int, timeout: float | None = None) -> BlockPoolDesc:
+        """The ``BlockPoolDesc`` ``rank`` published under ``key``; blocks until it exists (``WaitTimeoutError``)."""
+        self._check_open("lookup_blocks")
+        self._check_key(key, "lookup_blocks")
+        self._check_rank(rank, "lookup_blocks")
+        blob = self._rendezvous.get(f"blocks/{rank}/{key}", self._timeout(timeout),
+                                    f"lookup_blocks: rank {rank} has not published {key!r}")
+        desc = BlockPoolDesc.unpack(blob)
+        if desc.rank != rank:
+            raise InvalidArgumentError(f"lookup_blocks: the pool under ({key!r}, rank {rank}) names rank {desc.rank}; "
+                                       "the store value is corrupt")
+        return desc
+
+    def prepare_blocks(self, op: Op, pool: BlockPool, remote: BlockPoolDesc,
+                       transport: str | None = None) -> BlockTransfer:
+        """A reusable ``BlockTransfer`` between ``pool`` and the peer's pool ``remote`` (same number of views,
+        same bytes per block in each). Blocks on first contact with the peer (bounded by the timeout). Picks
+        the transport as ``prepare`` does; ``transport=`` forces one."""
+        self._check_open("prepare_blocks")
+        if not isinstance(op, Op):
+            raise InvalidArgumentError(f"prepare_blocks: op={op!r}; pass tw.READ or tw.WRITE")
+        self._check_pool(pool, "prepare_blocks")
+        if not isinstance(remote, BlockPoolDesc):
+            raise InvalidArgumentError(f"prepare_blocks: remote is a {type(remote).__name__}; pass the BlockPoolDesc "
+                                       "from lookup_blocks() (or pool.desc)")
+        if pool.block_bytes != remote.block_bytes:
+            raise InvalidArgumentError(
+                f"prepare_blocks: local pool has {len(pool.block_bytes)} views of {pool.block_bytes} bytes per block, "
+                f"rank {remote.rank}'s {len(remote.block_bytes)} of {remote.block_bytes}; both pools need the same "
+                "views in the same order, with equal bytes per block")
+        peer = remote.rank
+        self._check_rank(peer, "prepare_blocks")
+        if peer == self.rank and pool.layout.kind is not remote.kind:
+            raise InvalidArgumentError("prepare_blocks: host and GPU pools of one rank; copy between them with torch "
+                                       "(index_select / index_copy_)")
+        self._check_remote_ranges(peer, remote.spans(), "prepare_blocks")
+        pairs = list(zip(pool.layout.spans(), remote.layout().spans()))
+        if transport is not None and transport not in self._backends:
+            raise InvalidArgumentError(f"prepare_blocks: transport={transport!r}; pass one of {sorted(self._backends)}")
+        backend = self._backends[self._choose_transport(peer, pairs, transport)]
+        uses_cuda = MemoryKind.CUDA in (pool.layout.kind, remote.kind)
+        if backend is self._nixl and uses_cuda:
+            self._touch_remote_allocations(peer, pairs)
+        request = backend.prepare_blocks(op, pool.layout, remote.layout(), peer)
+        core = Transfer(self, op, peer, 0, backend, request, None, uses_cuda)
+        self._transfers.add(core)
+        for registration in set(pool._holders):
+            registration.transfers.add(core)
+        transfer = BlockTransfer(core, pool, remote)
+        pool.transfers.add(transfer)
+        return transfer
+
+    def read_blocks(self, pool: BlockPool, local_ids, remote: BlockPoolDesc, remote_ids,
+                    timeout: float | None = None) -> None:
+        """READ block ``remote_ids[i]`` of ``remote`` into block ``local_ids[i]`` of ``pool`` and wait. Blocks."""
+        with self.prepare_blocks(Op.READ, pool, remote) as transfer:
+            transfer.post(local_ids, remote_ids)
+            transfer.wait(timeout)
+
+    def write_blocks(self, pool: BlockPool, local_ids, remote: BlockPoolDesc, remote_ids,
+                     notify: bytes | None = None, timeout: float | None = None) -> None:
+        """WRITE block ``local_ids[i]`` of ``pool`` to block ``remote_ids[i]`` of ``remote`` and wait; ``notify``
+        reaches the peer after the data. Blocks."""
+        with self.prepare_blocks(Op.WRITE, pool, remote) as transfer:
+            transfer.post(local_ids, remote_ids, notify=notify)
+            transfer.wait(timeout)
+
+    def _check_pool(self, pool: BlockPool, fn: str) -> None:
+        if not isinstance(pool, BlockPool) or pool._comm is not self:
+            raise InvalidArgumentError(f"{fn}: pass a BlockPool from this communicator's register_blocks(), got {pool!r}")
+        pool._check_open(fn)
 
     # --- collective helpers & lifetime ------------------------------------------------------------
     def barrier(self, timeout: float | None = None) -> None:

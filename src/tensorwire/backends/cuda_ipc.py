@@ -21,6 +21,7 @@ from .. import cuda
 from ..descriptors import MemoryKind
 from ..errors import TransferError
 from .base import Capabilities, Op, Segment, Status, StreamOrderedCompletion, StreamOrderedRequest
+from .block_copy import BlockLayout, DeviceBlockRequest, copy_request
 
 __all__ = ["CudaIpcBackend"]
 
@@ -105,13 +106,25 @@ class CudaIpcBackend(StreamOrderedCompletion):
             copies += cuda.copy_pieces(destination, source, mine.nbytes)
         return _Request(copies, device_index)
 
+    def prepare_blocks(self, op: Op, local: BlockLayout, remote: BlockLayout, peer: int) -> DeviceBlockRequest:
+        """Blocks between this GPU and a same-host peer's pool, mapped here: one kernel per post."""
+        remote_addrs = [self.pointer(peer, remote.span(r), local.device_index) for r in remote.regions]
+        return copy_request(op is Op.READ, local, remote, remote_addrs)
+
+    def bind_blocks(self, request: DeviceBlockRequest, local_ids, remote_ids, notify: bytes | None) -> None:
+        request.bind(local_ids, remote_ids, notify)
+
     def post(self, request: _Request, notify: bytes | None, stream: "torch.cuda.Stream | None" = None) -> Status:
+        if isinstance(request, DeviceBlockRequest):
+            return request.post(stream)
         stream = stream or torch.cuda.current_stream(request.device_index)
         cuda.enqueue_copies(request.copies, stream, request.device_index, "cuda_ipc")
         request.record(stream)
         return Status.IN_PROGRESS
 
     def release(self, request: _Request) -> None:
+        if isinstance(request, DeviceBlockRequest):
+            return request.release()
         request.copies = []
 
     def close(self) -> None:

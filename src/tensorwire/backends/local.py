@@ -19,6 +19,7 @@ import torch
 from .. import cuda
 from ..descriptors import MemoryKind
 from .base import Capabilities, Op, Segment, Status, StreamOrderedCompletion, StreamOrderedRequest
+from .block_copy import BLOCK_COPY_REQUESTS, BlockLayout, copy_request
 
 __all__ = ["LocalBackend"]
 
@@ -65,7 +66,16 @@ class LocalBackend(StreamOrderedCompletion):
                               for piece in cuda.copy_pieces(d.addr, s.addr, d.nbytes)]
         return request
 
+    def prepare_blocks(self, op: Op, local: BlockLayout, remote: BlockLayout, peer: int):
+        """Blocks between two pools of this process: host rows (host memory) or the kernel (GPU memory)."""
+        return copy_request(op is Op.READ, local, remote, [r.addr for r in remote.regions])
+
+    def bind_blocks(self, request, local_ids, remote_ids, notify: bytes | None) -> None:
+        request.bind(local_ids, remote_ids, notify)
+
     def post(self, request: _Request, notify: bytes | None, stream: "torch.cuda.Stream | None" = None) -> Status:
+        if isinstance(request, BLOCK_COPY_REQUESTS):
+            return request.post(stream)
         if request.device_index is None:
             for destination, source in request.pairs:
                 destination.copy_(source)
@@ -81,6 +91,8 @@ class LocalBackend(StreamOrderedCompletion):
         return Status.IN_PROGRESS
 
     def release(self, request: _Request) -> None:
+        if isinstance(request, BLOCK_COPY_REQUESTS):
+            return request.release()
         request.pairs, request.copies = [], None
 
     def close(self) -> None:

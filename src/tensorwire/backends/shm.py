@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from ..descriptors import MemoryKind
 from ..errors import TransferError
 from .base import Capabilities, Op, Segment, Status
+from .block_copy import BlockLayout, HostBlockRequest, copy_request
 
 __all__ = ["ShmBackend", "shared_file_of"]
 
@@ -148,7 +149,16 @@ class ShmBackend:
             copies.append((mine.addr, pointer, mine.nbytes) if op is Op.READ else (pointer, mine.addr, mine.nbytes))
         return _Request(copies)
 
+    def prepare_blocks(self, op: Op, local: BlockLayout, remote: BlockLayout, peer: int) -> HostBlockRequest:
+        """Blocks between this process's host pool and a peer's pool in shared files, mapped here."""
+        return copy_request(op is Op.READ, local, remote, [self._pointer(peer, remote.span(r)) for r in remote.regions])
+
+    def bind_blocks(self, request: HostBlockRequest, local_ids, remote_ids, notify: bytes | None) -> None:
+        request.bind(local_ids, remote_ids, notify)
+
     def post(self, request: _Request, notify: bytes | None, stream: object = None) -> Status:
+        if isinstance(request, HostBlockRequest):
+            return request.post()  # torch's index ops release the GIL while they copy
         for destination, source, nbytes in request.copies:
             ctypes.memmove(destination, source, nbytes)  # a foreign call: the GIL is released meanwhile
         return Status.DONE
@@ -157,6 +167,8 @@ class ShmBackend:
         return Status.DONE  # every copy completes inside post
 
     def release(self, request: _Request) -> None:
+        if isinstance(request, HostBlockRequest):
+            return request.release()
         request.copies = []
 
     def notifications(self) -> list[tuple[int, bytes]]:

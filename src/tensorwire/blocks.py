@@ -1,0 +1,349 @@
+"""KV-cache block transfers: pools of equally sized blocks, and one request that moves thousands of them by id.
+
+A ``BlockPool`` is a set of *views* (tensors whose dim 0 is the block index: vLLM's per-layer
+``[num_blocks, 2, block, heads, dim]``, the K/V halves ``cache[0]``/``cache[1]`` of ``[2, num_blocks, ...]``,
+or one all-layers-per-block tensor); block ``i`` of the pool is ``view[i]`` of every view. Its
+``BlockPoolDesc`` is a small versioned value that travels through the store like a ``TensorDesc``. A
+``BlockTransfer`` is prepared once per (operation, local pool, remote pool) and posted with any ids:
+
+    pool = comm.register_blocks([k_cache, v_cache])          # [num_blocks, ...] each, one device
+    comm.publish_blocks("kv", pool)
+    remote = comm.lookup_blocks("kv", prefill_rank)
+    with comm.prepare_blocks(tw.READ, pool, remote) as x:   # x.transport: cuda_ipc / nixl / shm / local
+        x.post(local_ids, remote_ids)                        # ids: int tensors, numpy arrays or lists
+        x.wait()
+
+Per transport, one request per post, never a call per block: ``cuda_ipc`` and ``local`` (GPU) launch one
+Triton gather/scatter kernel over the peer's IPC-mapped pool (stream-ordered, graph-capturable with ids in
+device tensors); ``nixl`` makes one ``make_prepped_xfer`` over descriptor lists prepared once per transfer;
+``shm`` and ``local`` (host) copy with torch index ops. Ids are checked vectorised on the host: out of range,
+duplicate destinations and mismatched lengths raise ``InvalidArgumentError`` before anything moves. Ids that
+already live on the GPU are not read back by the host (that would wait for the GPU): the kernel skips ids out
+of range, so no byte lands outside the pool, and duplicate destinations are the caller's race.
+
+Non-goals: heterogeneous layouts (different block sizes or view counts on the two sides), partial blocks.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+
+from .backends.base import Op, Segment, Status
+from .backends.block_copy import BlockLayout, BlockRegion, DeviceBlockRequest
+from .descriptors import MemoryKind, TensorDesc
+from .errors import ClosedError, InvalidArgumentError
+from .lifetime import Closeable
+from .registration import Registration, as_tensor_list
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+    from .transfer import Transfer
+
+__all__ = ["BlockPool", "BlockPoolDesc", "BlockTransfer"]
+
+_MAGIC = b"TWB"
+_FORMAT_VERSION = 1
+_HEADER = struct.Struct("<3sBiBxhQI")  # magic, version, rank, memory kind, device index, num_blocks, regions
+_REGION = struct.Struct("<QQQI4x")  # addr, stride, block bytes, registration epoch
+_MAX_REGIONS = 65535
+
+
+@dataclass(frozen=True)
+class BlockPoolDesc:
+    """A pool of ``rank``: ``num_blocks`` blocks in each region ``(addr, stride, block_bytes, epoch)``.
+
+    Wire format (little endian), ``pack``: header ``b"TWB" | version u8 | rank i32 | kind u8 | pad u8 |
+    device index i16 | num_blocks u64 | region count u32``, then per region ``addr u64 | stride u64 |
+    block bytes u64 | epoch u32 | pad u32``."""
+
+    rank: int
+    kind: MemoryKind
+    device_index: int
+    num_blocks: int
+    regions: tuple[tuple[int, int, int, int], ...]
+
+    @property
+    def block_bytes(self) -> tuple[int, ...]:
+        return tuple(r[2] for r in self.regions)
+
+    def layout(self) -> BlockLayout:
+        return BlockLayout(tuple(BlockRegion(a, s, b) for a, s, b, _ in self.regions), self.num_blocks, self.kind,
+                           self.device_index)
+
+    def spans(self) -> list[TensorDesc]:
+        """Each region's bytes as a descriptor of the registration it lies in (checked against the owner's map)."""
+        return [TensorDesc(self.rank, s.addr, s.nbytes, self.kind, self.device_index, region[3])
+                for s, region in zip(self.layout().spans(), self.regions)]
+
+    def pack(self) -> bytes:
+        header = _HEADER.pack(_MAGIC, _FORMAT_VERSION, self.rank, int(self.kind), self.device_index, self.num_blocks,
+                              len(self.regions))
+        return header + b"".join(_REGION.pack(*r) for r in self.regions)
+
+    @staticmethod
+    def unpack(data: bytes) -> "BlockPoolDesc":
+        """Inverse of ``pack``; corrupt or foreign bytes raise ``InvalidArgumentError``."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidArgumentError(f"BlockPoolDesc.unpack: got {type(data).__name__}; pass the bytes pack() made")
+        data = bytes(data)
+        if len(data) < _HEADER.size:
+            raise InvalidArgumentError(f"BlockPoolDesc.unpack: {len(data)} bytes is shorter than the {_HEADER.size}-"
+                                       "byte header; the data is truncated or was not made by BlockPoolDesc.pack")
+        magic, version, rank, kind, device_index, num_blocks, count = _HEADER.unpack_from(data)
+        if magic != _MAGIC or version != _FORMAT_VERSION:
+            raise InvalidArgumentError(
+                f"BlockPoolDesc.unpack: header {magic!r} version {version}, expected {_MAGIC!r} version "
+                f"{_FORMAT_VERSION}; use the same tensorwire version on every rank")
+        if len(data) != _HEADER.size + count * _REGION.size:
+            raise InvalidArgumentError(f"BlockPoolDesc.unpack: {len(data)} bytes for {count} views; the data is "
+                                       "truncated or corrupt")
+        regions = tuple(_REGION.unpack_from(data, _HEADER.size + i * _REGION.size) for i in range(count))
+        if rank < 0 or kind not in (0, 1) or not 0 < count <= _MAX_REGIONS or num_blocks < 1 or any(
+                b < 1 or (num_blocks > 1 and s < b) or a + s * (num_blocks - 1) + b > 2**64 for a, s, b, _ in regions):
+            raise InvalidArgumentError(f"BlockPoolDesc.unpack: rank {rank}, kind {kind}, {count} views of "
+                                       f"{num_blocks} blocks: not a valid pool; the data is corrupt")
+        return BlockPoolDesc(rank, MemoryKind(kind), device_index, num_blocks, regions)
+
+
+class BlockPool(Closeable):
+    """Registered block memory of this rank (``comm.register_blocks``). Context manager; ``close()`` is
+    idempotent and closes the block transfers prepared on the pool (and the registration it made, if any).
+
+    Attributes: ``views`` (the tensors given), ``num_blocks``, ``block_bytes`` (per view), ``device``,
+    ``desc`` (the ``BlockPoolDesc`` peers address)."""
+
+    def __init__(self, comm: "Communicator", views: list[torch.Tensor], layout: BlockLayout,
+                 holders: list[Registration], owned: Registration | None) -> None:
+        self._comm = comm
+        self.views = views
+        self.layout = layout
+        self.num_blocks = layout.num_blocks
+        self.block_bytes = tuple(r.block_bytes for r in layout.regions)
+        self.device = views[0].device
+        self._holders = holders  # the registration holding each view's bytes
+        self._owned = owned
+        epochs = [_desc_holding(h, s).epoch for h, s in zip(holders, layout.spans())]
+        self.desc = BlockPoolDesc(comm.rank, layout.kind, layout.device_index, layout.num_blocks,
+                                  tuple((r.addr, r.stride, r.block_bytes, e) for r, e in zip(layout.regions, epochs)))
+        self.transfers: set[BlockTransfer] = set()
+        self.closed = False
+
+    def close(self) -> None:
+        """Close the pool's block transfers and deregister what ``register_blocks`` registered. Local, not
+        collective: a peer's later ``prepare_blocks`` or ``read_blocks`` with this pool's descriptor fails."""
+        if self.closed:
+            return
+        self.closed = True
+        for transfer in list(self.transfers):
+            transfer.close()
+        if self._owned is not None:
+            self._owned.close()
+        self.views = []
+
+    def _check_open(self, fn: str) -> None:
+        if self.closed:
+            raise ClosedError(f"{fn}: the block pool is closed; register the blocks again with comm.register_blocks")
+        if any(h.closed for h in self._holders):
+            raise ClosedError(f"{fn}: the registration holding this pool's views was closed; register them again")
+
+    def _leak_message(self) -> str:
+        return "a BlockPool was garbage-collected without close(); call pool.close() or use 'with comm.register_blocks'"
+
+    def __repr__(self) -> str:
+        return (f"BlockPool({len(self.block_bytes)} views x {self.num_blocks} blocks of {self.block_bytes} bytes on "
+                f"{self.device}{', closed' if self.closed else ''})")
+
+
+def _desc_holding(registration: Registration, span: Segment) -> TensorDesc:
+    return next(d for d, s in zip(registration.descs, registration.segments)
+                if s.addr <= span.addr and span.addr + span.nbytes <= s.addr + s.nbytes)
+
+
+def pool_layout(views: "torch.Tensor | Sequence[torch.Tensor]") -> tuple[list[torch.Tensor], BlockLayout]:
+    """Check ``views`` (each ``[num_blocks, ...]``, block ``i`` = ``view[i]`` one contiguous byte range, one
+    device for all) and describe them as a ``BlockLayout``."""
+    views = as_tensor_list(views, "register_blocks")
+    first = views[0]
+    regions = []
+    for i, view in enumerate(views):
+        if view.device != first.device or view.device.type not in ("cpu", "cuda"):
+            raise InvalidArgumentError(f"register_blocks: view {i} is on {view.device}, view 0 on {first.device}; "
+                                       "one pool holds one CPU or CUDA device's memory: make one pool per device")
+        if view.dim() < 1 or view.shape[0] != first.shape[0] or view.shape[0] < 1:
+            raise InvalidArgumentError(
+                f"register_blocks: view {i} has shape {tuple(view.shape)}, view 0 {tuple(first.shape)}; every view "
+                "is [num_blocks, ...] with the same num_blocks >= 1 (dim 0 is the block index)")
+        block = view[0]
+        block_bytes = block.numel() * view.element_size()
+        stride = view.stride(0) * view.element_size()
+        if not block.is_contiguous() or block_bytes == 0:
+            raise InvalidArgumentError(
+                f"register_blocks: a block of view {i} (shape {tuple(block.shape)}, strides {block.stride()}) is not "
+                "one non-empty contiguous byte range; make every dim after the first contiguous")
+        if view.shape[0] > 1 and stride < block_bytes:
+            raise InvalidArgumentError(f"register_blocks: view {i} has blocks {stride} bytes apart but {block_bytes} "
+                                       "bytes long: they overlap; dim 0 must step over whole blocks")
+        regions.append(BlockRegion(view.data_ptr(), stride, block_bytes))
+    kind = MemoryKind.CPU if first.device.type == "cpu" else MemoryKind.CUDA
+    device_index = -1 if kind is MemoryKind.CPU else first.device.index
+    return views, BlockLayout(tuple(regions), first.shape[0], kind, device_index)
+
+
+def spans_to_register(views: list[torch.Tensor], layout: BlockLayout) -> list[torch.Tensor]:
+    """Flat ``uint8`` tensors covering the views' spans, overlapping spans merged (interleaved views such as
+    ``cache[:, 0]`` and ``cache[:, 1]`` share their span), to register once each."""
+    order = sorted(range(len(views)), key=lambda i: layout.regions[i].addr)
+    merged: list[list] = []  # [start, end, view index]
+    for i in order:
+        span = layout.span(layout.regions[i])
+        if merged and span.addr < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], span.addr + span.nbytes)
+        else:
+            merged.append([span.addr, span.addr + span.nbytes, i])
+    flats = []
+    for start, end, i in merged:
+        storage = views[i].untyped_storage()
+        if end > storage.data_ptr() + storage.nbytes():
+            raise InvalidArgumentError("register_blocks: views overlap across different tensors' storage; give views "
+                                       "of one tensor, or of tensors that do not overlap")
+        flat = torch.empty(0, dtype=torch.uint8, device=views[i].device)
+        flats.append(flat.set_(storage, start - storage.data_ptr(), (end - start,), (1,)))
+    return flats
+
+
+def as_ids(ids, num_blocks: int, what: str, device: torch.device | None, unique: bool) -> "np.ndarray | torch.Tensor":
+    """``ids`` as a 1-D int64 numpy array checked against ``[0, num_blocks)`` (and for duplicates if
+    ``unique``), or, when ``device`` is given and the ids are an integer tensor on it, that tensor unchecked."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+            raise InvalidArgumentError(f"{what}: a {ids.dtype} tensor of shape {tuple(ids.shape)}; pass a 1-D int32 or "
+                                       "int64 tensor of block ids")
+        if ids.device.type != "cpu":
+            if device is not None and ids.device == device:
+                return ids
+            ids = ids.cpu()  # waits for the GPU: ids for a host pool or a CPU-driven transport belong on the host
+        array = ids.numpy()
+    elif isinstance(ids, np.ndarray):
+        array = ids
+    elif isinstance(ids, (list, tuple, range)):
+        array = np.asarray(ids) if len(ids) else np.zeros(0, dtype=np.int64)
+    else:
+        raise InvalidArgumentError(f"{what}: got {type(ids).__name__}; pass a 1-D integer tensor, numpy array or list")
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"{what}: {array.dtype} array of shape {array.shape}; pass 1-D integer block ids")
+    array = array.astype(np.int64, copy=False)
+    if len(array) and (array.min() < 0 or array.max() >= num_blocks):
+        bad = int(np.flatnonzero((array < 0) | (array >= num_blocks))[0])
+        raise InvalidArgumentError(f"{what}: id {int(array[bad])} at position {bad} is outside [0, {num_blocks}); the "
+                                   f"pool has {num_blocks} blocks")
+    if unique and len(array) > 1:
+        seen = np.zeros(num_blocks, dtype=np.bool_)
+        seen[array] = True
+        if np.count_nonzero(seen) != len(array):
+            values, counts = np.unique(array, return_counts=True)
+            raise InvalidArgumentError(f"{what}: destination block {int(values[counts > 1][0])} appears "
+                                       f"{int(counts.max())} times; each destination block may be written once per post")
+    return np.ascontiguousarray(array)
+
+
+class BlockTransfer(Closeable):
+    """A prepared block READ or WRITE between a local pool and one peer's pool, re-postable with any ids.
+    Not thread-safe: drive one handle from one thread.
+
+    Attributes: ``op``, ``peer``, ``transport`` (``"cuda_ipc"``, ``"nixl"``, ``"shm"`` or ``"local"``),
+    ``bytes_per_block`` (summed over the views)."""
+
+    def __init__(self, core: "Transfer", pool: BlockPool, remote: BlockPoolDesc) -> None:
+        self._core = core
+        self._pool, self._remote = pool, remote
+        self._request = core._request
+        self.op, self.peer, self.transport = core.op, core.peer, core.transport
+        self.bytes_per_block = sum(pool.block_bytes)
+        self._on_device = isinstance(self._request, DeviceBlockRequest)  # takes ids that live on the GPU
+        self._empty = False  # the last post had no ids
+        self.closed = False
+
+    def post(self, local_ids, remote_ids, notify: bytes | None = None,
+             stream: "torch.cuda.Stream | None" = None) -> None:
+        """Move block ``remote_ids[i]`` of the peer's pool to block ``local_ids[i]`` of ours (READ), or the
+        reverse (WRITE), for every i, in every view. Non-blocking; ``stream`` as for ``Transfer.post``.
+
+        ``local_ids``/``remote_ids``: 1-D integer tensors (CPU, or on the pool's GPU for ``cuda_ipc``/``local``),
+        numpy arrays or lists, of equal length; bad ids raise ``InvalidArgumentError`` before anything moves.
+        ``notify`` (non-empty bytes) reaches the peer after the data. Graph-capturable over ``cuda_ipc``/``local``
+        with ids in device tensors (a replay reads their contents then). 0 ids moves nothing."""
+        self._check_open("post")
+        destination_is_local = self.op is Op.READ
+        device = self._pool.device if self._on_device else None
+        local = as_ids(local_ids, self._pool.num_blocks, "post: local_ids", device, destination_is_local)
+        remote = as_ids(remote_ids, self._remote.num_blocks, "post: remote_ids", device, not destination_is_local)
+        if len(local) != len(remote):
+            raise InvalidArgumentError(f"post: {len(local)} local ids but {len(remote)} remote ids; id i of each pairs up")
+        if isinstance(local, torch.Tensor) != isinstance(remote, torch.Tensor):  # one on the GPU, one on the host
+            local, remote = (torch.as_tensor(x, device=self._pool.device) for x in (local, remote))
+        if notify is not None and (not isinstance(notify, (bytes, bytearray)) or not notify):
+            raise InvalidArgumentError(f"post: notify must be non-empty bytes, got {notify!r}; pass e.g. notify=b'done'")
+        core = self._core
+        if core._state is Status.IN_PROGRESS and not core._posted_on_stream and core.status() is Status.IN_PROGRESS:
+            raise InvalidArgumentError(f"post: the block {self.op.value} to rank {self.peer} is still in flight; call "
+                                       "wait() before posting it again")
+        if len(local) == 0:
+            self._empty = True
+            if notify is not None:
+                self._pool._comm._notify_when(self.peer, bytes(notify), lambda: True)
+            return
+        if stream is not None and not isinstance(local, torch.Tensor) and self._on_device:
+            with torch.cuda.stream(stream):
+                if torch.cuda.is_current_stream_capturing():
+                    raise InvalidArgumentError(
+                        "post: ids on the host cannot be captured in a CUDA graph (the graph would keep reading the "
+                        "first post's copy); pass local_ids and remote_ids as tensors on the pool's device")
+        self._empty = False
+        self._core._backend.bind_blocks(self._request, local, remote, notify)
+        core._notify, core.nbytes = notify, len(local) * self.bytes_per_block
+        try:
+            core.post(stream)
+        except BaseException:
+            self._request.bindings.unbind_last()
+            raise
+
+    def status(self) -> Status:
+        """DONE, IN_PROGRESS or ERROR of the last post; never blocks (see ``Transfer.status``)."""
+        self._check_open("status")
+        return Status.DONE if self._empty else self._core.status()
+
+    def wait(self, timeout: float | None = None, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Complete the last post: block (sleeping) until done, or with ``stream`` return at once and make the
+        stream wait. ``WaitTimeoutError`` after ``timeout`` seconds (default: the communicator's)."""
+        self._check_open("wait")
+        if self._empty:
+            self._pool._comm._timeout(timeout)  # still reject a bad timeout
+            return
+        self._core.wait(timeout, stream)
+
+    def close(self) -> None:
+        """Release the prepared request (see ``Transfer.close``). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._core.close()
+        self._pool.transfers.discard(self)
+
+    def _check_open(self, fn: str) -> None:
+        if self.closed:
+            raise ClosedError(f"{fn}: the block transfer is closed; prepare a new one with comm.prepare_blocks(...)")
+        self._pool._check_open(fn)
+        self._core._check_open(fn)
+
+    def _leak_message(self) -> str:
+        return (f"a block {self.op.value} to rank {self.peer} was garbage-collected without close(); call close() or "
+                "use 'with comm.prepare_blocks(...)'")
+
+    def __repr__(self) -> str:
+        return (f"BlockTransfer({self.op.value}, peer={self.peer}, transport={self.transport!r}, "
+                f"{self.bytes_per_block} bytes per block{', closed' if self.closed else ''})")
