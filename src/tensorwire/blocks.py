@@ -16,7 +16,7 @@ or one all-layers-per-block tensor); block ``i`` of the pool is ``view[i]`` of e
 Per transport, one request per post, never a call per block: ``cuda_ipc`` and ``local`` (GPU) launch one
 Triton gather/scatter kernel over the peer's IPC-mapped pool (stream-ordered, graph-capturable with ids in
 device tensors); ``nixl`` makes one ``make_prepped_xfer`` over descriptor lists prepared once per transfer;
-``shm`` and ``local`` (host) copy with torch index ops. Ids are checked vectorised on the host: out of range,
+``shm`` and ``local`` (host) copy with one ``memmove`` per run of consecutive blocks. Ids are checked vectorised on the host: out of range,
 duplicate destinations and mismatched lengths raise ``InvalidArgumentError`` before anything moves. Ids that
 already live on the GPU are not read back by the host (that would wait for the GPU): the kernel skips ids out
 of range, so no byte lands outside the pool, and duplicate destinations are the caller's race.

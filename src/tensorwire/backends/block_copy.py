@@ -1,5 +1,5 @@
 """What backends share to move KV-cache blocks by id: the pool layout, the ids bound per post, and the two
-copy engines that are not NIXL (a host copy with torch index ops, a GPU gather/scatter kernel).
+copy engines that are not NIXL (host memory: one memmove per run of blocks; GPU memory: one Triton kernel).
 
 A block request is prepared once per (operation, local pool, remote pool) and posted many times, each
 post with its own ids. ``bind(local_ids, remote_ids, notify)`` queues the ids of the next post; the post
@@ -22,7 +22,7 @@ from ..descriptors import MemoryKind
 from ..errors import BackendUnavailableError, InvalidArgumentError
 from .base import Segment, Status, StreamOrderedRequest
 
-__all__ = ["BlockRegion", "BlockLayout", "BlockBindings", "HostBlockRequest", "DeviceBlockRequest", "host_rows",
+__all__ = ["BlockRegion", "BlockLayout", "BlockBindings", "HostBlockRequest", "DeviceBlockRequest", "runs",
            "copy_request", "BLOCK_COPY_REQUESTS"]
 
 
@@ -89,30 +89,30 @@ class BlockBindings:
             self._on_drop(item)
 
 
-def host_rows(addr: int, region: BlockRegion, num_blocks: int) -> np.ndarray:
-    """``region`` at ``addr`` in this process as a 1-D numpy array of ``num_blocks`` opaque rows (dtype
-    ``V<block_bytes>``, stride ``region.stride``): numpy moves each row with one ``memcpy``. It does not own
-    the memory: its user keeps the mapping or tensor alive."""
-    span = region.stride * (num_blocks - 1) + region.block_bytes
-    buffer = (ctypes.c_uint8 * span).from_address(addr)
-    return np.ndarray((num_blocks,), dtype=np.dtype((np.void, region.block_bytes)), buffer=buffer,
-                      strides=(region.stride,))
+def runs(destination_ids: np.ndarray, source_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where runs of ids consecutive on both sides start, and how long they are (vectorised)."""
+    breaks = np.flatnonzero((np.diff(destination_ids) != 1) | (np.diff(source_ids) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    return starts, np.diff(np.concatenate((starts, [len(destination_ids)])))
 
 
 class HostBlockRequest:
-    """Blocks between host rows, copied inside ``post`` with numpy fancy indexing (a gather of the source rows,
-    then a scatter: measured faster on a 2-core VM than torch's index ops, ~4x, and than a Python memmove
-    loop)."""
+    """Blocks between host memory of this process (``destination``/``source``: per region, the address of
+    block 0 here, which may be a mapping of a peer's file), copied inside ``post``: one ``memmove`` per run of
+    blocks consecutive on both sides (a run is one range when the region is dense). Measured on a 2-core VM,
+    10k x 16 KiB random blocks: ~2x the time of one contiguous ``memmove`` of the same bytes; numpy's fancy
+    indexing (gather, then scatter) took ~3.5x, torch's ``index_select`` + ``index_copy_`` ~6x."""
 
-    def __init__(self, destination: list[np.ndarray], source: list[np.ndarray], local_is_destination: bool):
-        self.destination, self.source = destination, source
+    event = None  # completes inside post
+
+    def __init__(self, destination: list[int], source: list[int], regions: list[tuple[int, int, int]],
+                 local_is_destination: bool) -> None:
+        self.destination, self.source, self.regions = destination, source, regions
         self.local_is_destination = local_is_destination
         self.bindings = BlockBindings()
 
     def bind(self, local_ids: np.ndarray, remote_ids: np.ndarray, notify: bytes | None) -> None:
         self.bindings.bind((local_ids, remote_ids))
-
-    event = None  # completes inside post
 
     def status(self) -> Status:
         return Status.DONE
@@ -122,8 +122,19 @@ class HostBlockRequest:
         local_ids, remote_ids = self.bindings.current
         destination_ids, source_ids = ((local_ids, remote_ids) if self.local_is_destination
                                        else (remote_ids, local_ids))
-        for destination, source in zip(self.destination, self.source):
-            destination[destination_ids] = source[source_ids]
+        starts, lengths = runs(destination_ids, source_ids)
+        destination_starts, source_starts = destination_ids[starts], source_ids[starts]
+        memmove = ctypes.memmove  # a foreign call: the GIL is released while it copies
+        for destination, source, (destination_stride, source_stride, block_bytes) in zip(
+                self.destination, self.source, self.regions):
+            if destination_stride == source_stride == block_bytes:  # dense: a run is one range
+                copies = zip((destination + destination_starts * block_bytes).tolist(),
+                             (source + source_starts * block_bytes).tolist(), (lengths * block_bytes).tolist())
+            else:
+                copies = zip((destination + destination_ids * destination_stride).tolist(),
+                             (source + source_ids * source_stride).tolist(), [block_bytes] * len(destination_ids))
+            for destination_addr, source_addr, nbytes in copies:
+                memmove(destination_addr, source_addr, nbytes)
         return Status.DONE
 
     def release(self) -> None:
@@ -224,10 +235,8 @@ def copy_request(read: bool, local: BlockLayout, remote: BlockLayout,
     local_addrs = [r.addr for r in local.regions]
     (destination, destination_addrs), (source, source_addrs) = (
         ((local, local_addrs), (remote, remote_addrs)) if read else ((remote, remote_addrs), (local, local_addrs)))
-    if local.kind is MemoryKind.CPU:
-        return HostBlockRequest(
-            [host_rows(a, r, destination.num_blocks) for a, r in zip(destination_addrs, destination.regions)],
-            [host_rows(a, r, source.num_blocks) for a, r in zip(source_addrs, source.regions)], read)
     regions = [(d.stride, s.stride, d.block_bytes) for d, s in zip(destination.regions, source.regions)]
+    if local.kind is MemoryKind.CPU:
+        return HostBlockRequest(destination_addrs, source_addrs, regions, read)
     return DeviceBlockRequest(destination_addrs, source_addrs, regions, (destination.num_blocks, source.num_blocks),
                               local.device_index, read)

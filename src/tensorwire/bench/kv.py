@@ -1,0 +1,483 @@
+"""``tensorwire bench kv``: KV-cache block transfers between two local ranks, side by side with their
+references, measured in the same run.
+
+Rank 1 owns a *source* pool (its values encode rank, block and position) and an *inbox* pool; rank 0 owns a
+*landing* pool and a source pool of its own. A READ case moves ``blocks`` ids of rank 1's source pool into
+rank 0's landing pool; a WRITE case moves rank 0's source blocks into rank 1's inbox. Ids are a random
+permutation of the pool's blocks (``random``) or ``0..n-1`` (``contiguous``, which NIXL merges into one
+descriptor). The real layout (``llama70b-tp8``) is Llama-3-70B at TP8: 80 layers x K/V views of 4 KiB per
+block, 512 blocks (an 8k-token prompt at 16 tokens per block).
+
+Paths per case (rank 0 drives every one):
+
+- ``tensorwire``: ``prepare_blocks`` once, then per request ``post(ids)`` + ``wait``; on GPU ``post(stream=)``
+  + ``wait(stream=)`` timed with CUDA events (the GPU's time), with the ids in device tensors. ``post`` is
+  also timed alone on the host (p50/p99) with host (numpy) ids: checking and translating them included.
+- ``tensorwire (nixl)``: the same with ``transport="nixl"`` (host memory; the default there is ``shm``).
+- ``raw nixl descs``: a bare NIXL agent builds an Nx3 descriptor array per request and calls
+  ``initialize_xfer``; ``raw nixl prepped``: per-block descriptor lists prepped once, ``make_prepped_xfer``
+  with int32 indices per request (what vLLM's NixlConnector does). Host memory, and GPU for <= 10k blocks
+  (UCX READs one GPU's memory over TCP: ~0.4 GB/s).
+- ``contiguous copy``: one copy of the same number of bytes inside rank 0 (device copy on GPU), the
+  hardware's reference; ``torch gather`` (GPU): ``index_select`` + ``index_copy_`` between two local pools.
+
+Each tensorwire path's bytes are checked after timing (READ: against the source formula; WRITE: read back).
+Non-goals: cross-host figures (run two ranks on two hosts with torchrun for those).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgumentError, TransferError
+from .timing import Budget, CudaEventClock, HostClock, measure
+
+__all__ = ["KvBenchConfig", "run", "add_arguments", "main", "format_report"]
+
+LLAMA = "llama70b-tp8"
+_LLAMA_VIEWS, _LLAMA_BLOCKS, _LLAMA_BLOCK_BYTES = 160, 512, 4096
+_RAW_GPU_MAX_BLOCKS = 10_000
+
+
+@dataclass(frozen=True)
+class KvBenchConfig:
+    memory: tuple[str, ...] = ("cpu",)
+    blocks: tuple[int, ...] = (1000, 10_000, 50_000)
+    block_bytes: tuple[int, ...] = (4096, 16384)
+    ops: tuple[str, ...] = ("READ", "WRITE")
+    patterns: tuple[str, ...] = ("random", "contiguous")
+    llama: bool = True
+    raw: bool = True
+    time_s: float = 0.2
+    post_reps: int = 50
+    timeout_s: float = 1800.0
+
+
+@dataclass(frozen=True)
+class Case:
+    memory: str
+    op: str
+    pattern: str
+    blocks: int
+    block_bytes: int  # per view
+    views: int = 1
+    layout: str = "flat"
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks * self.block_bytes * self.views
+
+
+def cases(config: KvBenchConfig, memory: str) -> list[Case]:
+    out = [Case(memory, op, pattern, n, size) for size in config.block_bytes for n in config.blocks
+           for op in config.ops for pattern in config.patterns]
+    if config.llama:
+        out += [Case(memory, op, "random", _LLAMA_BLOCKS, _LLAMA_BLOCK_BYTES, _LLAMA_VIEWS, LLAMA) for op in config.ops]
+    return out
+
+
+# --- pools ------------------------------------------------------------------------------------------------
+def _values(rank: int, role: int, views: int, blocks: int, block_bytes: int, device: torch.device,
+            files: list[str]) -> list[torch.Tensor]:
+    """``views`` tensors ``[blocks, block_bytes / 4]`` int32 whose words encode (rank, role, view, block, word).
+    Host views live in one ``/dev/shm`` file (its path appended to ``files``), as a serving engine's shared KV
+    cache would, so that a peer on this host reaches them through ``shm``."""
+    words = block_bytes // 4
+    base = torch.arange(words, dtype=torch.int32, device=device)[None, :] + torch.arange(
+        blocks, dtype=torch.int32, device=device)[:, None] * 7919
+    if device.type == "cpu":
+        files.append(f"/dev/shm/tensorwire-bench-kv-{os.getpid()}-{role}-{blocks}-{block_bytes}")
+        storage = torch.from_file(files[-1], shared=True, size=views * blocks * words, dtype=torch.int32)
+        views_out = list(storage.view(views, blocks, words).unbind(0))
+    else:
+        views_out = [torch.empty_like(base) for _ in range(views)]
+    for v, view in enumerate(views_out):
+        torch.add(base, rank * 1_000_003 + role * 100_003 + v * 10_007, out=view)
+    return views_out
+
+
+def _expected(rank: int, role: int, view: int, ids: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    words = block_bytes // 4
+    ids = ids.to(torch.int32)
+    return (torch.arange(words, dtype=torch.int32, device=ids.device)[None, :] + ids[:, None] * 7919
+            + (rank * 1_000_003 + role * 100_003 + view * 10_007))
+
+
+class _Pools:
+    """This rank's two pools for one (views, blocks, block bytes) shape: tensorwire and raw NIXL registered."""
+
+    def __init__(self, comm: Any, raw: Any, shape: tuple[int, int, int], device: torch.device) -> None:
+        views, blocks, block_bytes = shape
+        self.files: list[str] = []
+        self.source = _values(comm.rank, 0, views, blocks, block_bytes, device, self.files)
+        self.target = _values(comm.rank, 1, views, blocks, block_bytes, device, self.files)
+        self.pools = [comm.register_blocks(self.source), comm.register_blocks(self.target)]
+        self.raw_regs = [raw.register_memory(t) for t in self.source + self.target] if raw is not None else []
+
+    def close(self, raw: Any) -> None:
+        for pool in self.pools:
+            pool.close()
+        for reg in self.raw_regs:
+            raw.deregister_memory(reg)
+        for path in self.files:
+            os.unlink(path)
+
+
+# --- raw NIXL references ----------------------------------------------------------------------------------
+def _block_rows(tensors: list[torch.Tensor], ids: np.ndarray, block_bytes: int) -> np.ndarray:
+    """Nx3 ``(addr, len, device)`` descriptors of ``ids`` in every view, view-major (as vLLM orders them)."""
+    device = max(tensors[0].device.index or 0, 0)
+    addrs = np.concatenate([t.data_ptr() + ids.astype(np.uint64) * np.uint64(t.stride(0) * 4) for t in tensors])
+    rows = np.empty((len(addrs), 3), dtype=np.uint64)
+    rows[:, 0], rows[:, 1], rows[:, 2] = addrs, block_bytes, device
+    return rows
+
+
+def _raw_wait(agent: Any, handle: Any) -> None:
+    state = agent.transfer(handle)
+    while state == "PROC":
+        state = agent.check_xfer_state(handle)
+    if state != "DONE":
+        raise TransferError(f"bench kv: raw NIXL transfer ended in state {state!r}")
+
+
+# --- one rank ------------------------------------------------------------------------------------------------
+def _rank_main(config: KvBenchConfig) -> list[dict[str, Any]]:
+    import tensorwire as tw
+
+    from ..backends.nixl import _import_nixl, _make_agent
+
+    comm = tw.init(timeout=120)
+    records: list[dict[str, Any]] = []
+    api, bindings = _import_nixl()
+    raw = _make_agent(api, bindings, f"bench-kv-raw{comm.rank}", comm.config.progress_wakeup_ms) if config.raw else None
+    try:
+        for memory in config.memory:
+            device = comm.device if memory == "cuda" else torch.device("cpu")
+            if memory == "cuda":
+                torch.cuda.set_device(device)
+            by_shape: dict[tuple[int, int, int], list[Case]] = {}
+            for case in cases(config, memory):
+                by_shape.setdefault((case.views, case.blocks, case.block_bytes), []).append(case)
+            for shape, shape_cases in by_shape.items():
+                records += _bench_shape(comm, raw, config, shape, shape_cases, device)
+        comm.barrier(timeout=config.timeout_s)
+    finally:
+        comm.close()
+    return records
+
+
+def _bench_shape(comm: Any, raw: Any, config: KvBenchConfig, shape: tuple[int, int, int], shape_cases: list[Case],
+                 device: torch.device) -> list[dict[str, Any]]:
+    pools = _Pools(comm, raw, shape, device)
+    tag = f"{shape[0]}x{shape[1]}x{shape[2]}-{device.type}"
+    comm.publish_blocks(f"kv-source-{tag}", pools.pools[0])
+    comm.publish_blocks(f"kv-target-{tag}", pools.pools[1])
+    if raw is not None:
+        comm._rendezvous.set(f"bench-kv-raw/{tag}/{comm.rank}", raw.get_agent_metadata())
+        raw.add_remote_agent(comm._rendezvous.get(f"bench-kv-raw/{tag}/{1 - comm.rank}", 60, "bench kv: raw metadata"))
+    records = []
+    try:
+        comm.barrier(timeout=120)
+        if comm.rank == 0:
+            remote_source = comm.lookup_blocks(f"kv-source-{tag}", 1, timeout=60)
+            remote_target = comm.lookup_blocks(f"kv-target-{tag}", 1, timeout=60)
+            peer_tensors = _remote_tensors(remote_source), _remote_tensors(remote_target)
+            for case in shape_cases:
+                records += _bench_case(comm, raw, config, case, pools, (remote_source, remote_target), peer_tensors)
+        comm.barrier(timeout=config.timeout_s)
+    finally:
+        pools.close(raw)
+        if raw is not None:
+            raw.remove_remote_agent(f"bench-kv-raw{1 - comm.rank}")
+    return records
+
+
+def _remote_tensors(desc: Any) -> list[tuple[int, int]]:
+    """(addr, stride) of each region of a peer's pool, for the raw NIXL descriptors."""
+    return [(a, s) for a, s, _, _ in desc.regions]
+
+
+def _bench_case(comm: Any, raw: Any, config: KvBenchConfig, case: Case, pools: _Pools, remotes: tuple,
+                peer_tensors: tuple) -> list[dict[str, Any]]:
+    import tensorwire as tw
+
+    op = tw.READ if case.op == "READ" else tw.WRITE
+    on_gpu = case.memory == "cuda"
+    rng = np.random.default_rng(case.blocks)
+    count = case.blocks
+    local_ids = rng.permutation(count) if case.pattern == "random" else np.arange(count)
+    remote_ids = rng.permutation(count) if case.pattern == "random" else np.arange(count)
+    local_pool = pools.pools[1] if op is tw.READ else pools.pools[0]  # READ lands in target; WRITE sends source
+    remote = remotes[0] if op is tw.READ else remotes[1]
+    budget = Budget(time_s=config.time_s, min_reps=5, warmup_reps=2, rounds=1)
+    out = []
+    transports = [None] + (["nixl"] if not on_gpu else [])
+    for transport in transports:
+        with comm.prepare_blocks(op, local_pool, remote, transport=transport) as x:
+            post_us = _post_times(x, local_ids, remote_ids, config.post_reps, on_gpu)
+            if on_gpu:
+                ids = [torch.as_tensor(a, device=local_pool.device) for a in (local_ids, remote_ids)]
+                stream = torch.cuda.Stream(local_pool.device)
+                stream.wait_stream(torch.cuda.current_stream())
+
+                def on_stream(x=x, ids=ids, stream=stream) -> None:
+                    x.post(ids[0], ids[1], stream=stream)
+                    x.wait(stream=stream)
+
+                with torch.cuda.stream(stream):
+                    timing = measure(on_stream, CudaEventClock(), budget)
+            else:
+                timing = measure(lambda x=x: (x.post(local_ids, remote_ids), x.wait(timeout=60)), HostClock(), budget)
+            _verify(comm, x, case, pools, local_ids, remote_ids, local_pool, remote)
+            name = "tensorwire" if transport is None else f"tensorwire ({transport})"
+            out.append(_record(case, name, timing, x.transport, post_us))
+    if raw is not None and (not on_gpu or count <= _RAW_GPU_MAX_BLOCKS):
+        out += _bench_raw(raw, case, pools, op, local_ids, remote_ids, peer_tensors, budget)
+    out += _bench_local_references(case, pools, local_ids, remote_ids, budget)
+    return out
+
+
+def _post_times(x: Any, local_ids: np.ndarray, remote_ids: np.ndarray, reps: int, on_gpu: bool) -> list[float]:
+    """Host time of ``post`` alone (host ids: checking and translating included), waited outside the timing."""
+    samples = []
+    for _ in range(reps + 2):
+        start = time.perf_counter_ns()
+        x.post(local_ids, remote_ids)
+        samples.append((time.perf_counter_ns() - start) / 1e3)
+        x.wait(timeout=60)
+    if on_gpu:
+        torch.cuda.synchronize()
+    return samples[2:]
+
+
+def _verify(comm: Any, x: Any, case: Case, pools: _Pools, local_ids: np.ndarray, remote_ids: np.ndarray,
+            local_pool: Any, remote: Any) -> None:
+    """The last post moved the right bytes (first 1000 pairs): READ against rank 1's formula, WRITE read back."""
+    import tensorwire as tw
+
+    n = min(1000, len(local_ids))
+    device = local_pool.device
+    local = torch.as_tensor(local_ids[:n], device=device)
+    remote_sample = torch.as_tensor(remote_ids[:n], device=device)
+    if x.op is tw.READ:
+        for v, view in enumerate(pools.target):
+            expected = _expected(1, 0, v, remote_sample, case.block_bytes)
+            if not torch.equal(view[local], expected):
+                raise TransferError(f"bench kv: {case} READ over {x.transport} moved wrong bytes into view {v}")
+        return
+    scratch = torch.arange(n, device=device)
+    with comm.prepare_blocks(tw.READ, pools.pools[1], remote) as back:
+        back.post(scratch, remote_sample)
+        back.wait(timeout=60)
+    for v, (view, sent) in enumerate(zip(pools.target, pools.source)):
+        if not torch.equal(view[scratch], sent[local]):
+            raise TransferError(f"bench kv: {case} WRITE over {x.transport} left wrong bytes in view {v}")
+    for v, view in enumerate(pools.target):  # restore this rank's landing pool for the next READ checks
+        view[scratch] = _expected(0, 1, v, scratch, case.block_bytes)
+
+
+def _bench_raw(raw: Any, case: Case, pools: _Pools, op: Any, local_ids: np.ndarray, remote_ids: np.ndarray,
+               peer_tensors: tuple, budget: Budget) -> list[dict[str, Any]]:
+    """A bare NIXL agent over the same blocks: per-request Nx3 descriptors, and per-block lists prepped once."""
+    import tensorwire as tw
+
+    mem = "VRAM" if case.memory == "cuda" else "DRAM"
+    local = pools.target if op is tw.READ else pools.source
+    peer = peer_tensors[0] if op is tw.READ else peer_tensors[1]
+    peer_name = "bench-kv-raw1"
+    device = max(local[0].device.index or 0, 0)
+
+    def remote_rows(ids: np.ndarray) -> np.ndarray:
+        addrs = np.concatenate([a + ids.astype(np.uint64) * np.uint64(s) for a, s in peer])
+        rows = np.empty((len(addrs), 3), dtype=np.uint64)
+        rows[:, 0], rows[:, 1], rows[:, 2] = addrs, case.block_bytes, device
+        return rows
+
+    def per_request() -> Any:
+        return raw.initialize_xfer(op.value, raw.get_xfer_descs(_block_rows(local, local_ids, case.block_bytes), mem),
+                                   raw.get_xfer_descs(remote_rows(remote_ids), mem), peer_name)
+
+    all_ids = np.arange(case.blocks)
+    local_list = raw.prep_xfer_dlist("", _block_rows(local, all_ids, case.block_bytes), mem)
+    remote_list = raw.prep_xfer_dlist(peer_name, remote_rows(all_ids), mem)
+    views = np.arange(case.views, dtype=np.int64)[:, None] * case.blocks
+    local_index = (views + local_ids[None, :]).astype(np.int32).ravel()
+    remote_index = (views + remote_ids[None, :]).astype(np.int32).ravel()
+
+    def prepped() -> Any:
+        return raw.make_prepped_xfer(op.value, local_list, local_index, remote_list, remote_index)
+
+    out = []
+    try:
+        for name, build in (("raw nixl descs", per_request), ("raw nixl prepped", prepped)):
+            post_us = []
+            for _ in range(12):  # host time to build one request, as post is timed for tensorwire
+                start = time.perf_counter_ns()
+                handle = build()
+                post_us.append((time.perf_counter_ns() - start) / 1e3)
+                handle.release()
+
+            def request(build=build) -> None:
+                handle = build()
+                _raw_wait(raw, handle)
+                handle.release()
+
+            out.append(_record(case, name, measure(request, HostClock(), budget), "nixl", post_us[2:]))
+    finally:
+        raw.release_dlist_handle(local_list)
+        raw.release_dlist_handle(remote_list)
+    return out
+
+
+def _bench_local_references(case: Case, pools: _Pools, local_ids: np.ndarray, remote_ids: np.ndarray,
+                            budget: Budget) -> list[dict[str, Any]]:
+    """The same bytes copied contiguously inside this rank, and (GPU) torch's two-pass gather."""
+    on_gpu = case.memory == "cuda"
+    flat = [t.view(-1) for t in pools.source]
+    landing = [t.view(-1) for t in pools.target]
+    clock = CudaEventClock() if on_gpu else HostClock()
+
+    def contiguous() -> None:
+        for d, s in zip(landing, flat):
+            d.copy_(s)
+
+    out = [_record(case, "contiguous copy", measure(contiguous, clock, budget), "copy", [])]
+    if on_gpu:
+        local = torch.as_tensor(local_ids, device=pools.source[0].device)
+        remote = torch.as_tensor(remote_ids, device=pools.source[0].device)
+
+        def gather() -> None:
+            for d, s in zip(pools.target, pools.source):
+                d.index_copy_(0, local, s.index_select(0, remote))
+
+        out.append(_record(case, "torch gather", measure(gather, clock, budget), "copy", []))
+    return out
+
+
+def _record(case: Case, path: str, timing: Any, transport: str, post_us: list[float]) -> dict[str, Any]:
+    record = asdict(case)
+    record.update(path=path, transport=transport, nbytes=case.nbytes, total_us=timing.median_us,
+                  total_p10_us=timing.p10_us, total_p90_us=timing.p90_us, reps=timing.reps,
+                  gbps=timing.gbps(case.nbytes))
+    if post_us:
+        record.update(post_p50_us=float(np.percentile(post_us, 50)), post_p99_us=float(np.percentile(post_us, 99)))
+    return record
+
+
+# --- the command ---------------------------------------------------------------------------------------------
+def run(config: KvBenchConfig) -> list[dict[str, Any]]:
+    """Launch the two ranks; rank 0's records. Raises ``RankFailedError`` when a rank fails (including wrong
+    bytes: ``TransferError``)."""
+    from ..testing import launch
+
+    return launch(_rank_main, 2, config, timeout=config.timeout_s)[0]
+
+
+def format_report(records: list[dict[str, Any]]) -> str:
+    """One line per (case, path): post p50/p99, total, GB/s, and the ratio to the contiguous copy."""
+    lines = [f"{'case':<44} {'path':<20} {'transport':<9} {'post p50':>10} {'p99':>10} {'total':>11} {'GB/s':>8} "
+             f"{'x copy':>7}"]
+    copies = {_case_key(r): r for r in records if r["path"] == "contiguous copy"}
+    for r in records:
+        case = (f"{r['memory']} {r['op']} {r['pattern']} {r['blocks']}x{r['block_bytes'] // 1024}KiB"
+                + (f" x{r['views']} views ({r['layout']})" if r["views"] > 1 else ""))
+        post = f"{r['post_p50_us']:9.1f}u {r['post_p99_us']:9.1f}u" if "post_p50_us" in r else f"{'':>10} {'':>10}"
+        copy = copies.get(_case_key(r))
+        ratio = f"{copy['total_us'] / r['total_us']:6.2f}x" if copy else ""
+        lines.append(f"{case:<44} {r['path']:<20} {r['transport']:<9} {post} {r['total_us'] / 1e3:9.3f}ms "
+                     f"{r['gbps']:8.2f} {ratio:>7}")
+    return "\n".join(lines)
+
+
+def _case_key(r: dict[str, Any]) -> tuple:
+    return r["memory"], r["op"], r["pattern"], r["blocks"], r["block_bytes"], r["views"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--memory", default=None, help="cpu, cuda or cpu,cuda (default: cpu, plus cuda with a GPU)")
+    parser.add_argument("--blocks", default=None, help="block counts, e.g. 1000,10000,50000")
+    parser.add_argument("--block-bytes", default=None, help="bytes per block and view, e.g. 4096,16384")
+    parser.add_argument("--ops", default=None, help="READ,WRITE")
+    parser.add_argument("--patterns", default=None, help="random,contiguous")
+    parser.add_argument("--no-llama", action="store_true", help="skip the Llama-3-70B TP8 layout")
+    parser.add_argument("--no-raw", action="store_true", help="skip the raw NIXL references")
+    parser.add_argument("--time", type=float, default=None, help="seconds of timed calls per path (default 0.2)")
+    parser.add_argument("--json", default=None, help="write the records (and the command) as JSON here")
+    parser.add_argument("--plot", default=None, help="write a PNG of GB/s per path here (needs matplotlib)")
+
+
+def config_from(args: argparse.Namespace) -> KvBenchConfig:
+    def split(text: str | None, kind: Callable[[str], Any]) -> tuple | None:
+        return None if text is None else tuple(kind(part) for part in text.split(",") if part)
+
+    memory = split(args.memory, str) or (("cpu", "cuda") if torch.cuda.is_available() else ("cpu",))
+    if "cuda" in memory and not torch.cuda.is_available():
+        raise InvalidArgumentError("bench kv: --memory cuda, but torch sees no GPU here; pass --memory cpu")
+    config = KvBenchConfig(memory=memory, llama=not args.no_llama, raw=not args.no_raw)
+    overrides = {"blocks": split(args.blocks, int), "block_bytes": split(args.block_bytes, int),
+                 "ops": split(args.ops, str.upper), "patterns": split(args.patterns, str), "time_s": args.time}
+    return replace(config, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    config = config_from(args)
+    if any(size % 4 for size in config.block_bytes):
+        raise InvalidArgumentError(f"bench kv: --block-bytes {config.block_bytes}; give multiples of 4")
+    records = run(config)
+    print(format_report(records))
+    document = {"command": " ".join(["tensorwire", "bench", "kv", *(argv or [])]), "config": asdict(config),
+                "records": records}
+    if args.json:
+        from .report import header
+
+        document = {**header(["bench", "kv", *(argv or [])]), "config": asdict(config), "records": records}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(document, indent=1) + "\n")
+    if args.plot:
+        plot_kv(records, Path(args.plot))
+    return 0
+
+
+def plot_kv(records: list[dict[str, Any]], path: Path) -> None:
+    """GB/s per path for every case with random ids (log scale), one panel per memory kind. A small PNG."""
+    from .plot import require_matplotlib
+
+    pyplot = require_matplotlib()
+    memories = sorted({r["memory"] for r in records})
+    figure, axes = pyplot.subplots(len(memories), 1, figsize=(11, 3.6 * len(memories)), dpi=80, squeeze=False)
+    paths = list(dict.fromkeys(r["path"] for r in records))
+    for axis, memory in zip(axes.flat, memories):
+        rows = [r for r in records if r["memory"] == memory and r["pattern"] == "random"]
+        keys = list(dict.fromkeys(_case_key(r) for r in rows))
+        width = 0.8 / len(paths)
+        for p, name in enumerate(paths):
+            values = [next((r["gbps"] for r in rows if _case_key(r) == k and r["path"] == name), 0.0) for k in keys]
+            axis.bar([i + p * width for i in range(len(keys))], values, width=width, label=name)
+        labels = [f"{op} {n}x{b // 1024}K" + (f"x{v}" if v > 1 else "") for _, op, _, n, b, v in keys]
+        axis.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))], labels, fontsize=7, rotation=30)
+        axis.set_yscale("log")
+        axis.set_ylabel("GB/s (median)", fontsize=9)
+        axis.set_title(f"tensorwire bench kv: {memory} memory, 2 processes, random block ids", fontsize=9)
+        axis.legend(fontsize=7, ncol=3)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=80)
+    pyplot.close(figure)
+
+
+if __name__ == "__main__":  # python -m tensorwire.bench.kv
+    import sys
+
+    parser = argparse.ArgumentParser(prog="tensorwire bench kv", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args(), sys.argv[1:]))

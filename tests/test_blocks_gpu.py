@@ -1,0 +1,201 @@
+"""KV-cache block transfers of GPU memory: the Triton kernel in one process (``local``) and between two
+processes sharing a GPU (``cuda_ipc``), NIXL forced, host and device ids, and a 10k-block post captured in
+a CUDA graph and replayed with new ids. Every result is compared with plain indexing; every GPU wait is
+bounded (an event polled with a deadline).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import tensorwire as tw
+from conftest import INIT_TIMEOUT, WAIT, launch
+
+pytestmark = pytest.mark.gpu
+
+GPU_ENV = {"CUDA_MODULE_LOADING": "EAGER"}  # lazy module loading can deadlock against a blocked stream
+
+
+def _finish(stream: torch.cuda.Stream, seconds: float = 30.0) -> None:
+    event = torch.cuda.Event()
+    event.record(stream)
+    deadline = time.monotonic() + seconds
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the GPU stream did not drain within {seconds}s")
+        time.sleep(1e-4)
+
+
+def pool(rank: int, num_blocks: int, shapes, device, dtype=torch.int32) -> list[torch.Tensor]:
+    """Views ``[num_blocks, *shape]`` whose values encode (rank, view, block, index in block)."""
+    views = []
+    for i, shape in enumerate(shapes):
+        per_block = int(np.prod(shape))
+        values = torch.arange(num_blocks * per_block, dtype=torch.int64, device=device).view(num_blocks, *shape)
+        views.append(((values + (rank * 16 + i) * 7919) % 2**31).to(dtype) if dtype != torch.uint8
+                     else (values * 31 + rank * 7 + i).to(torch.uint8))
+    return views
+
+
+def check(got: list[torch.Tensor], before: list[torch.Tensor], source: list[torch.Tensor], dst_ids, src_ids, what: str):
+    dst_ids, src_ids = (torch.as_tensor(x, device=got[0].device).long() for x in (dst_ids, src_ids))
+    for i, (g, b, s) in enumerate(zip(got, before, source)):
+        want = b.clone()
+        want[dst_ids] = s[src_ids]
+        assert torch.equal(g, want), f"{what}: view {i} differs from plain indexing"
+
+
+@pytest.fixture
+def comm():
+    with tw.init(rank=0, world_size=1, master_addr="127.0.0.1", master_port=tw.testing.free_port(),
+                 timeout=INIT_TIMEOUT) as comm:
+        yield comm
+
+
+@pytest.mark.parametrize("dtype, shapes", [
+    (torch.int32, [(2, 16, 8, 16), (64,)]),  # aligned: 128-bit words
+    (torch.uint8, [(6,), (3, 5)]),  # 6- and 15-byte blocks: byte words
+])
+def test_local_gpu_blocks_host_and_device_ids(comm, dtype, shapes):
+    device = comm.device
+    num_blocks = 300
+    source = pool(0, num_blocks, shapes, device, dtype)
+    target = pool(1, num_blocks, shapes, device, dtype)
+    rng = np.random.default_rng(0)
+    with comm.register_blocks(source) as src_pool, comm.register_blocks(target) as dst_pool:
+        with comm.prepare_blocks(tw.READ, dst_pool, src_pool.desc) as x:
+            assert x.transport == "local"
+            for ids_on in ("host", "device32", "device64"):
+                dst_ids, src_ids = rng.permutation(num_blocks)[:200], rng.integers(0, num_blocks, 200)
+                if ids_on != "host":
+                    kind = torch.int32 if ids_on == "device32" else torch.int64
+                    dst_ids, src_ids = (torch.as_tensor(a, dtype=kind, device=device) for a in (dst_ids, src_ids))
+                before = [t.clone() for t in target]
+                x.post(dst_ids, src_ids)
+                x.wait(timeout=WAIT)
+                check(target, before, source, dst_ids, src_ids, f"local READ, {ids_on} ids")
+        with comm.prepare_blocks(tw.WRITE, src_pool, dst_pool.desc) as x:
+            before = [t.clone() for t in target]
+            bad = torch.tensor([num_blocks, -1, 5], device=device)  # on the device: the kernel skips 0 and 1
+            x.post(torch.tensor([7, 8, 9], device=device), bad)
+            x.wait(timeout=WAIT)
+            check(target, before, source, [5], [9], "out-of-range device ids move nothing")
+
+
+def _graph_capture(comm, x, source, target, num_blocks: int, n: int, replays: int) -> int:
+    """Capture post(stream)+wait(stream) of n blocks with device ids; replay with new ids; count correct."""
+    device = comm.device
+    dst_ids = torch.zeros(n, dtype=torch.int64, device=device)
+    src_ids = torch.zeros(n, dtype=torch.int64, device=device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    x.post(dst_ids, src_ids, stream=stream)  # eager once: compiled and mapped before capture
+    x.wait(stream=stream)
+    _finish(stream)
+    with pytest.raises(tw.InvalidArgumentError, match="cannot be captured"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+            x.post(np.arange(n), np.arange(n), stream=stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        x.post(dst_ids, src_ids, stream=stream)
+        x.wait(stream=stream)
+    generator = torch.Generator(device=device).manual_seed(1)
+    correct = 0
+    for _ in range(replays):
+        dst_ids.copy_(torch.randperm(num_blocks, device=device, generator=generator)[:n])
+        src_ids.copy_(torch.randint(0, num_blocks, (n,), device=device, generator=generator))
+        before = [t.clone() for t in target]
+        torch.cuda.current_stream(device).synchronize()
+        graph.replay()
+        _finish(stream)
+        want = [b.clone() for b in before]
+        for w, s in zip(want, source):
+            w[dst_ids] = s[src_ids]
+        correct += all(torch.equal(t, w) for t, w in zip(target, want))
+    return correct
+
+
+def test_local_gpu_10k_blocks_in_a_cuda_graph(comm):
+    num_blocks, n = 12000, 10000
+    source = pool(0, num_blocks, [(4096,)], comm.device)  # 16 KiB blocks
+    target = pool(1, num_blocks, [(4096,)], comm.device)
+    with comm.register_blocks(source) as src_pool, comm.register_blocks(target) as dst_pool:
+        with comm.prepare_blocks(tw.READ, dst_pool, src_pool.desc) as x:
+            assert _graph_capture(comm, x, source, target, num_blocks, n, replays=5) == 5
+
+
+# --- two processes on one GPU ---------------------------------------------------------------------------
+def _two_gpu_ranks(transport: str | None):
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        torch.cuda.set_device(comm.device)
+        num_blocks, shapes = 2048, [(2, 16, 8, 8), (256,)]
+        views = pool(comm.rank, num_blocks, shapes, comm.device)
+        with comm.register_blocks(views) as mine:
+            comm.publish_blocks("kv", mine)
+            peer = 1 - comm.rank
+            remote = comm.lookup_blocks("kv", peer, timeout=WAIT)
+            result = {}
+            if comm.rank == 0:
+                rng = np.random.default_rng(0)
+                peer_views = pool(peer, num_blocks, shapes, comm.device)
+                with comm.prepare_blocks(tw.READ, mine, remote, transport=transport) as x:
+                    result["transport"] = x.transport
+                    for ids_on in ("host", "device"):
+                        dst_ids = rng.permutation(num_blocks // 2)[:1000] + num_blocks // 2  # upper half only
+                        src_ids = rng.integers(0, num_blocks, 1000)
+                        if ids_on == "device" and x.transport != "nixl":
+                            dst_ids, src_ids = (torch.as_tensor(a, device=comm.device) for a in (dst_ids, src_ids))
+                        before = [v.clone() for v in views]
+                        x.post(dst_ids, src_ids)
+                        x.wait(timeout=WAIT)
+                        check(views, before, peer_views, dst_ids, src_ids, f"READ over {x.transport}, {ids_on} ids")
+                    if x.transport == "cuda_ipc":
+                        stream = torch.cuda.Stream()
+                        stream.wait_stream(torch.cuda.current_stream())
+                        before = [v.clone() for v in views]
+                        x.post([1500, 1600], [3, 4], stream=stream)
+                        x.wait(stream=stream)
+                        _finish(stream)
+                        check(views, before, peer_views, [1500, 1600], [3, 4], "READ posted on a stream")
+                comm.write_blocks(mine, [0, 1, 2], remote, [2045, 2046, 2047], notify=b"written", timeout=WAIT)
+                comm.barrier(timeout=WAIT)
+            else:
+                assert comm.wait_notification(0, timeout=WAIT) == b"written"
+                writer = pool(0, num_blocks, shapes, comm.device)
+                for got, want in zip(views, writer):
+                    assert torch.equal(got[2045:], want[:3]), "blocks written by rank 0"
+                comm.barrier(timeout=WAIT)
+            comm.barrier(timeout=WAIT)
+    return result
+
+
+@pytest.mark.parametrize("transport", [None, "nixl"])
+def test_two_processes_on_one_gpu(transport):
+    results = launch(_two_gpu_ranks, 2, transport, env=GPU_ENV)
+    assert results[0]["transport"] == (transport or "cuda_ipc"), results
+
+
+def _ipc_graph(n: int):
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        torch.cuda.set_device(comm.device)
+        num_blocks = 12000
+        views = pool(comm.rank, num_blocks, [(4096,)], comm.device)
+        correct = -1
+        with comm.register_blocks(views) as mine:
+            comm.publish_blocks("kv", mine)
+            remote = comm.lookup_blocks("kv", 1 - comm.rank, timeout=WAIT)
+            if comm.rank == 0:
+                peer_views = pool(1, num_blocks, [(4096,)], comm.device)
+                with comm.prepare_blocks(tw.READ, mine, remote) as x:
+                    assert x.transport == "cuda_ipc"
+                    correct = _graph_capture(comm, x, peer_views, views, num_blocks, n, replays=5)
+            comm.barrier(timeout=WAIT)
+    return correct
+
+
+def test_cuda_ipc_10k_blocks_in_a_cuda_graph():
+    assert launch(_ipc_graph, 2, 10000, env=GPU_ENV)[0] == 5
