@@ -178,6 +178,7 @@ class DeviceBlockRequest(StreamOrderedRequest):
         self._anchor = self._table.view(self._word_type)
         self._chunks = -(-max(r[2] for r in regions) // _CHUNK_BYTES)
         self._num_regions, self._blocks = len(regions), blocks
+        self._staging = _IdStaging(device)
         if self._chunks > 65535 or self._num_regions > 65535:
             raise InvalidArgumentError(
                 f"prepare_blocks: {self._num_regions} views of up to {max(r[2] for r in regions)} bytes per block "
@@ -201,15 +202,15 @@ class DeviceBlockRequest(StreamOrderedRequest):
         stream = stream or torch.cuda.current_stream(self.device_index)
         self.bindings.advance()
         local_ids, remote_ids = self.bindings.current
+        slot = None
         if isinstance(local_ids, np.ndarray):
-            pair = torch.from_numpy(np.stack([local_ids, remote_ids]).astype(np.int32)).pin_memory()
-            with torch.cuda.stream(stream):  # allocated for, and copied on, the stream that reads it
-                pair = pair.to(stream.device, non_blocking=True)
-            local_ids, remote_ids = pair[0], pair[1]  # freed after the launch: the stream's own allocation
+            slot, local_ids, remote_ids = self._staging.stage(local_ids, remote_ids, stream)
         destination_ids, source_ids = ((local_ids, remote_ids) if self.local_is_destination
                                        else (remote_ids, local_ids))
         self._launch(destination_ids, source_ids, stream)
         self.record(stream)
+        if slot is not None:
+            slot.event.record(stream)  # the slot may be rewritten once the kernel has read it
         return Status.IN_PROGRESS
 
     def _launch(self, destination_ids: torch.Tensor, source_ids: torch.Tensor, stream: "torch.cuda.Stream") -> None:
@@ -222,6 +223,54 @@ class DeviceBlockRequest(StreamOrderedRequest):
 
     def release(self) -> None:
         self.bindings.clear()
+
+
+class _Slot:
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.host = torch.empty(2 * capacity, dtype=torch.int32, pin_memory=True)
+        self.device = torch.empty(2 * capacity, dtype=torch.int32, device=device)
+        self.event = torch.cuda.Event()
+        self.used = False
+
+    def free(self) -> bool:
+        return not self.used or self.event.query()
+
+
+class _IdStaging:
+    """Pinned host and device buffers for ids given on the host, reused across posts (a fresh pinned
+    allocation per post cost more than the rest of ``post``). A slot is rewritten only once the kernel that
+    read it has run (its event); with every slot busy a new one is made, up to ``_MAX_SLOTS``, then a
+    one-off slot that torch frees once its copies ran (never a wait on the CPU)."""
+
+    _MAX_SLOTS = 8
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._slots: list[_Slot] = []
+
+    def stage(self, local_ids: np.ndarray, remote_ids: np.ndarray,
+              stream: "torch.cuda.Stream") -> tuple[_Slot, torch.Tensor, torch.Tensor]:
+        """Copy the ids into a slot and enqueue its host-to-device copy on ``stream``; their device views."""
+        n = len(local_ids)
+        with torch.cuda.stream(stream):  # a new slot's device buffer belongs to the stream that reads it
+            slot = self._slot(n)
+            host = slot.host.numpy()
+            host[:n], host[n:2 * n] = local_ids, remote_ids
+            slot.device[:2 * n].copy_(slot.host[:2 * n], non_blocking=True)
+        slot.used = True
+        return slot, slot.device[:n], slot.device[n:2 * n]
+
+    def _slot(self, n: int) -> _Slot:
+        free = [i for i, s in enumerate(self._slots) if s.free()]
+        fitting = next((i for i in free if self._slots[i].host.numel() >= 2 * n), None)
+        if fitting is not None:
+            return self._slots[fitting]
+        slot = _Slot(1 << max(10, (n - 1).bit_length()), self._device)
+        if len(self._slots) < self._MAX_SLOTS:
+            self._slots.append(slot)
+        elif free:  # a free slot too small for these ids makes room (nothing reads it any more)
+            self._slots[free[0]] = slot
+        return slot
 
 
 BLOCK_COPY_REQUESTS = (HostBlockRequest, DeviceBlockRequest)

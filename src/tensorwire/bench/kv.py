@@ -97,9 +97,9 @@ def _values(rank: int, role: int, views: int, blocks: int, block_bytes: int, dev
     if device.type == "cpu":
         files.append(f"/dev/shm/tensorwire-bench-kv-{os.getpid()}-{role}-{blocks}-{block_bytes}")
         storage = torch.from_file(files[-1], shared=True, size=views * blocks * words, dtype=torch.int32)
-        views_out = list(storage.view(views, blocks, words).unbind(0))
     else:
-        views_out = [torch.empty_like(base) for _ in range(views)]
+        storage = torch.empty(views * blocks * words, dtype=torch.int32, device=device)
+    views_out = list(storage.view(views, blocks, words).unbind(0))  # one allocation: one contiguous reference copy
     for v, view in enumerate(views_out):
         torch.add(base, rank * 1_000_003 + role * 100_003 + v * 10_007, out=view)
     return views_out
@@ -343,13 +343,13 @@ def _bench_local_references(case: Case, pools: _Pools, local_ids: np.ndarray, re
                             budget: Budget) -> list[dict[str, Any]]:
     """The same bytes copied contiguously inside this rank, and (GPU) torch's two-pass gather."""
     on_gpu = case.memory == "cuda"
-    flat = [t.view(-1) for t in pools.source]
-    landing = [t.view(-1) for t in pools.target]
+    words = case.nbytes // 4  # the views of a pool are one allocation (see _values)
+    source = pools.source[0].as_strided((words,), (1,))
+    landing = pools.target[0].as_strided((words,), (1,))
     clock = CudaEventClock() if on_gpu else HostClock()
 
     def contiguous() -> None:
-        for d, s in zip(landing, flat):
-            d.copy_(s)
+        landing.copy_(source)
 
     out = [_record(case, "contiguous copy", measure(contiguous, clock, budget), "copy", [])]
     if on_gpu:
