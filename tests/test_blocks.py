@@ -253,3 +253,14 @@ def _two_ranks_body(memory: str, transport: str, files: list[str]):
 @pytest.mark.parametrize("memory, transport", [("plain", "nixl"), ("shm", "shm")])
 def test_two_processes_read_write_notify_and_revoke(memory, transport):
     assert launch(_two_ranks, 2, memory, transport) == [True, True]
+
+
+def test_disaggregated_kv_example_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "disaggregated_kv.py"
+    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "decode read 63 blocks x 4 layers" in done.stdout, done.stdout
