@@ -67,8 +67,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
 
     ``fn`` must be importable (module level). A rank that exits with code 0 without returning (e.g. a test
     simulating a crash with ``os._exit(0)``) yields ``None``. ``env`` adds to each rank's environment; the
-    ranks share a new random ``TENSORWIRE_JOB_TOKEN`` unless ``env`` names one (``""``: unauthenticated). Raises ``RankFailedError`` for the first
-    failing rank and ``WaitTimeoutError`` after ``timeout`` seconds, killing every rank in both cases.
+    ranks share a new random ``TENSORWIRE_JOB_TOKEN`` unless ``env`` names one (``""``: unauthenticated).
+    Raises ``RankFailedError`` for the first failing rank and ``WaitTimeoutError`` after ``timeout`` seconds,
+    killing every rank in both cases.
     The free port is picked before the ranks start, so another process can take it meanwhile: a job that
     fails because rank 0 found its port taken is started again on a new port (at most twice more).
     """
