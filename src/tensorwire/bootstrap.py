@@ -174,10 +174,10 @@ def unseal(token: bytes | None, key: str, blob: bytes) -> bytes:
 _warned: set[str] = set()
 
 
-def _warn_once(topic: str, message: str) -> None:
+def _warn_once(topic: str, message: str, stacklevel: int) -> None:
     if topic not in _warned:
         _warned.add(topic)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 # --- the store's socket -------------------------------------------------------------------------
@@ -241,7 +241,7 @@ class Rendezvous:
             _warn_once("unauthenticated", (
                 "tensorwire: this job is unauthenticated (TENSORWIRE_JOB_TOKEN is not set): any process that reaches "
                 f"the store at {env.master_addr}:{env.master_port} can forge memory maps, descriptors and barrier "
-                "entries; set the same random TENSORWIRE_JOB_TOKEN on every rank (see the README)"))
+                "entries; set the same random TENSORWIRE_JOB_TOKEN on every rank (see the README)"), stacklevel=4)
         if store is None:
             store = self._connect()
         self._raw = store
@@ -256,7 +256,7 @@ class Rendezvous:
         if why_not:
             _warn_once("listen-all", (
                 f"tensorwire: the store listens on every interface of rank 0's host, not only MASTER_ADDR's: "
-                f"{why_not}; set MASTER_ADDR to rank 0's IP address on the network the ranks share"))
+                f"{why_not}; set MASTER_ADDR to rank 0's IP address on the network the ranks share"), stacklevel=5)
         try:
             store = dist.TCPStore(
                 env.master_addr,
