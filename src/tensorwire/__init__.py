@@ -17,6 +17,7 @@ from .blocks import BlockPool, BlockPoolDesc, BlockTransfer
 from .communicator import Communicator, init
 from .descriptors import MemoryKind, TensorDesc
 from .errors import (
+    AuthenticationError,
     BackendUnavailableError,
     ClosedError,
     InvalidArgumentError,
@@ -39,5 +40,5 @@ __all__ = [
     "BlockPool", "BlockPoolDesc", "BlockTransfer",
     "MemoryKind", "BackendInfo", "backends", "testing", "TensorwireError", "InvalidArgumentError",
     "ClosedError", "BackendUnavailableError", "TransferError", "WaitTimeoutError", "PeerLostError",
-    "moe", "all_to_all_v",
+    "AuthenticationError", "moe", "all_to_all_v",
 ]

@@ -1,21 +1,37 @@
 """Who am I, who are my peers, and the key-value store we meet in.
 
 Reads the launcher's environment (torchrun, OpenMPI, SLURM) and connects to torch.distributed's
-``TCPStore`` (rank 0 hosts it). Every blocking call takes a timeout and raises ``WaitTimeoutError``;
-losing the store's host raises ``PeerLostError``. Non-goal: process-group collectives.
+``TCPStore`` (rank 0 hosts it, listening on ``MASTER_ADDR``'s interface only). Every blocking call takes a
+timeout and raises ``WaitTimeoutError``; losing the store's host raises ``PeerLostError``. Non-goal:
+process-group collectives.
+
+Trust. With a job token (``TENSORWIRE_JOB_TOKEN``, read by ``config.py``) every value tensorwire puts in
+the store is sealed here: ``b"TWA" | version u8 | HMAC-SHA256(token, key length u32 | key | value) | value``,
+and every value it reads must open with the same token under the same key, else ``AuthenticationError``
+(the value is not used; a later valid value under that key is). The store's counters (``add``) cannot carry
+a MAC, so tensorwire does not decide anything on a counter: barriers and departures are per-rank sealed
+records, and each rank claims its rank number once (``compare_set``) at ``init``. Without a token values are
+stored as they are and the job is unauthenticated (one ``RuntimeWarning`` says so).
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
+import hashlib
+import hmac
+import ipaddress
 import os
+import secrets
 import socket
+import struct
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .errors import InvalidArgumentError, PeerLostError, WaitTimeoutError
+from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, WaitTimeoutError
 
 __all__ = ["Environment", "resolve_environment", "Rendezvous"]
 
@@ -101,80 +117,287 @@ def _delta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 0.001))
 
 
-class Rendezvous:
-    """A namespaced view of the TCPStore with bounded waits and the barrier built on it."""
+# --- sealed values ------------------------------------------------------------------------------
+_SEAL_MAGIC = b"TWA"
+_SEAL_VERSION = 1
+_SEAL_HEADER = struct.Struct("<3sB32s")  # magic, version, HMAC-SHA256
+_FIX_TOKEN = ("set the same TENSORWIRE_JOB_TOKEN on every rank of the job (tw.testing.launch does; see the README), "
+              "and keep the store port away from processes outside the job")
 
-    def __init__(self, env: Environment, timeout_s: float, store: dist.Store | None = None) -> None:
+
+def _mac(token: bytes, key: str, value: bytes) -> bytes:
+    encoded = key.encode()
+    # The key's length comes first so that (key, value) pairs cannot be re-split into another valid pair.
+    return hmac.new(token, struct.pack("<I", len(encoded)) + encoded + value, hashlib.sha256).digest()
+
+
+def seal(token: bytes, key: str, value: bytes) -> bytes:
+    """``value`` as stored under ``key`` in a job with ``token``: the MAC binds it to that key."""
+    return _SEAL_HEADER.pack(_SEAL_MAGIC, _SEAL_VERSION, _mac(token, key, value)) + value
+
+
+def _is_sealed(blob: bytes) -> bool:
+    return len(blob) >= _SEAL_HEADER.size and blob[:3] == _SEAL_MAGIC
+
+
+def unseal(token: bytes | None, key: str, blob: bytes) -> bytes:
+    """The value ``seal`` sealed under ``key``; ``AuthenticationError`` naming the key and the fix when it does not
+    verify. Without a token (an unauthenticated job) values are taken as they are."""
+    blob = bytes(blob)
+    if token is None:
+        if _is_sealed(blob):
+            raise AuthenticationError(
+                f"store value {key!r} carries a job-token MAC but this process has no TENSORWIRE_JOB_TOKEN; it was not "
+                f"used: {_FIX_TOKEN}"
+            )
+        return blob
+    if not _is_sealed(blob):
+        raise AuthenticationError(
+            f"store value {key!r} ({len(blob)} bytes) has no job-token MAC: it was written by a process outside this "
+            f"job or by a rank without TENSORWIRE_JOB_TOKEN; it was not used: {_FIX_TOKEN}"
+        )
+    _, version, mac = _SEAL_HEADER.unpack_from(blob)
+    if version != _SEAL_VERSION:
+        raise AuthenticationError(
+            f"store value {key!r} is sealed in format version {version}, this tensorwire reads {_SEAL_VERSION}; it was "
+            "not used: run the same tensorwire version on every rank"
+        )
+    value = blob[_SEAL_HEADER.size:]
+    if not hmac.compare_digest(mac, _mac(token, key, value)):
+        raise AuthenticationError(
+            f"store value {key!r} ({len(blob)} bytes) fails its MAC check: written by a process without this job's "
+            f"token (or with another job's), altered, or copied from another key; it was not used: {_FIX_TOKEN}"
+        )
+    return value
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(topic: str, message: str, stacklevel: int) -> None:
+    if topic not in _warned:
+        _warned.add(topic)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+
+
+# --- the store's socket -------------------------------------------------------------------------
+_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
+
+
+def _listen_socket(addr: str, port: int) -> tuple[socket.socket | None, str]:
+    """A listening socket on ``addr``'s address for the store to use, or (None, why not) when the store has to
+    listen on every interface as torch's ``TCPStore`` does by itself (it binds the wildcard address and has no
+    bind-address option; it does accept a socket we bound, ``master_listen_fd``)."""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        return None, f"MASTER_ADDR={addr!r} does not resolve here ({e})"
+    ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
+    if ip.is_loopback and addr.lower() not in _LOOPBACK_NAMES and not _is_ip_literal(addr):
+        # e.g. Debian's /etc/hosts maps the host's own name to 127.0.1.1, while other hosts resolve it to the
+        # host's real address: listening on loopback would shut them out.
+        return None, (f"MASTER_ADDR={addr!r} resolves to the loopback address {ip} on rank 0's host, but other "
+                      "hosts may resolve it to a real address")
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own socket
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise InvalidArgumentError(
+                f"init: rank 0 cannot host the store: port {port} on {addr} is in use (EADDRINUSE); choose another "
+                "MASTER_PORT"
+            ) from e
+        if e.errno == errno.EADDRNOTAVAIL:  # e.g. a public address that NAT maps to this host
+            return None, f"MASTER_ADDR={addr!r} ({ip}) is not an address of rank 0's host"
+        raise PeerLostError(f"init: rank 0 could not listen on {addr}:{port} for the store ({e})") from e
+    return sock, ""
+
+
+def _is_ip_literal(addr: str) -> bool:
+    try:
+        ipaddress.ip_address(addr)
+    except ValueError:
+        return False
+    return True
+
+
+class Rendezvous:
+    """A namespaced view of the TCPStore with bounded waits, sealed values and the barrier built on them.
+
+    Every value tensorwire writes goes through ``set`` and every value it reads through ``get``/``_open``:
+    the one place where job-token MACs are made and checked."""
+
+    def __init__(self, env: Environment, timeout_s: float, store: dist.Store | None = None, *,
+                 token: bytes | None = None) -> None:
         self.env = env
         self.timeout_s = timeout_s
+        self._token = token
         self._owns_store = store is None
+        self._claim: bytes | None = None
+        if token is None and env.world_size > 1:
+            _warn_once("unauthenticated", (
+                "tensorwire: this job is unauthenticated (TENSORWIRE_JOB_TOKEN is not set): any process that reaches "
+                f"the store at {env.master_addr}:{env.master_port} can forge memory maps, descriptors and barrier "
+                "entries; set the same random TENSORWIRE_JOB_TOKEN on every rank (see the README)"), stacklevel=4)
         if store is None:
-            try:
-                store = dist.TCPStore(
-                    env.master_addr,
-                    env.master_port,
-                    env.world_size,
-                    is_master=env.rank == 0 and not env.agent_store,
-                    timeout=_delta(timeout_s),
-                    wait_for_workers=False,
-                )
-            except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
-                if "EADDRINUSE" in str(e):
-                    raise InvalidArgumentError(
-                        f"init: rank {env.rank} cannot host the store: port {env.master_port} on {env.master_addr} "
-                        "is in use (EADDRINUSE); choose another MASTER_PORT"
-                    ) from e
-                raise PeerLostError(
-                    f"init: rank {env.rank} could not reach the store at {env.master_addr}:{env.master_port} "
-                    f"within {timeout_s:.0f}s ({e}); is rank 0 running and MASTER_ADDR/MASTER_PORT right?"
-                ) from e
+            store = self._connect()
         self._raw = store
         self.store = dist.PrefixStore("tensorwire/", store)
         self._barrier_generation = 0
+        self._claim_rank()
+
+    def _connect(self) -> dist.Store:
+        env, timeout_s = self.env, self.timeout_s
+        hosts = env.rank == 0 and not env.agent_store
+        listener, why_not = _listen_socket(env.master_addr, env.master_port) if hosts else (None, "")
+        if why_not:
+            _warn_once("listen-all", (
+                f"tensorwire: the store listens on every interface of rank 0's host, not only MASTER_ADDR's: "
+                f"{why_not}; set MASTER_ADDR to rank 0's IP address on the network the ranks share"), stacklevel=5)
+        try:
+            store = dist.TCPStore(
+                env.master_addr,
+                listener.getsockname()[1] if listener is not None else env.master_port,
+                env.world_size,
+                is_master=hosts,
+                timeout=_delta(timeout_s),
+                wait_for_workers=False,
+                **({"master_listen_fd": listener.fileno()} if listener is not None else {}),
+            )
+        except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
+            if listener is not None:
+                try:
+                    listener.close()
+                except OSError:
+                    pass
+            if "EADDRINUSE" in str(e):
+                raise InvalidArgumentError(
+                    f"init: rank {env.rank} cannot host the store: port {env.master_port} on {env.master_addr} "
+                    "is in use (EADDRINUSE); choose another MASTER_PORT"
+                ) from e
+            raise PeerLostError(
+                f"init: rank {env.rank} could not reach the store at {env.master_addr}:{env.master_port} "
+                f"within {timeout_s:.0f}s ({e}); is rank 0 running and MASTER_ADDR/MASTER_PORT right?"
+            ) from e
+        if listener is not None:
+            listener.detach()  # the store owns the socket now and closes it when it goes
+        return store
 
     # --- key/value ----------------------------------------------------------------------------
     def set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key``, sealed with the job token when there is one."""
+        if self._token is not None:
+            value = seal(self._token, key, value)
         self._call(lambda: self.store.set(key, value), f"writing {key!r}")
 
     def get(self, key: str, timeout_s: float | None = None, what: str | None = None) -> bytes:
-        """Blocks until ``key`` exists (at most ``timeout_s``), then returns its value."""
+        """Blocks until ``key`` exists (at most ``timeout_s``), then returns its verified value
+        (``AuthenticationError`` when it does not verify; nothing is cached, so a later valid value is read)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         self.wait([key], timeout_s, what or f"waiting for {key!r}")
-        return self._call(lambda: self.store.get(key), f"reading {key!r}")
+        return self._open(key, self._call(lambda: self.store.get(key), f"reading {key!r}"))
+
+    def _open(self, key: str, blob: bytes) -> bytes:
+        return unseal(self._token, key, blob)
+
+    def _verifies(self, key: str, blob: bytes) -> bool:
+        try:
+            self._open(key, blob)
+        except AuthenticationError:
+            return False
+        return True
 
     def wait(self, keys: list[str], timeout_s: float, what: str) -> None:
         self._call(lambda: self.store.wait(keys, _delta(timeout_s)), what, timeout_s)
 
     def add(self, key: str, amount: int) -> int:
+        """The store's counter (unauthenticated: a counter cannot carry a MAC); tensorwire decides nothing on it."""
         return int(self._call(lambda: self.store.add(key, amount), f"adding to {key!r}"))
 
     def check(self, key: str) -> bool:
         return bool(self._call(lambda: self.store.check([key]), f"checking {key!r}"))
 
+    # --- ranks ----------------------------------------------------------------------------------
+    def _claim_rank(self) -> None:
+        """Take ``rank/<r>`` for this process, atomically (``compare_set`` from empty); a second process with the
+        same rank is refused while the first has not closed."""
+        key, env = f"rank/{self.env.rank}", self.env
+        holder = f"{hostname()} pid {os.getpid()} #{secrets.token_hex(8)}".encode()
+        mine = seal(self._token, key, holder) if self._token is not None else holder
+        found = self._compare_set(key, b"", mine)
+        if found != mine and self._token is not None and found and not self._verifies(key, found):
+            # A claim without this job's MAC is not a rank of this job: take the rank over instead of being
+            # locked out by it (another claimer of this job racing for it still finds ours and is refused).
+            found = self._compare_set(key, found, mine)
+        if found != mine:
+            who = self._open(key, found).decode(errors="replace") if self._verifies(key, found) else "unknown"
+            raise InvalidArgumentError(
+                f"init: rank {env.rank} of {env.world_size} is already taken by another process in the job at "
+                f"{env.master_addr}:{env.master_port} ({who}); start each rank once (check RANK/WORLD_SIZE, "
+                "OMPI_COMM_WORLD_RANK or SLURM_PROCID), or use another MASTER_PORT if an earlier job still runs there"
+            )
+        self._claim = mine
+
+    def _release_rank(self) -> None:
+        if self._claim is not None:
+            self._compare_set(f"rank/{self.env.rank}", self._claim, b"")
+            self._claim = None
+
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return bytes(self._call(lambda: self.store.compare_set(key, expected, desired), f"claiming {key!r}"))
+
     # --- collectives on the store ---------------------------------------------------------------
     def barrier(self, timeout_s: float | None = None) -> None:
-        """Returns when every rank has entered the same barrier; collective, blocking."""
+        """Returns when every rank has entered the same barrier; collective, blocking.
+
+        Each rank writes a sealed arrival record, ``barrier/<g>/<rank>``; rank 0 waits for all of them, verifies
+        each and writes ``barrier/<g>/done``, which the others wait for and verify. A shared ``add`` counter
+        would be cheaper for rank 0 but cannot carry a MAC: anyone reaching the store could count in for a rank
+        that has not arrived. A record that fails verification raises ``AuthenticationError``."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         self._barrier_generation += 1
-        key = f"barrier/{self._barrier_generation}"
-        if self.add(key, 1) == self.env.world_size:
-            self.set(f"{key}/done", b"1")
-        self.wait(
-            [f"{key}/done"], timeout_s,
-            f"barrier {self._barrier_generation}: rank {self.env.rank} waited for {self.env.world_size} ranks",
-        )
+        generation, env = self._barrier_generation, self.env
+        base = f"barrier/{generation}"
+        what = f"barrier {generation}: rank {env.rank} waited for {env.world_size} ranks"
+        self.set(f"{base}/{env.rank}", b"1")
+        if env.rank == 0:
+            arrivals = [f"{base}/{r}" for r in range(env.world_size)]
+            self.wait(arrivals, timeout_s, what)
+            values = self._call(lambda: self.store.multi_get(arrivals), f"reading {base}")
+            for key, value in zip(arrivals, values):
+                self._open(key, value)
+            self.set(f"{base}/done", b"1")
+        self.get(f"{base}/done", timeout_s, what)
 
     def depart(self, timeout_s: float) -> None:
-        """Say this rank is done; the store's host waits (bounded) until every rank said so."""
+        """Say this rank is done (``departed/<rank>``, sealed) and give up its rank; the store's host waits
+        (bounded) until every rank said so with a record that verifies."""
         if self.env.world_size == 1:
+            self._release_rank()
             return
-        arrived = self.add("departed", 1)
+        self._release_rank()
+        self.set(f"departed/{self.env.rank}", b"1")
         if self.env.rank != 0 or not self._owns_store or self.env.agent_store:
             return
         deadline = time.monotonic() + timeout_s
-        while arrived < self.env.world_size and time.monotonic() < deadline:
-            time.sleep(0.01)
-            arrived = self.add("departed", 0)
+        pending = [f"departed/{r}" for r in range(self.env.world_size)]
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                self.wait(pending, remaining, "waiting for every rank to depart")
+            except WaitTimeoutError:
+                return
+            values = self._call(lambda: self.store.multi_get(pending), "reading the departures")
+            # A record that does not verify is not a departure: keep the store up for that rank.
+            forged = [key for key, value in zip(pending, values) if not self._verifies(key, value)]
+            if forged:
+                time.sleep(0.01)
+            pending = forged
 
     def _call(self, fn, what: str, timeout_s: float | None = None):
         try:

@@ -34,7 +34,7 @@ from .backends.nixl import NixlBackend
 from .backends.shm import ShmBackend
 from .bootstrap import Rendezvous, resolve_environment
 from .descriptors import MemoryKind, TensorDesc
-from .memory_map import MemoryMap, PeerView, host_identity
+from .memory_map import MemoryMap, PeerView, host_identity, typed_decoding
 from .errors import BackendUnavailableError, ClosedError, InvalidArgumentError, WaitTimeoutError
 from .progress import Deadlines, Inbox, ProgressEngine, wait_until, warn_from_progress_thread
 from .registration import LocalMemoryMap, Registration, as_tensor_list, segment_of
@@ -90,12 +90,12 @@ class Communicator:
         self.config = cfg
         self.timeout_s = timeout_s
         self.closed = False
-        self._rendezvous = Rendezvous(env, timeout_s, store)
+        self._rendezvous = Rendezvous(env, timeout_s, store, token=cfg.job_token)
         self._host = host_identity()
         self._local_map = LocalMemoryMap()
         self._nixl = NixlBackend(env.rank, progress_wakeup_ms=cfg.progress_wakeup_ms)
         self._backends: dict[str, Backend] = {"nixl": self._nixl, "local": LocalBackend(self._local_map.view),
-                                              "shm": ShmBackend()}
+                                              "shm": ShmBackend(authenticated=cfg.job_token is not None)}
         if cuda.availability()[0]:
             from .backends.cuda_ipc import CudaIpcBackend
 
@@ -192,18 +192,23 @@ class Communicator:
         fail validation here instead of reaching freed memory through a stale view."""
 
         def fetch() -> bool:
+            # Verified by the rendezvous (AuthenticationError otherwise); the view below changes only after that.
             blob = self._rendezvous.get(f"memmap/{rank}", timeout_s, f"prepare: loading the memory map of rank {rank}")
-            epoch = MemoryMap.epoch_of(blob)
+            source = f"prepare: the memory map of rank {rank} (store key 'memmap/{rank}')"
+            epoch = MemoryMap.epoch_of(blob, source)
             if epoch < min_epoch:
                 return False
             view = self._peers.get(rank)
-            if view is not None and view.epoch == epoch:
+            # With a job token a newer view is authentic: an older map (a replayed value) never replaces it. Without
+            # one, a forged map with a far-off epoch must not shadow the real one for good.
+            if view is not None and (view.epoch == epoch or (view.epoch > epoch and self.config.job_token)):
                 return True
-            memory_map = MemoryMap.unpack(blob)
+            memory_map = MemoryMap.unpack(blob, source)
             host = memory_map.sections.pop("host").decode()
             for name, metadata in memory_map.sections.items():
                 if name in self._backends and (name not in _SAME_HOST_ONLY or host == self._host):
-                    self._backends[name].load_peer(rank, metadata)
+                    with typed_decoding(f"{source}, section {name!r}"):
+                        self._backends[name].load_peer(rank, metadata)
             self._peers[rank] = PeerView(epoch, host, memory_map.regions)
             return True
 
@@ -252,7 +257,7 @@ class Communicator:
         blob = self._rendezvous.get(
             f"user/{rank}/{key}", self._timeout(timeout), f"lookup: rank {rank} has not published {key!r}"
         )
-        return TensorDesc.unpack(blob)
+        return TensorDesc.unpack(blob, source=f"lookup: what rank {rank} published under {key!r}")
 
     # --- transfers ------------------------------------------------------------------------------
     def prepare(self, op: Op, local: "torch.Tensor | Sequence[torch.Tensor]",

@@ -6,6 +6,8 @@
 | ``TENSORWIRE_PROGRESS_WAKEUP_MS`` | 10      | idle wake-up period of NIXL's event-driven progress  |
 | ``TENSORWIRE_SPIN_US``            | 50      | a waiter polls without sleeping this long first      |
 | ``TENSORWIRE_MAX_SLEEP_US``       | 1000    | longest sleep between two polls of a waiter          |
+| ``TENSORWIRE_JOB_TOKEN``          | unset   | the job's secret (>= 16 characters, the same on every|
+|                                   |         | rank): authenticates every value in the store        |
 
 The library never writes ``os.environ``.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import InvalidArgumentError
 
@@ -36,12 +38,31 @@ def _read(name: str, default: float) -> float:
     return value
 
 
+_TOKEN_VARIABLE = "TENSORWIRE_JOB_TOKEN"
+_MIN_TOKEN_CHARS = 16
+_MAKE_TOKEN = "export TENSORWIRE_JOB_TOKEN=$(python -c 'import secrets;print(secrets.token_hex(16))')"
+
+
+def _read_token() -> bytes | None:
+    raw = os.environ.get(_TOKEN_VARIABLE)
+    if raw is None or raw == "":
+        return None
+    if len(raw) < _MIN_TOKEN_CHARS:
+        raise InvalidArgumentError(
+            f"config: {_TOKEN_VARIABLE} has {len(raw)} characters, fewer than {_MIN_TOKEN_CHARS}: too easy to guess; "
+            f"set a random one on every rank before launching: {_MAKE_TOKEN}"
+        )
+    return raw.encode()
+
+
 @dataclass(frozen=True)
 class Config:
     timeout_s: float
     progress_wakeup_ms: float
     spin_us: float
     max_sleep_us: float
+    # The job's secret; never shown in a repr (configs end up in logs).
+    job_token: bytes | None = field(default=None, repr=False)
 
 
 def load() -> Config:
@@ -51,4 +72,22 @@ def load() -> Config:
         progress_wakeup_ms=_read("TENSORWIRE_PROGRESS_WAKEUP_MS", 10.0),
         spin_us=_read("TENSORWIRE_SPIN_US", 50.0),
         max_sleep_us=_read("TENSORWIRE_MAX_SLEEP_US", 1000.0),
+        job_token=_read_token(),
     )
+
+
+def job_token_status() -> tuple[bool, str]:
+    """``(authenticated, reason)`` for this process's environment, for diagnostics; never raises.
+
+    ``authenticated`` is True when ``TENSORWIRE_JOB_TOKEN`` holds a usable token, i.e. every value this
+    process puts in the job's store carries an HMAC and every value it reads must carry a valid one."""
+    try:
+        token = _read_token()
+    except InvalidArgumentError as e:
+        return False, str(e)
+    if token is None:
+        return False, (
+            f"{_TOKEN_VARIABLE} is not set: the job is unauthenticated, so any process that reaches the store port "
+            f"can forge memory maps, descriptors and barrier entries; set the same token on every rank: {_MAKE_TOKEN}"
+        )
+    return True, f"{_TOKEN_VARIABLE} is set: values in the store are authenticated (HMAC-SHA256, bound to their key)"

@@ -94,33 +94,35 @@ class TensorDesc:
         return b"".join(parts)
 
     @staticmethod
-    def unpack(data: bytes) -> "list[TensorDesc]":
-        """Inverse of ``pack``; corrupt or foreign bytes raise ``InvalidArgumentError``."""
+    def unpack(data: bytes, *, source: str = "TensorDesc.unpack") -> "list[TensorDesc]":
+        """Inverse of ``pack``; corrupt or foreign bytes raise ``InvalidArgumentError`` whose message starts with
+        ``source`` (say where the bytes came from: a store key and rank). The record count is checked against
+        the length before anything is allocated."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidArgumentError(
-                f"TensorDesc.unpack: got {type(data).__name__}; pass the bytes TensorDesc.pack made"
+                f"{source}: got {type(data).__name__}; pass the bytes TensorDesc.pack made"
             )
         data = bytes(data)
         if len(data) < _HEADER.size:
             raise InvalidArgumentError(
-                f"TensorDesc.unpack: {len(data)} bytes is shorter than the {_HEADER.size}-byte header; "
+                f"{source}: {len(data)} bytes is shorter than the {_HEADER.size}-byte header; "
                 "the data is truncated or was not made by TensorDesc.pack"
             )
         magic, version, count = _HEADER.unpack_from(data)
         if magic != _MAGIC:
             raise InvalidArgumentError(
-                f"TensorDesc.unpack: bad magic {magic!r} (expected {_MAGIC!r}); "
+                f"{source}: bad magic {magic!r} (expected {_MAGIC!r}); "
                 "the data was not made by TensorDesc.pack"
             )
         if version != _FORMAT_VERSION:
             raise InvalidArgumentError(
-                f"TensorDesc.unpack: format version {version}, this tensorwire reads {_FORMAT_VERSION}; "
+                f"{source}: format version {version}, this tensorwire reads {_FORMAT_VERSION}; "
                 "use the same tensorwire version on every rank"
             )
         expected = _HEADER.size + count * _RECORD.size
         if len(data) != expected:
             raise InvalidArgumentError(
-                f"TensorDesc.unpack: {len(data)} bytes for {count} records, expected {expected}; "
+                f"{source}: {len(data)} bytes for {count} records, expected {expected}; "
                 "the data is truncated or corrupt"
             )
         descs = []
@@ -130,7 +132,7 @@ class TensorDesc:
             )
             if kind not in (0, 1) or rank < 0:
                 raise InvalidArgumentError(
-                    f"TensorDesc.unpack: record {i} has rank {rank}, memory kind {kind}; the data is corrupt"
+                    f"{source}: record {i} has rank {rank}, memory kind {kind}; the data is corrupt"
                 )
             descs.append(TensorDesc(rank, addr, nbytes, MemoryKind(kind), device_index, epoch))
         return descs

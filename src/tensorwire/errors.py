@@ -15,6 +15,7 @@ __all__ = [
     "WaitTimeoutError",
     "PeerLostError",
     "ClosedError",
+    "AuthenticationError",
 ]
 
 
@@ -44,3 +45,8 @@ class WaitTimeoutError(TensorwireError, TimeoutError):
 
 class PeerLostError(TensorwireError, ConnectionError):
     """A peer rank stopped answering: it exited, crashed or its connection broke."""
+
+
+class AuthenticationError(TensorwireError, PermissionError):
+    """A value in the job's store failed verification against the job token (``TENSORWIRE_JOB_TOKEN``):
+    written by a process outside the job, by a rank with another token, or corrupted. It was not used."""

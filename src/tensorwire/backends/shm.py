@@ -10,11 +10,20 @@ At ``register`` each host range is looked up in ``/proc/self/maps``; a range ins
 a named file is exported as (address, size, file, offset). A peer maps the file region once (cached per
 peer and export, kept until ``close``) and ``post`` copies on the calling thread: the transfer is complete
 when ``post`` returns. Ranges of anonymous or private memory are not exported and take NIXL.
+
+Trust. A peer's export names a file this process then writes into, so a forged export must not reach an
+arbitrary file. A file is mapped only if it is a regular file reached without following any symbolic link
+(every component opened with ``O_NOFOLLOW``), owned by this process's user, still the very file the peer
+mapped (``st_dev``, ``st_ino``) and large enough for the exported range. In a job without a job token the
+export could come from anyone who reaches the store, so only files directly in ``/dev/shm`` (tensorwire's
+own names: where shared tensors of a job live) are mapped there; other shared files take NIXL. With a
+token the export is authenticated, and any such file of the peer is mapped.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import stat
@@ -22,13 +31,14 @@ import struct
 from dataclasses import dataclass
 
 from ..descriptors import MemoryKind
-from ..errors import TransferError
+from ..errors import InvalidArgumentError, TransferError
 from .base import Capabilities, Op, Segment, Status
 from .block_copy import BlockLayout, HostBlockRequest, copy_request
 
 __all__ = ["ShmBackend", "shared_file_of"]
 
 _EXPORT = struct.Struct("<QQQQQH")  # addr, nbytes, file offset of addr, st_dev, st_ino, length of the path
+_SHM_DIRECTORY = "/dev/shm"
 
 
 @dataclass(frozen=True)
@@ -45,7 +55,7 @@ class SharedFile:
         host but in another mount namespace (a container with its own /dev/shm) may find another file, or
         none, under the same name; it must not copy into that."""
         try:
-            found = os.stat(self.path)
+            found = os.lstat(self.path)
         except OSError:
             return False
         return (stat.S_ISREG(found.st_mode) and (found.st_dev, found.st_ino) == (self.device, self.inode)
@@ -97,7 +107,8 @@ class ShmBackend:
     name = "shm"
     capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.CPU}), remote=True, stream_ordered=False)
 
-    def __init__(self) -> None:
+    def __init__(self, *, authenticated: bool = False) -> None:
+        self._authenticated = authenticated  # peers' exports come from the job (a job token verified them)
         self._exports: dict[tuple[int, int], _Export] = {}  # (addr, nbytes) -> export, this process
         self._peer_exports: dict[int, list[_Export]] = {}
         self._mapped: dict[tuple[int, _Export], tuple[mmap.mmap, ctypes.Array, int]] = {}  # -> (map, view, base)
@@ -126,9 +137,20 @@ class ShmBackend:
     def load_peer(self, rank: int, metadata: bytes) -> None:
         exports, at = [], 0
         while at < len(metadata):
+            if len(metadata) - at < _EXPORT.size:
+                raise _bad_export(rank, f"{len(metadata) - at} bytes left at offset {at}, an export takes "
+                                        f"{_EXPORT.size} + its path")
             addr, nbytes, offset, device, inode, length = _EXPORT.unpack_from(metadata, at)
             at += _EXPORT.size
-            exports.append(_Export(addr, nbytes, SharedFile(metadata[at:at + length].decode(), offset, device, inode)))
+            if length > len(metadata) - at:
+                raise _bad_export(rank, f"a path of {length} bytes at offset {at}, {len(metadata) - at} are left")
+            try:
+                path = metadata[at:at + length].decode()
+            except UnicodeDecodeError:
+                raise _bad_export(rank, f"the path at offset {at} is not UTF-8") from None
+            if not _is_plain_absolute(path):
+                raise _bad_export(rank, f"path {path!r} is not a plain absolute path")
+            exports.append(_Export(addr, nbytes, SharedFile(path, offset, device, inode)))
             at += length
         # Mappings stay until close: a transfer prepared on a range the peer has since deregistered then
         # writes into pages only this process still holds, never into unmapped memory.
@@ -138,8 +160,38 @@ class ShmBackend:
         """Whether every remote segment lies in a shared file mapping ``peer`` exported, whose file this
         process finds under the same path and may read and write."""
         exports = self._peer_exports.get(peer, [])
-        return all(any(e.contains(s) and ((peer, e) in self._mapped or e.file.is_at_path()) for e in exports)
+        return all(any(e.contains(s) and ((peer, e) in self._mapped or self._refusal(e) is None) for e in exports)
                    for s in remote)
+
+    def _refusal(self, export: _Export) -> str | None:
+        """Why ``export``'s file must not be mapped here, or None (the file opened and checked, then closed)."""
+        try:
+            os.close(self._open_checked(export))
+        except _Refused as e:
+            return str(e)
+        return None
+
+    def _open_checked(self, export: _Export) -> int:
+        """A read/write descriptor of ``export``'s file after every check of the module docstring, else ``_Refused``."""
+        file = export.file
+        if not self._authenticated and os.path.dirname(file.path) != os.path.realpath(_SHM_DIRECTORY):
+            raise _Refused(f"is not directly in {_SHM_DIRECTORY} and this job has no TENSORWIRE_JOB_TOKEN to "
+                           "authenticate the export")
+        fd = _open_without_links(file.path)
+        try:
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode):
+                raise _Refused("is not a regular file")
+            if found.st_uid != os.geteuid():
+                raise _Refused(f"belongs to uid {found.st_uid}, this process runs as uid {os.geteuid()}")
+            if (found.st_dev, found.st_ino) != (file.device, file.inode):
+                raise _Refused("here is not the file the peer mapped (another mount namespace, or replaced since)")
+            if found.st_size < file.offset + export.nbytes:
+                raise _Refused(f"has {found.st_size} bytes, the export reaches byte {file.offset + export.nbytes}")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     # --- transfers ----------------------------------------------------------------------------
     def prepare(self, op: Op, local: list[Segment], remote: list[Segment], peer: int, notify: bytes | None) -> _Request:
@@ -188,7 +240,12 @@ class ShmBackend:
             raise TransferError(f"shm: rank {peer} exported no shared mapping covering 0x{s.addr:x} (+{s.nbytes})")
         key = (peer, export)
         if key not in self._mapped:
-            self._mapped[key] = _map(export.file, export.nbytes, peer)
+            try:
+                fd = self._open_checked(export)
+            except _Refused as e:
+                raise TransferError(f"shm: refusing rank {peer}'s shared file {export.file.path!r}: it {e}; pass "
+                                    "transport='nixl'") from None
+            self._mapped[key] = _map(fd, export.file, export.nbytes, peer)
         return self._mapped[key][2] + (s.addr - export.addr)
 
     def _unmap(self, key: tuple[int, _Export]) -> None:
@@ -197,23 +254,57 @@ class ShmBackend:
         mapping.close()
 
 
-def _map(file: SharedFile, nbytes: int, peer: int) -> tuple[mmap.mmap, ctypes.Array, int]:
-    """``nbytes`` of ``file`` from its ``offset`` mapped here: (the map, a buffer view keeping it exported,
-    the address of the first byte). Refuses a file that is not the one the peer mapped."""
+class _Refused(Exception):
+    """A peer's shared file fails a check; the message completes "the file ..."."""
+
+
+def _bad_export(rank: int, problem: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"shm: the shared-file exports in rank {rank}'s memory map are corrupt ({problem}); they were not used: "
+        "check that every rank runs the same tensorwire version, and set TENSORWIRE_JOB_TOKEN"
+    )
+
+
+def _is_plain_absolute(path: str) -> bool:
+    return (path.startswith("/") and not path.startswith("//") and "\0" not in path
+            and os.path.normpath(path) == path and path != "/")
+
+
+def _open_without_links(path: str) -> int:
+    """``path`` opened read/write, walking from ``/`` one component at a time with ``O_NOFOLLOW``: a symbolic
+    link anywhere on the way (a planted ``/dev/shm/x -> /etc/passwd``) is refused, not followed."""
+    parts = path.split("/")[1:]
+    directory_flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        directory = os.open("/", directory_flags)
+    except OSError as e:
+        raise _Refused(f"cannot be reached ({e})") from None
+    try:
+        for part in parts[:-1]:
+            try:
+                inner = os.open(part, directory_flags, dir_fd=directory)
+            except OSError as e:
+                raise _Refused(f"cannot be reached without following a link ({part!r}: {e.strerror})") from None
+            os.close(directory)
+            directory = inner
+        try:
+            return os.open(parts[-1], os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=directory)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise _Refused("is a symbolic link") from None
+            raise _Refused(f"cannot be opened for reading and writing ({e.strerror})") from None
+    finally:
+        os.close(directory)
+
+
+def _map(fd: int, file: SharedFile, nbytes: int, peer: int) -> tuple[mmap.mmap, ctypes.Array, int]:
+    """``nbytes`` of ``file`` (open as ``fd``, checked; closed here) from its ``offset`` mapped here: (the map, a
+    buffer view keeping it exported, the address of the first byte)."""
     start = file.offset - file.offset % mmap.ALLOCATIONGRANULARITY
     length = file.offset + nbytes - start
     try:
-        fd = os.open(file.path, os.O_RDWR)
-    except OSError as e:
-        raise TransferError(f"shm: cannot open rank {peer}'s shared file {file.path!r}: {e}; give this process "
-                            "read/write access to it, or pass transport='nixl'") from e
-    try:
-        found = os.fstat(fd)
-        if (found.st_dev, found.st_ino) != (file.device, file.inode) or not stat.S_ISREG(found.st_mode):
-            raise TransferError(f"shm: {file.path!r} here is not the file rank {peer} mapped (another mount "
-                                "namespace, or replaced since); pass transport='nixl'")
         mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
-    except (OSError, ValueError) as e:  # e.g. the file was truncated below the range
+    except (OSError, ValueError, OverflowError) as e:  # e.g. the file was truncated below the range
         raise TransferError(f"shm: mapping {length} bytes of rank {peer}'s {file.path!r} failed: {e}; pass "
                             "transport='nixl'") from e
     finally:

@@ -1,8 +1,9 @@
 """Run ``fn(*args)`` in ``world_size`` fresh local processes, the way torchrun would.
 
 Each child gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and a free
-``MASTER_PORT`` in its own environment before ``fn`` runs, so ``tw.init()`` works unchanged. The first
-rank to fail (exception or non-zero exit) stops every rank, and its traceback is raised here.
+``MASTER_PORT`` in its own environment before ``fn`` runs, so ``tw.init()`` works unchanged, and a fresh random
+``TENSORWIRE_JOB_TOKEN`` shared by the job's ranks only (the launching process's environment is not changed).
+The first rank to fail (exception or non-zero exit) stops every rank, and its traceback is raised here.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import secrets
 import socket
 import time
 import traceback
@@ -64,8 +66,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     """Run ``fn(*args)`` on ranks ``0..world_size-1``; returns their results in rank order.
 
     ``fn`` must be importable (module level). A rank that exits with code 0 without returning (e.g. a test
-    simulating a crash with ``os._exit(0)``) yields ``None``. Raises ``RankFailedError`` for the first
-    failing rank and ``WaitTimeoutError`` after ``timeout`` seconds, killing every rank in both cases.
+    simulating a crash with ``os._exit(0)``) yields ``None``. ``env`` adds to each rank's environment; the
+    ranks share a new random ``TENSORWIRE_JOB_TOKEN`` unless ``env`` names one (``""``: unauthenticated).
+    Raises ``RankFailedError`` for the first failing rank and ``WaitTimeoutError`` after ``timeout`` seconds,
+    killing every rank in both cases.
     The free port is picked before the ranks start, so another process can take it meanwhile: a job that
     fails because rank 0 found its port taken is started again on a new port (at most twice more).
     """
@@ -83,6 +87,7 @@ def _launch_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: 
     ctx = mp.get_context("spawn")
     port = free_port()
     procs, conns = [], []
+    env = {"TENSORWIRE_JOB_TOKEN": secrets.token_hex(16), **(env or {})}
     for rank in range(world_size):
         parent_conn, child_conn = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_child, args=(fn, rank, world_size, port, dict(env or {}), args, child_conn),
