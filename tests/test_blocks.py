@@ -14,9 +14,9 @@ import uuid
 import numpy as np
 import pytest
 import torch
+from conftest import INIT_TIMEOUT, WAIT, assert_equal, launch
 
 import tensorwire as tw
-from conftest import INIT_TIMEOUT, WAIT, assert_equal, launch
 from tensorwire.blocks import as_ids
 
 NUM_BLOCKS = 96

@@ -16,10 +16,10 @@ or one all-layers-per-block tensor); block ``i`` of the pool is ``view[i]`` of e
 Per transport, one request per post, never a call per block: ``cuda_ipc`` and ``local`` (GPU) launch one
 Triton gather/scatter kernel over the peer's IPC-mapped pool (stream-ordered, graph-capturable with ids in
 device tensors); ``nixl`` makes one ``make_prepped_xfer`` over descriptor lists prepared once per transfer;
-``shm`` and ``local`` (host) copy with one ``memmove`` per run of consecutive blocks. Ids are checked vectorised on the host: out of range,
-duplicate destinations and mismatched lengths raise ``InvalidArgumentError`` before anything moves. Ids that
-already live on the GPU are not read back by the host (that would wait for the GPU): the kernel skips ids out
-of range, so no byte lands outside the pool, and duplicate destinations are the caller's race.
+``shm`` and ``local`` (host) copy with one ``memmove`` per run of consecutive blocks. Ids are checked vectorised on
+the host: out of range, duplicate destinations and mismatched lengths raise ``InvalidArgumentError`` before anything
+moves. Ids that already live on the GPU are not read back by the host (that would wait for the GPU): the kernel skips
+ids out of range, so no byte lands outside the pool, and duplicate destinations are the caller's race.
 
 Non-goals: heterogeneous layouts (different block sizes or view counts on the two sides), partial blocks.
 """
@@ -27,8 +27,9 @@ Non-goals: heterogeneous layouts (different block sizes or view counts on the tw
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -86,7 +87,7 @@ class BlockPoolDesc:
         return header + b"".join(_REGION.pack(*r) for r in self.regions)
 
     @staticmethod
-    def unpack(data: bytes) -> "BlockPoolDesc":
+    def unpack(data: bytes) -> BlockPoolDesc:
         """Inverse of ``pack``; corrupt or foreign bytes raise ``InvalidArgumentError``."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidArgumentError(f"BlockPoolDesc.unpack: got {type(data).__name__}; pass the bytes pack() made")
@@ -117,7 +118,7 @@ class BlockPool(Closeable):
     Attributes: ``views`` (the tensors given), ``num_blocks``, ``block_bytes`` (per view), ``device``,
     ``desc`` (the ``BlockPoolDesc`` peers address)."""
 
-    def __init__(self, comm: "Communicator", views: list[torch.Tensor], layout: BlockLayout,
+    def __init__(self, comm: Communicator, views: list[torch.Tensor], layout: BlockLayout,
                  holders: list[Registration], owned: Registration | None) -> None:
         self._comm = comm
         self.views = views
@@ -164,7 +165,7 @@ def _desc_holding(registration: Registration, span: Segment) -> TensorDesc:
                 if s.addr <= span.addr and span.addr + span.nbytes <= s.addr + s.nbytes)
 
 
-def pool_layout(views: "torch.Tensor | Sequence[torch.Tensor]") -> tuple[list[torch.Tensor], BlockLayout]:
+def pool_layout(views: torch.Tensor | Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], BlockLayout]:
     """Check ``views`` (each ``[num_blocks, ...]``, block ``i`` = ``view[i]`` one contiguous byte range, one
     device for all) and describe them as a ``BlockLayout``."""
     views = as_tensor_list(views, "register_blocks")
@@ -216,7 +217,7 @@ def spans_to_register(views: list[torch.Tensor], layout: BlockLayout) -> list[to
     return flats
 
 
-def as_ids(ids, num_blocks: int, what: str, device: torch.device | None, unique: bool) -> "np.ndarray | torch.Tensor":
+def as_ids(ids, num_blocks: int, what: str, device: torch.device | None, unique: bool) -> np.ndarray | torch.Tensor:
     """``ids`` as a 1-D int64 numpy array checked against ``[0, num_blocks)`` (and for duplicates if
     ``unique``), or, when ``device`` is given and the ids are an integer tensor on it, that tensor unchecked."""
     if isinstance(ids, torch.Tensor):
@@ -246,8 +247,9 @@ def as_ids(ids, num_blocks: int, what: str, device: torch.device | None, unique:
         seen[array] = True
         if np.count_nonzero(seen) != len(array):
             values, counts = np.unique(array, return_counts=True)
-            raise InvalidArgumentError(f"{what}: destination block {int(values[counts > 1][0])} appears "
-                                       f"{int(counts.max())} times; each destination block may be written once per post")
+            raise InvalidArgumentError(
+                f"{what}: destination block {int(values[counts > 1][0])} appears {int(counts.max())} times; each "
+                "destination block may be written once per post")
     return np.ascontiguousarray(array)
 
 
@@ -258,7 +260,7 @@ class BlockTransfer(Closeable):
     Attributes: ``op``, ``peer``, ``transport`` (``"cuda_ipc"``, ``"nixl"``, ``"shm"`` or ``"local"``),
     ``bytes_per_block`` (summed over the views)."""
 
-    def __init__(self, core: "Transfer", pool: BlockPool, remote: BlockPoolDesc) -> None:
+    def __init__(self, core: Transfer, pool: BlockPool, remote: BlockPoolDesc) -> None:
         self._core = core
         self._pool, self._remote = pool, remote
         self._request = core._request
@@ -269,7 +271,7 @@ class BlockTransfer(Closeable):
         self.closed = False
 
     def post(self, local_ids, remote_ids, notify: bytes | None = None,
-             stream: "torch.cuda.Stream | None" = None) -> None:
+             stream: torch.cuda.Stream | None = None) -> None:
         """Move block ``remote_ids[i]`` of the peer's pool to block ``local_ids[i]`` of ours (READ), or the
         reverse (WRITE), for every i, in every view. Non-blocking; ``stream`` as for ``Transfer.post``.
 
@@ -283,11 +285,13 @@ class BlockTransfer(Closeable):
         local = as_ids(local_ids, self._pool.num_blocks, "post: local_ids", device, destination_is_local)
         remote = as_ids(remote_ids, self._remote.num_blocks, "post: remote_ids", device, not destination_is_local)
         if len(local) != len(remote):
-            raise InvalidArgumentError(f"post: {len(local)} local ids but {len(remote)} remote ids; id i of each pairs up")
+            raise InvalidArgumentError(
+                f"post: {len(local)} local ids but {len(remote)} remote ids; id i of each pairs up")
         if isinstance(local, torch.Tensor) != isinstance(remote, torch.Tensor):  # one on the GPU, one on the host
             local, remote = (torch.as_tensor(x, device=self._pool.device) for x in (local, remote))
         if notify is not None and (not isinstance(notify, (bytes, bytearray)) or not notify):
-            raise InvalidArgumentError(f"post: notify must be non-empty bytes, got {notify!r}; pass e.g. notify=b'done'")
+            raise InvalidArgumentError(
+                f"post: notify must be non-empty bytes, got {notify!r}; pass e.g. notify=b'done'")
         core = self._core
         if core._state is Status.IN_PROGRESS and not core._posted_on_stream and core.status() is Status.IN_PROGRESS:
             raise InvalidArgumentError(f"post: the block {self.op.value} to rank {self.peer} is still in flight; call "
@@ -317,7 +321,7 @@ class BlockTransfer(Closeable):
         self._check_open("status")
         return Status.DONE if self._empty else self._core.status()
 
-    def wait(self, timeout: float | None = None, stream: "torch.cuda.Stream | None" = None) -> None:
+    def wait(self, timeout: float | None = None, stream: torch.cuda.Stream | None = None) -> None:
         """Complete the last post: block (sleeping) until done, or with ``stream`` return at once and make the
         stream wait. ``WaitTimeoutError`` after ``timeout`` seconds (default: the communicator's)."""
         self._check_open("wait")

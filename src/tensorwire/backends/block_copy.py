@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import collections
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -192,11 +193,11 @@ class DeviceBlockRequest(StreamOrderedRequest):
             nothing = torch.full((1,), -1, dtype=dtype, device=device)
             self._launch(nothing, nothing, torch.cuda.current_stream(device))
 
-    def bind(self, local_ids: "np.ndarray | torch.Tensor", remote_ids: "np.ndarray | torch.Tensor",
+    def bind(self, local_ids: np.ndarray | torch.Tensor, remote_ids: np.ndarray | torch.Tensor,
              notify: bytes | None) -> None:
         self.bindings.bind((local_ids, remote_ids))
 
-    def post(self, stream: "torch.cuda.Stream | None") -> Status:
+    def post(self, stream: torch.cuda.Stream | None) -> Status:
         """Enqueue the kernel for the next binding on ``stream`` (default: the current stream); host ids travel
         first (one pinned copy on that stream)."""
         stream = stream or torch.cuda.current_stream(self.device_index)
@@ -213,7 +214,7 @@ class DeviceBlockRequest(StreamOrderedRequest):
             slot.event.record(stream)  # the slot may be rewritten once the kernel has read it
         return Status.IN_PROGRESS
 
-    def _launch(self, destination_ids: torch.Tensor, source_ids: torch.Tensor, stream: "torch.cuda.Stream") -> None:
+    def _launch(self, destination_ids: torch.Tensor, source_ids: torch.Tensor, stream: torch.cuda.Stream) -> None:
         destination_blocks, source_blocks = self._blocks
         grid = (destination_ids.numel(), self._num_regions, self._chunks)
         with torch.cuda.device(self.device_index), torch.cuda.stream(stream):
@@ -249,7 +250,7 @@ class _IdStaging:
         self._slots: list[_Slot] = []
 
     def stage(self, local_ids: np.ndarray, remote_ids: np.ndarray,
-              stream: "torch.cuda.Stream") -> tuple[_Slot, torch.Tensor, torch.Tensor]:
+              stream: torch.cuda.Stream) -> tuple[_Slot, torch.Tensor, torch.Tensor]:
         """Copy the ids into a slot and enqueue its host-to-device copy on ``stream``; their device views."""
         n = len(local_ids)
         with torch.cuda.stream(stream):  # a new slot's device buffer belongs to the stream that reads it
@@ -277,7 +278,7 @@ BLOCK_COPY_REQUESTS = (HostBlockRequest, DeviceBlockRequest)
 
 
 def copy_request(read: bool, local: BlockLayout, remote: BlockLayout,
-                 remote_addrs: list[int]) -> "HostBlockRequest | DeviceBlockRequest":
+                 remote_addrs: list[int]) -> HostBlockRequest | DeviceBlockRequest:
     """The block request of a transport that copies itself (not NIXL): host rows for host memory, the kernel
     for GPU memory. ``remote_addrs``: where each remote region's block 0 is in this process (the peer's own
     address for ``local``, a mapping's for ``shm`` and ``cuda_ipc``)."""
