@@ -582,7 +582,11 @@ class Communicator:
         self._check_rank(rank, "lookup_blocks")
         blob = self._rendezvous.get(f"blocks/{rank}/{key}", self._timeout(timeout),
                                     f"lookup_blocks: rank {rank} has not published {key!r}")
-        desc = BlockPoolDesc.unpack(blob)
+        try:
+            desc = BlockPoolDesc.unpack(blob)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f"lookup_blocks: the value under ({key!r}, rank {rank}) is not a block pool: "
+                                       f"{e}") from e
         if desc.rank != rank:
             raise InvalidArgumentError(f"lookup_blocks: the pool under ({key!r}, rank {rank}) names rank {desc.rank}; "
                                        "the store value is corrupt")
