@@ -9,21 +9,23 @@ this process's ``os.environ``) and the protocol tables UCX writes are parsed for
 ``ucp_get*`` rows.
 
 Every probe is bounded in time, and a failing probe is reported, never raised: the doctor exits 0 whenever
-it could diagnose. Non-goals: fixing anything, benchmarking (``tensorwire bench`` does that).
+it could diagnose. Non-goals: fixing anything, benchmarking (``tensorwire bench`` does that). The machine facts it prints
+come from ``tensorwire.machine``.
 """
 
 from __future__ import annotations
 
 import ctypes
-import glob
 import json
 import os
-import platform
 import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+# cpu_model and ucx_version are only re-exported: they lived here before machine.py.
+from .machine import cpu_model, cuda_summary, software_versions, ucx_version
 
 __all__ = [
     "ProtoRow", "parse_proto_info", "ProbeResult", "run_probe", "software_versions", "cpu_model",
@@ -39,90 +41,6 @@ _TCP_ONLY_FIX = {
             "(docker --ipc=host, same CUDA_VISIBLE_DEVICES), keep cuda_ipc in UCX_TLS if set, and install the "
             "nixl wheel of your CUDA major (nixl-cu12 or nixl-cu13)",
 }
-
-
-# --- what is installed here -------------------------------------------------------------------------
-def nixl_module() -> str | None:
-    """The wheel the ``nixl`` meta package picked (``nixl_cu12`` / ``nixl_cu13``), or None if none imports."""
-    try:
-        from .backends.nixl import _import_nixl
-
-        api, _ = _import_nixl()
-    except Exception:  # noqa: BLE001 - "not importable" is the answer, reported elsewhere with its reason
-        return None
-    return api.__name__.split(".")[0]
-
-
-def ucx_version() -> str | None:
-    """Version of the UCX that NIXL uses: the ``libucp`` already mapped into this process if any, else the
-    one bundled in the nixl wheel's ``.libs`` folder (there is no ``ucx_info`` in the wheel)."""
-    candidates = []
-    try:
-        with open("/proc/self/maps") as maps:
-            candidates += sorted({line.split()[-1] for line in maps if "/libucp" in line})
-    except OSError:
-        pass
-    module = nixl_module()
-    if module is not None:
-        import importlib
-
-        package_dir = Path(importlib.import_module(module).__file__).parent
-        candidates += sorted(glob.glob(str(package_dir.parent / f"{module}.libs" / "libucp*.so*")))
-    for path in candidates:
-        try:
-            library = ctypes.CDLL(path)
-            library.ucp_get_version_string.restype = ctypes.c_char_p
-            return library.ucp_get_version_string().decode()
-        except (OSError, AttributeError):
-            continue
-    return None
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def software_versions() -> dict[str, str | None]:
-    """Versions of everything on the data path; None where a component is missing."""
-    import torch
-
-    from . import __version__
-    from .backends.nixl import _version as nixl_version
-
-    module = nixl_module()
-    return {
-        "tensorwire": __version__,
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "nixl": nixl_version() if module else None,
-        "nixl_module": module,
-        "ucx": ucx_version() if module else None,
-        "python": platform.python_version(),
-    }
-
-
-def cuda_summary() -> tuple[list[str], str]:
-    """``(devices, reason)``: one line per visible CUDA device, or why there is none."""
-    import torch
-
-    if not torch.cuda.is_available():
-        if torch.version.cuda is None:
-            return [], f"no CUDA: torch {torch.__version__} is a CPU-only build"
-        return [], (f"no CUDA device visible to torch {torch.__version__} (built for CUDA {torch.version.cuda}); "
-                    "check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
-    devices = []
-    for index in range(torch.cuda.device_count()):
-        p = torch.cuda.get_device_properties(index)
-        devices.append(f"cuda:{index} {p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}, "
-                       f"{p.multi_processor_count} SMs")
-    return devices, f"torch built for CUDA {torch.version.cuda}"
 
 
 # --- UCX protocol tables -------------------------------------------------------------------------------
@@ -224,11 +142,10 @@ def _probe_rank(memory: str, workdir: str, quiet: bool, timeout_s: float) -> Non
 
     import tensorwire as tw
 
-    from .bench.p2p import rank_pattern
+    from .backends.nixl import quiet_nixl_logging
+    from .testing.data import rank_pattern
 
     if quiet:
-        from .cli import quiet_nixl_logging
-
         quiet_nixl_logging()
     rank = int(os.environ.get("RANK", "0"))
     step = "init"
@@ -282,7 +199,7 @@ def _probe_rank(memory: str, workdir: str, quiet: bool, timeout_s: float) -> Non
 
 
 def _check_bytes(workdir: str, rank: int, step: str, got, expected, sender: int) -> None:
-    from .bench.p2p import first_mismatch
+    from .testing.data import first_mismatch
 
     index = first_mismatch(got, expected)
     if index is None:

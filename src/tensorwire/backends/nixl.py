@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
+import sys
 from typing import Any
 
 import numpy as np
@@ -29,7 +31,7 @@ from ..errors import BackendUnavailableError, PeerLostError, TransferError
 from .base import BackendInfo, Capabilities, Op, Poster, Segment, Status
 from .block_copy import BlockBindings, BlockLayout
 
-__all__ = ["NixlBackend", "info", "agent_name"]
+__all__ = ["NixlBackend", "info", "agent_name", "quiet_nixl_logging"]
 
 _MEM_TYPE = {MemoryKind.CPU: "DRAM", MemoryKind.CUDA: "VRAM"}
 _AGENT_PREFIX = "tensorwire-rank"
@@ -91,6 +93,25 @@ def info() -> BackendInfo:
             "tcp or shared memory); 'tensorwire doctor' lists the UCX variables in effect", version=version,
         )
     return BackendInfo("nixl", True, "UCX backend starts", version=version)
+
+
+def quiet_nixl_logging() -> None:
+    """Keep NIXL's Python INFO lines ("Initialized NIXL agent ...") off stdout in this process.
+
+    NIXL configures its ``nixl`` logger on import (INFO, a handler on stdout), so it must be imported before
+    it is adjusted; warnings still show, on stderr. For command-line tools (``tensorwire doctor`` / ``bench``)
+    and the ranks they launch: the library itself leaves logging alone. Does nothing when NIXL does not
+    import (the doctor reports why).
+    """
+    try:
+        _import_nixl()
+    except BackendUnavailableError:
+        return
+    logger = logging.getLogger("nixl")
+    logger.setLevel(logging.WARNING)
+    for handler in logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
 
 
 def _version() -> str:

@@ -1,8 +1,12 @@
-"""Benchmarks of tensorwire (not tests): ``tensorwire bench`` runs them.
+"""Benchmarks of tensorwire (not tests): ``tensorwire bench <name>`` runs them.
 
 - ``timing``: the one timing primitive (warm-up, time-budgeted repetitions, median and p10/p90).
-- ``p2p``: READ/WRITE between two local ranks beside raw NIXL and a local copy; idle CPU.
-- ``plot``: GB/s against size as a small PNG (optional; needs matplotlib).
+- ``p2p``: READ/WRITE between two local ranks beside raw NIXL and a local copy; idle CPU (``report``: its
+  tables and JSON).
+- ``moe``: MoE dispatch and combine per backend beside a copy of the same bytes.
+- ``command``: what the subcommands share (flags, size arguments, JSON output); each subcommand module has
+  ``HELP``, ``add_arguments`` and ``main`` (the shape is described in ``tensorwire.cli``).
+- ``plot``: GB/s as a small PNG (optional; needs matplotlib).
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ call pays on every step.
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -33,9 +35,10 @@ import torch
 
 from ..errors import InvalidArgumentError, TransferError
 from ..moe.selection import BACKENDS
+from .command import add_common_arguments, at_least, check_plot, write_json
 from .timing import Timing, summarize
 
-__all__ = ["MoeBenchConfig", "format_moe_report", "run_moe_bench"]
+__all__ = ["MoeBenchConfig", "format_moe_report", "run_moe_bench", "HELP", "add_arguments", "main"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -127,7 +130,7 @@ def _rank_main(config: MoeBenchConfig) -> list[dict]:
     from tensorwire import moe
 
     if config.quiet_nixl:
-        from ..cli import quiet_nixl_logging
+        from ..backends.nixl import quiet_nixl_logging
 
         quiet_nixl_logging()
     records: list[dict] = []
@@ -320,3 +323,49 @@ def format_moe_report(records: list[dict]) -> str:
     lines += ["", "copy: the same bytes copied inside rank 0 alone; shared: every rank copying its bytes at the same "
               "time (the yardstick when ranks share a device)"]
     return "\n".join(lines)
+
+
+# --- the command: tensorwire bench moe -------------------------------------------------------------
+HELP = "MoE dispatch/combine per backend between local ranks, beside a copy of the same bytes"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``tensorwire bench moe``."""
+    parser.description = ("MoE dispatch and combine per backend between local ranks, each beside a copy of the "
+                          "same bytes inside rank 0 and made by every rank at once.")
+    add_common_arguments(parser, graphs_help="GPU: also time the cuda backend's dispatch and combine captured in "
+                                             "CUDA graphs and replayed")
+    parser.add_argument("--ranks", type=at_least(int, 1), default=2, metavar="N",
+                        help="local ranks (default 2; 1 times the kernels on a GPU no other rank shares)")
+    parser.add_argument("--backends", default=None, metavar="LIST",
+                        help="comma-separated backends to time (default: every one that runs here)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark, print the table, write ``--json`` / ``--plot``; blocks until every rank is done."""
+    from ..backends.nixl import quiet_nixl_logging
+    from . import report
+
+    quiet_nixl_logging()
+    check_plot(args)
+    memory = "cuda" if args.memory != "cpu" and torch.cuda.is_available() else "cpu"
+    if args.memory == "cuda" and memory != "cuda":
+        args.parser.error(f"--memory cuda: torch {torch.__version__} sees no CUDA device; use --memory cpu")
+    backends = None
+    if args.backends is not None:
+        backends = tuple(dict.fromkeys(b.strip() for b in args.backends.split(",") if b.strip()))
+        unknown = sorted(set(backends) - set(BACKENDS))
+        if unknown or not backends:
+            args.parser.error(f"--backends {args.backends!r}: unknown or no backend {unknown}; pass a "
+                              f"comma-separated list of {', '.join(BACKENDS)}")
+    records = run_moe_bench(memory=memory, timeout_s=args.timeout, graphs=args.graphs, world_size=args.ranks,
+                            backends=backends)
+    print(format_moe_report(records), flush=True)
+    if args.json is not None:
+        write_json(args.json, {"header": report.header(args.argv), "records": records})
+    if args.plot is not None:
+        from .plot import plot_moe
+
+        plot_moe(records, args.plot, title=" ".join(["tensorwire", *args.argv]))
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0

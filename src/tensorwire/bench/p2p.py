@@ -43,6 +43,7 @@ Before any of that, both ranks measure the CPU an idle, connected communicator c
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import os
@@ -57,11 +58,14 @@ import torch
 from ..backends.base import Op
 from ..descriptors import MemoryKind, TensorDesc
 from ..errors import InvalidArgumentError, TransferError
+from ..testing.data import first_mismatch, rank_pattern
+from .command import add_common_arguments, at_least, check_plot, memories, parse_sizes, write_json
 from .timing import Budget, Clock, CudaEventClock, HostClock, Timing, measure, measure_interleaved, summarize
 
 __all__ = [
     "HOST_SIZES", "CUDA_SIZES", "RAW_CONFIGS", "BenchConfig", "Record", "BenchResult", "run", "rank_pattern",
     "first_mismatch", "format_size", "TENSORWIRE_STREAM", "TENSORWIRE_IN_PROCESS", "TENSORWIRE_GRAPH",
+    "HELP", "add_arguments", "main",
 ]
 
 HOST_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
@@ -138,21 +142,6 @@ class BenchResult:
     ucx_version: str | None
     others: dict[str, float | None] = field(default_factory=dict)  # CPU other processes took meanwhile
     wait_returns: list[dict[str, Any]] = field(default_factory=list)  # GPU: see _bench_wait_returns
-
-
-# --- data that says where it came from ---------------------------------------------------------------
-def rank_pattern(nbytes: int, rank: int, device: torch.device | str) -> torch.Tensor:
-    """``nbytes`` uint8 on ``device``: a random stream seeded by ``rank``, so bytes that arrive misplaced,
-    stale or from the wrong rank do not match."""
-    generator = torch.Generator(device=device).manual_seed(7919 * (rank + 1))
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device, generator=generator)
-
-
-def first_mismatch(got: torch.Tensor, expected: torch.Tensor) -> int | None:
-    """Index of the first differing element, or None when equal."""
-    if torch.equal(got, expected):
-        return None
-    return int((got != expected).nonzero()[0, 0])
 
 
 # --- the raw NIXL baseline ---------------------------------------------------------------------------
@@ -245,7 +234,7 @@ def _rank_main(config: BenchConfig) -> dict[str, Any]:
     from ..bootstrap import resolve_environment
 
     if config.quiet_nixl:
-        from ..cli import quiet_nixl_logging
+        from ..backends.nixl import quiet_nixl_logging
 
         quiet_nixl_logging()
     env = resolve_environment()
@@ -265,7 +254,7 @@ def _rank_main(config: BenchConfig) -> dict[str, Any]:
         result["default_threads"] = torch.get_num_threads()
         result["progress_wakeup_ms"] = comm.config.progress_wakeup_ms
         if comm.rank == 0:
-            from ..doctor import ucx_version
+            from ..machine import ucx_version
 
             result["ucx_version"] = ucx_version()
         comm.barrier()
@@ -673,3 +662,68 @@ def format_size(nbytes: int) -> str:
         if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
             return f"{nbytes >> shift} {unit}"
     return f"{nbytes} B"
+
+
+# --- the command: tensorwire bench [p2p] -------------------------------------------------------------
+HELP = "READ/WRITE between two local ranks beside raw NIXL and a local copy (the default)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``tensorwire bench p2p`` (also those of plain ``tensorwire bench``)."""
+    parser.description = ("Point-to-point READ/WRITE from rank 0 to rank 1 (two local processes), each size timed "
+                          "for tensorwire, a bare NIXL agent pair and a local copy of the same bytes.")
+    add_common_arguments(parser, graphs_help="GPU: also time transfers captured in CUDA graphs and replayed")
+    parser.add_argument("--sizes", type=parse_sizes, default=None, metavar="LIST",
+                        help="comma-separated sizes, e.g. 4K,64K,1M (default: 4K,64K,1M,16M,64M; GPU up to 1G)")
+    parser.add_argument("--time-budget", type=at_least(float), default=0.3, metavar="S",
+                        help="seconds of timed calls per measurement, at least --min-reps calls (default 0.3)")
+    parser.add_argument("--min-reps", type=at_least(int), default=20, help="fewest timed calls (default 20)")
+    parser.add_argument("--iters", type=at_least(int), default=None,
+                        help="time exactly this many calls instead of the time budget")
+    parser.add_argument("--warmup", type=at_least(float), default=0.05, metavar="S",
+                        help="seconds of untimed warm-up per measurement (default 0.05)")
+    parser.add_argument("--idle-seconds", type=at_least(float), default=2.0, metavar="S",
+                        help="how long to measure an idle communicator's CPU; 0 skips it (default 2)")
+    parser.add_argument("--raw-config", choices=list(RAW_CONFIGS), default="sleeping",
+                        help="how the raw NIXL agents are built: 'sleeping' (default) NIXL's defaults but a "
+                             "sleeping progress thread; 'tensorwire' exactly tensorwire's agent configuration; "
+                             "'nixl-default' every NIXL default (a progress thread that spins a core)")
+    # Flags of 'bench moe', accepted here only to say where they belong (argparse would just call them unknown).
+    for flag in ("--ranks", "--backends"):
+        parser.add_argument(flag, default=None, help=argparse.SUPPRESS)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark, print the table, write ``--json`` / ``--plot``; blocks until both ranks are done."""
+    from ..backends.nixl import quiet_nixl_logging
+    from . import report
+
+    for flag, value in (("--ranks", args.ranks), ("--backends", args.backends)):
+        if value is not None:
+            args.parser.error(f"{flag} applies to 'tensorwire bench moe'; the p2p bench runs rank 0 -> rank 1")
+    quiet_nixl_logging()
+    check_plot(args)
+    config = BenchConfig(
+        memories=memories(args),
+        host_sizes=args.sizes or HOST_SIZES,
+        cuda_sizes=args.sizes or CUDA_SIZES,
+        budget=Budget(time_s=args.time_budget, min_reps=max(args.min_reps, 1), warmup_s=args.warmup,
+                      iters=args.iters or None),
+        idle_s=args.idle_seconds,
+        raw_config=args.raw_config,
+        quiet_nixl=True,
+        progress=not args.quiet,
+        timeout_s=args.timeout,
+        graphs=args.graphs,
+    )
+    head = report.header(args.argv)
+    result = run(config)
+    print(report.format_report(result, head, config), flush=True)
+    if args.json is not None:
+        write_json(args.json, report.to_json(result, head, config))
+    if args.plot is not None:
+        from .plot import plot
+
+        plot(result.records, args.plot, title=f"tensorwire bench, {head['hostname']}, {head['date'][:10]}")
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0

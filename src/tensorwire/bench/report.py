@@ -6,14 +6,12 @@ from __future__ import annotations
 import datetime
 import os
 import shlex
-import socket
 import subprocess
 import textwrap
 from dataclasses import asdict
 from typing import Any
 
-import torch
-
+from ..machine import cpu_summary, gpu_names, hostname, software_versions
 from .p2p import (
     _IDLE_BYTES,
     _TENSORWIRE_PATHS,
@@ -38,18 +36,14 @@ _ROW_ORDER = (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_GRAPH, TENSORWIRE_IN_PRO
 
 def header(argv: list[str]) -> dict[str, Any]:
     """Where and with what the benchmark ran (the JSON header)."""
-    from ..doctor import cpu_model, software_versions
-
-    versions = software_versions()
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     return {
         "command": shlex.join(["tensorwire", *argv]),
-        "hostname": socket.gethostname(),
+        "hostname": hostname(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "versions": versions,
+        "versions": software_versions(),
         "source": _source_revision(),
-        "cpu": {"model": cpu_model(), "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0))},
-        "gpus": gpus,
+        "cpu": cpu_summary(),
+        "gpus": gpu_names(),
     }
 
 

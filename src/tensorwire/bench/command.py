@@ -1,0 +1,91 @@
+"""What every ``tensorwire bench <name>`` subcommand shares: argument types, the common flags, the outputs.
+
+A subcommand is one module ``tensorwire.bench.<name>`` with ``add_arguments(parser)`` and ``main(args) -> int``
+(the shape is described in ``tensorwire.cli``); these helpers keep their flags spelled and checked alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["parse_size", "parse_sizes", "at_least", "add_common_arguments", "memories", "write_json",
+           "check_plot"]
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmg]?)(?:i?b)?\s*$", re.IGNORECASE)
+_UNIT = {"": 0, "k": 10, "m": 20, "g": 30}
+
+
+def parse_size(text: str) -> int:
+    """``4096``, ``4K``, ``4KiB``, ``64M``, ``1G`` (binary units) -> bytes."""
+    match = _SIZE.match(text)
+    if not match or int(match[1]) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 4096, 4K, 64KiB, 16M or 1G")
+    return int(match[1]) << _UNIT[match[2].lower()]
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``4K,64K,1M`` -> the distinct sizes in bytes, ascending."""
+    return tuple(sorted({parse_size(part) for part in text.split(",") if part.strip()}))
+
+
+def at_least(kind: type, minimum: int = 0):
+    """An argparse ``type=`` that converts with ``kind`` and refuses values below ``minimum``."""
+    def parse(text: str):
+        value = kind(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is below {minimum}; pass {minimum} or more")
+        return value
+
+    return parse
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, graphs_help: str) -> None:
+    """The flags every benchmark takes: memory, outputs, time limit, progress lines, CUDA graphs."""
+    parser.add_argument("--memory", choices=["cpu", "cuda", "all"], default="all",
+                        help="memory to benchmark; 'all' (default) is cpu plus cuda when torch sees a GPU")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write every record to PATH")
+    parser.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                        help="plot GB/s to PNG (needs matplotlib)")
+    parser.add_argument("--timeout", type=at_least(float), default=900.0, metavar="S",
+                        help="give up after this many seconds (default 900)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--graphs", action="store_true", help=graphs_help)
+
+
+def memories(args: argparse.Namespace) -> tuple[str, ...]:
+    """The memories ``--memory`` asks for that exist here: 'all' is cpu plus cuda when torch sees a GPU.
+    ``--memory cuda`` without a GPU is a usage error (exit 2) naming the fix."""
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    if args.memory == "cuda" and not has_cuda:
+        args.parser.error(f"--memory cuda: torch {torch.__version__} sees no CUDA device; use --memory cpu "
+                          "(or run 'tensorwire doctor')")
+    if args.memory == "all":
+        return ("cpu", "cuda") if has_cuda else ("cpu",)
+    return (args.memory,)
+
+
+def check_plot(args: argparse.Namespace) -> None:
+    """Refuse ``--plot`` before measuring anything when matplotlib does not import (exit 2, with why)."""
+    if args.plot is None:
+        return
+    from ..errors import TensorwireError
+    from .plot import require_matplotlib
+
+    try:
+        require_matplotlib()
+    except TensorwireError as e:
+        args.parser.error(str(e))
+
+
+def write_json(path: Path, document: dict[str, Any]) -> None:
+    """Write ``document`` to ``path`` (parents created), one key per line, and say so on stderr."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
