@@ -57,7 +57,7 @@ def assert_equal(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 
 
 # --- ranks --------------------------------------------------------------------------------------
-def ring_peers(comm: "tw.Communicator") -> tuple[int, int]:
+def ring_peers(comm: tw.Communicator) -> tuple[int, int]:
     """(next, previous) rank on the ring."""
     return (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
 

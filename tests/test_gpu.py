@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import tensorwire as tw
 from conftest import INIT_TIMEOUT, WAIT, assert_equal, launch, rank_values, ring_peers, sentinel
 from test_p2p import _repost
+
+import tensorwire as tw
 
 pytestmark = pytest.mark.gpu
 

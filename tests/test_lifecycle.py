@@ -8,9 +8,9 @@ import time
 
 import pytest
 import torch
+from conftest import INIT_TIMEOUT, WAIT, assert_equal, launch, rank_values, sentinel
 
 import tensorwire as tw
-from conftest import INIT_TIMEOUT, WAIT, assert_equal, launch, rank_values, sentinel
 
 
 # --- rank functions --------------------------------------------------------------------------------

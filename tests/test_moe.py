@@ -351,10 +351,10 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
     """The ``"cuda"`` backend's steps (``cuda_engine``'s functions and ``nvlink``'s kernels) for ``world``
     ranks in this one process, on host tensors standing in for the IPC-mapped spaces and a host check
     standing in for the stream waits (every awaited flag word must have reached its target), followed by
-    the ``consume_flags`` kernel, as on the stream. Ranks run each step in turn; the count exchange runs twice, since in its first
-    pass (ranks in turn, waits skipped) earlier ranks copy their slots before later ranks stored into them;
-    the second pass repeats the same stores and then finds every row. Run under TRITON_INTERPRET=1 (the
-    flag must be set before triton is imported)."""
+    the ``consume_flags`` kernel, as on the stream. Ranks run each step in turn; the count exchange runs twice,
+    since in its first pass (ranks in turn, waits skipped) earlier ranks copy their slots before later ranks
+    stored into them; the second pass repeats the same stores and then finds every row. Run under
+    TRITON_INTERPRET=1 (the flag must be set before triton is imported)."""
     from tensorwire.moe.exchange import ERROR_OVERFLOW
     from tensorwire.moe.kernels import cuda_engine as ce
     from tensorwire.moe.kernels import nvlink, routing

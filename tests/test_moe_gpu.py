@@ -126,7 +126,7 @@ def _no_host_sync():
                 results.append(_step(comm, x, topk_idx, topk_weights, capacity))
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        for step, (d, y) in enumerate(results):
+        for step, (_, y) in enumerate(results):
             _close(y, reference_combine(*_routing(step, me, world, tokens, topk, hidden), scaled=True),
                    f"step {step} without host sync, rank {me}")
         results[-1][0].check()  # no overflow, timeout or bad id was flagged on the device

@@ -13,9 +13,9 @@ import time
 
 import pytest
 import torch
+from conftest import INIT_TIMEOUT, SENTINEL, WAIT, assert_equal, launch, rank_values, ring_peers, sentinel
 
 import tensorwire as tw
-from conftest import INIT_TIMEOUT, SENTINEL, WAIT, assert_equal, launch, rank_values, ring_peers, sentinel
 
 WORLDS = [pytest.param(2, id="world2"), pytest.param(4, id="world4")]
 

@@ -7,9 +7,9 @@ import gc
 import time
 
 import torch
+from conftest import INIT_TIMEOUT, WAIT, assert_equal, cores_used_while, launch, rank_values, rss_bytes, sentinel
 
 import tensorwire as tw
-from conftest import INIT_TIMEOUT, WAIT, assert_equal, cores_used_while, launch, rank_values, rss_bytes, sentinel
 
 MiB = 1 << 20
 RSS_GROWTH_LIMIT = 20 * MiB

@@ -7,9 +7,9 @@ import time
 
 import pytest
 import torch
+from conftest import INIT_TIMEOUT, WAIT, assert_equal, launch, rank_values, sentinel
 
 import tensorwire as tw
-from conftest import INIT_TIMEOUT, WAIT, assert_equal, launch, rank_values, sentinel
 from tensorwire.config import Config
 from tensorwire.progress import ProgressEngine
 

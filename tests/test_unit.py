@@ -558,7 +558,8 @@ def test_bench_summary_holds_4k_gpu_graph_latency_against_its_goal():
     from tensorwire.bench import p2p, report
 
     def record(op, path, median_us, transport="cuda_ipc"):
-        return p2p.Record("cuda", op, 4096, path, median_us, median_us, median_us, 4096 / median_us / 1e3, 20, transport)
+        gbps = 4096 / median_us / 1e3
+        return p2p.Record("cuda", op, 4096, path, median_us, median_us, median_us, gbps, 20, transport)
 
     def lines_of(records):
         result = p2p.BenchResult(records=records, idle=[], raw_config="raw", progress_wakeup_ms=10,

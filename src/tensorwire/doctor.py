@@ -9,8 +9,8 @@ this process's ``os.environ``) and the protocol tables UCX writes are parsed for
 ``ucp_get*`` rows.
 
 Every probe is bounded in time, and a failing probe is reported, never raised: the doctor exits 0 whenever
-it could diagnose. Non-goals: fixing anything, benchmarking (``tensorwire bench`` does that). The machine facts it prints
-come from ``tensorwire.machine``.
+it could diagnose. Non-goals: fixing anything, benchmarking (``tensorwire bench`` does that). The machine
+facts it prints come from ``tensorwire.machine``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 # cpu_model and ucx_version are only re-exported: they lived here before machine.py.
 from .machine import cpu_model, cuda_summary, software_versions, ucx_version

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 from .config import Config
 from .errors import WaitTimeoutError

@@ -78,7 +78,8 @@ def info() -> BackendInfo:
         probe = api.nixl_agent("tensorwire-probe", api.nixl_agent_config(enable_prog_thread=False, backends=[]))
         plugins = probe.get_plugin_list()
     except Exception as e:  # noqa: BLE001 - any failure here means "unavailable", reported with its text
-        return BackendInfo("nixl", False, f"creating a NIXL agent failed: {e}", fix="check the nixl install", version=version)
+        return BackendInfo("nixl", False, f"creating a NIXL agent failed: {e}", fix="check the nixl install",
+                           version=version)
     if "UCX" not in plugins:
         return BackendInfo(
             "nixl", False, f"NIXL has no UCX plugin (found {plugins})",
@@ -156,7 +157,8 @@ class NixlBackend:
         try:
             return self.agent.register_memory(entry, _MEM_TYPE[segment.kind])
         except Exception as e:  # noqa: BLE001
-            raise self._translate(e, f"registering {segment.nbytes} bytes of {_MEM_TYPE[segment.kind]} at 0x{segment.addr:x}") from e
+            what = f"registering {segment.nbytes} bytes of {_MEM_TYPE[segment.kind]} at 0x{segment.addr:x}"
+            raise self._translate(e, what) from e
 
     def deregister(self, handle: Any) -> None:
         try:
@@ -325,7 +327,8 @@ class NixlBackend:
         kind = type(error).__name__
         where = f" (peer rank {peer})" if peer is not None else ""
         if kind == "nixlRemoteDisconnectError":
-            return PeerLostError(f"nixl: {what}{where}: the remote agent disconnected ({error}); the peer process exited or its network broke")
+            return PeerLostError(f"nixl: {what}{where}: the remote agent disconnected ({error}); the peer process "
+                                 "exited or its network broke")
         if kind in self._errors:
             return TransferError(f"nixl: {what}{where} failed with {kind}: {error}")
         return TransferError(f"nixl: {what}{where} failed: {kind}: {error}")

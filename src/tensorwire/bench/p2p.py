@@ -50,8 +50,9 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -127,7 +128,7 @@ class Record:
 
     @staticmethod
     def of(memory: str, op: str, size: int, path: str, timing: Timing, transport: str,
-           threads: int | None = None) -> "Record":
+           threads: int | None = None) -> Record:
         return Record(memory, op, size, path, timing.median_us, timing.p10_us, timing.p90_us,
                       timing.gbps(size), timing.reps, transport, threads)
 
@@ -353,12 +354,13 @@ def _host_buffer(nbytes: int) -> tuple[torch.Tensor, str | None]:
 
 
 def _bench_size(comm: Any, raw: _RawNixl, side: _Side, size: int, config: BenchConfig,
-                checker: "_InboxChecker") -> list[Record]:
+                checker: _InboxChecker) -> list[Record]:
     """Rank 0: READ then WRITE of ``size`` bytes. The transfer paths are timed interleaved (they are what is
     compared); each must first move the right bytes on its own, and all still do after the timing."""
     records: list[Record] = []
     remote_outbox, remote_inbox = side.remote.narrow(0, size), side.remote.narrow(side.half, size)
-    for op, local, remote in ((Op.READ, side.inbox[:size], remote_outbox), (Op.WRITE, side.outbox[:size], remote_inbox)):
+    cases = ((Op.READ, side.inbox[:size], remote_outbox), (Op.WRITE, side.outbox[:size], remote_inbox))
+    for op, local, remote in cases:
         if config.progress:
             print(f"bench: {side.memory} {op.value:<5} {format_size(size)}", file=sys.stderr, flush=True)
         with contextlib.ExitStack() as stack:
@@ -410,7 +412,7 @@ def _bench_in_process(comm: Any, side: _Side, size: int, budget: Budget) -> Reco
         return Record.of(side.memory, Op.WRITE.value, size, TENSORWIRE_IN_PROCESS, timing, transfer.transport)
 
 
-def _bench_wait_returns(comm: Any, side: _Side, checker: "_InboxChecker") -> list[dict[str, Any]]:
+def _bench_wait_returns(comm: Any, side: _Side, checker: _InboxChecker) -> list[dict[str, Any]]:
     """Rank 0: the CPU time ``wait(stream=)`` takes to return while a WRITE of the whole outbox is in flight,
     ``WAIT_RETURN_REPS`` times per transport (tensorwire's choice, then NIXL forced). A CPU-driven transport
     is posted from the CPU (``post()``), a stream-ordered one on the stream. Each repetition then records an
@@ -448,7 +450,7 @@ def _bench_wait_returns(comm: Any, side: _Side, checker: "_InboxChecker") -> lis
 
 
 def _bench_on_stream(comm: Any, side: _Side, size: int, op: Op, local: torch.Tensor, remote: TensorDesc,
-                     budget: Budget, checker: "_InboxChecker") -> Record:
+                     budget: Budget, checker: _InboxChecker) -> Record:
     """A stream-ordered transport timed the way the device copy is: ``post(stream=)`` + ``wait(stream=)``
     between two CUDA events on the current stream, so no CPU round trip sits inside the interval."""
     stream = torch.cuda.current_stream()
@@ -466,7 +468,7 @@ def _bench_on_stream(comm: Any, side: _Side, size: int, op: Op, local: torch.Ten
 
 
 def _bench_graph(comm: Any, side: _Side, size: int, op: Op, local: torch.Tensor, remote: TensorDesc,
-                 budget: Budget, checker: "_InboxChecker") -> Record:
+                 budget: Budget, checker: _InboxChecker) -> Record:
     """``post(stream=)`` + ``wait(stream=)`` captured once in a CUDA graph; each replay timed with CUDA
     events on the current stream (the graph replays there)."""
     with comm.prepare(op, local, remote) as transfer:
@@ -519,7 +521,7 @@ def _post_and_wait(transfer: Any) -> Callable[[], None]:
     return once
 
 
-def _check_path(side: _Side, size: int, op: Op, path: str, checker: "_InboxChecker") -> None:
+def _check_path(side: _Side, size: int, op: Op, path: str, checker: _InboxChecker) -> None:
     """Rank 0 checks its own inbox after a READ path and asks rank 1 to check its inbox after a WRITE."""
     if op is Op.READ:
         _check_inbox(side, size, f"{path} READ")
@@ -634,7 +636,7 @@ class _CpuSnapshot:
     wall_s: float
 
     @staticmethod
-    def now() -> "_CpuSnapshot":
+    def now() -> _CpuSnapshot:
         busy = steal = None
         try:
             with open("/proc/stat") as stat:
@@ -647,7 +649,7 @@ class _CpuSnapshot:
         own = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return _CpuSnapshot(busy, steal, sum(r.ru_utime + r.ru_stime for r in own), time.perf_counter())
 
-    def others_since(self, before: "_CpuSnapshot") -> dict[str, float | None]:
+    def others_since(self, before: _CpuSnapshot) -> dict[str, float | None]:
         """Average cores other processes used (``other_cores``) and the hypervisor stole (``steal_cores``):
         anything above a few hundredths on a machine with few cores disturbed the timings."""
         wall = self.wall_s - before.wall_s

@@ -47,7 +47,8 @@ def require_matplotlib() -> Any:
                 "--plot needs matplotlib, which is not installed; pip install matplotlib "
                 "(or pip install 'tensorwire[plot]'), or drop --plot"
             ) from e
-        raise InvalidArgumentError(f"--plot: importing matplotlib failed because {e.name!r} is missing; install it") from e
+        raise InvalidArgumentError(
+            f"--plot: importing matplotlib failed because {e.name!r} is missing; install it") from e
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as pyplot
 
@@ -70,7 +71,8 @@ def plot(records: list[Record], path: Path, title: str = "tensorwire bench") -> 
             transport = next((r.transport for r in records if (r.memory, r.path) == (memory, path_name)), None)
             if path_name == TENSORWIRE and transport:
                 label += f" (via {transport})"
-            threads = next((r.threads for r in records if (r.memory, r.path) == (memory, path_name) and r.threads), None)
+            threads = next((r.threads for r in records
+                            if (r.memory, r.path) == (memory, path_name) and r.threads), None)
             if threads:
                 label += f" ({threads} thread{'s' if threads > 1 else ''})"
             axis.plot([p[0] for p in points], [p[1] for p in points], label=label, markersize=4, **style)

@@ -95,7 +95,8 @@ def summary(result: BenchResult) -> list[dict[str, Any]]:
     big = cases.get(("cpu", "WRITE", 64 << 20), {})
     if TENSORWIRE in big and COPY in big:
         ratio = big[TENSORWIRE].gbps / big[COPY].gbps
-        lines.append({"name": "64 MiB cpu WRITE bandwidth vs copy", "value": ratio, "goal": ">= 0.6", "ok": ratio >= 0.6,
+        lines.append({"name": "64 MiB cpu WRITE bandwidth vs copy", "value": ratio, "goal": ">= 0.6",
+                      "ok": ratio >= 0.6,
                       "text": f"64 MiB cpu WRITE: tensorwire {big[TENSORWIRE].gbps:.2f} GB/s = {ratio:.2f}x copy "
                               f"({big[COPY].gbps:.2f} GB/s, 1 thread); goal >= 0.6x"})
     else:
@@ -104,10 +105,10 @@ def summary(result: BenchResult) -> list[dict[str, Any]]:
     small = cases.get(("cpu", "WRITE", 4 << 10), {})
     if TENSORWIRE in small and RAW in small:
         us, ratio = small[TENSORWIRE].median_us, small[TENSORWIRE].median_us / small[RAW].median_us
-        lines.append({"name": "4 KiB cpu WRITE latency", "value": us, "ratio_vs_raw": ratio, "goal": "<= 10 us, <= 1.1x raw",
-                      "ok": us <= 10 and ratio <= 1.1,
-                      "text": f"4 KiB cpu WRITE: tensorwire {us:.2f} µs median (goal <= 10 µs) = {ratio:.2f}x raw nixl's "
-                              f"{small[RAW].median_us:.2f} µs (goal <= 1.1x)"})
+        lines.append({"name": "4 KiB cpu WRITE latency", "value": us, "ratio_vs_raw": ratio,
+                      "goal": "<= 10 us, <= 1.1x raw", "ok": us <= 10 and ratio <= 1.1,
+                      "text": f"4 KiB cpu WRITE: tensorwire {us:.2f} µs median (goal <= 10 µs) = {ratio:.2f}x raw "
+                              f"nixl's {small[RAW].median_us:.2f} µs (goal <= 1.1x)"})
     else:
         lines.append({"name": "4 KiB cpu WRITE latency", "value": None, "goal": "<= 10 us, <= 1.1x raw", "ok": None,
                       "text": "4 KiB cpu WRITE: not measured (add 4K to --sizes and cpu to --memory)"})
@@ -117,8 +118,8 @@ def summary(result: BenchResult) -> list[dict[str, Any]]:
                       "ok": ok,
                       "text": f"wait(stream=) over {w['transport']} returned to the CPU after {w['median_us']:.1f} µs "
                               f"median (p10-p90 {w['p10_us']:.1f}-{w['p90_us']:.1f}, first call {w['first_us']:.1f}) "
-                              f"with a {format_size(w['size'])} {w['op']} in flight ({w['in_flight']}/{w['reps']} still "
-                              "moving at return); goal < 20 µs"})
+                              f"with a {format_size(w['size'])} {w['op']} in flight ({w['in_flight']}/{w['reps']} "
+                              "still moving at return); goal < 20 µs"})
     if any(r.memory == "cuda" for r in result.records):
         lines += _gpu_latency_lines(cases)
     if result.idle:
@@ -211,8 +212,9 @@ def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig
     other, steal = result.others.get("other_cores"), result.others.get("steal_cores")
     if other is not None:
         disturbed = other >= 0.1 or steal >= 0.1
-        out.append(f"  {'!!! ' if disturbed else ''}meanwhile other processes used {other:.2f} cores and the hypervisor "
-                   f"stole {steal:.2f}" + ("; these timings are disturbed, run again on a quiet machine" if disturbed else ""))
+        advice = "; these timings are disturbed, run again on a quiet machine" if disturbed else ""
+        out.append(f"  {'!!! ' if disturbed else ''}meanwhile other processes used {other:.2f} cores and the "
+                   f"hypervisor stole {steal:.2f}{advice}")
     if result.idle:
         per_rank = ", ".join(f"rank {i['rank']} {i['cores']:.3f}" for i in result.idle)
         out.append(f"  idle CPU: {per_rank} cores over {result.idle[0]['wall_s']:.1f} s "

@@ -27,8 +27,9 @@ import gc
 import math
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Protocol
 
 from ..errors import InvalidArgumentError
 

@@ -196,6 +196,7 @@ def block_tables(slots: torch.Tensor, round_word: torch.Tensor, rank: int, world
     place_blocks[(1,)](
         slots, round_word, send_start, destination_start, tokens_per_expert, num_recv_rows, rows_per_rank, error,
         rank, world, blocks_per_rank, slots.shape[2], -1 if capacity is None else capacity, HEADER_WORDS=HEADER,
-        W_P=max(2, next_power_of_two(world)), L_P=max(2, next_power_of_two(blocks_per_rank)), CHECK=capacity is not None,
+        W_P=max(2, next_power_of_two(world)), L_P=max(2, next_power_of_two(blocks_per_rank)),
+        CHECK=capacity is not None,
     )
     return BlockTables(send_start, destination_start, tokens_per_expert, num_recv_rows, rows_per_rank)
