@@ -7,11 +7,12 @@ import time
 
 import pytest
 import torch
-from conftest import INIT_TIMEOUT, WAIT, assert_equal, launch, rank_values, sentinel
 
 import tensorwire as tw
 from tensorwire.config import Config
 from tensorwire.progress import ProgressEngine
+from tensorwire.testing.data import assert_equal, rank_values, sentinel
+from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch
 
 
 def _self_transfer_takes_the_local_copy():

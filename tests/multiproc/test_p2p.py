@@ -13,9 +13,11 @@ import time
 
 import pytest
 import torch
-from conftest import INIT_TIMEOUT, SENTINEL, WAIT, assert_equal, launch, rank_values, ring_peers, sentinel
 
 import tensorwire as tw
+from tensorwire.testing.data import SENTINEL, assert_equal, rank_values, sentinel
+from tensorwire.testing.scenarios import repost
+from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch, ring_peers
 
 WORLDS = [pytest.param(2, id="world2"), pytest.param(4, id="world4")]
 
@@ -143,54 +145,6 @@ def _dtypes_and_sizes():
     comm.barrier(timeout=WAIT)
     comm.close()
     return comm.rank
-
-
-def _repost(rounds: int, memory: str = "cpu"):
-    """Also the GPU suite's re-post test (``memory="cuda"``: tensors on ``comm.device``)."""
-    n = 4096
-    comm = tw.init(timeout=INIT_TIMEOUT)
-    device = comm.device if memory == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-
-    def values(rank: int, offset: int = 0) -> torch.Tensor:
-        return rank_values(rank, n, torch.int64, device, offset=offset)
-
-    def settle() -> None:  # kernels that filled a buffer are done before a peer reads it
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    nxt, prv = ring_peers(comm)
-    wsrc, wdst = values(comm.rank), sentinel(n, torch.int64, device)
-    rsrc, rdst = values(comm.rank), sentinel(n, torch.int64, device)
-    reg = comm.register([wsrc, wdst, rsrc, rdst])
-    comm.publish("bufs", reg.descs)
-    _, remote_wdst, remote_rsrc, _ = comm.lookup("bufs", nxt, timeout=WAIT)
-    write = comm.prepare(tw.WRITE, wsrc, remote_wdst)
-    read = comm.prepare(tw.READ, rdst, remote_rsrc)
-    for r in range(rounds):
-        offset = 1_000_000 * (r + 1)
-        # WRITE re-post: new data in the same source tensor, the same prepared transfer.
-        wsrc.copy_(values(comm.rank, offset))
-        settle()
-        write.post()
-        write.wait(timeout=WAIT)
-        assert write.status() is tw.Status.DONE
-        comm.barrier(timeout=WAIT)
-        assert_equal(wdst, values(prv, offset), f"round {r}: re-posted WRITE from {prv}")
-        # READ re-post: the owner changes its data between rounds; the reader sees the new values.
-        rsrc.copy_(values(comm.rank, offset))
-        settle()
-        comm.barrier(timeout=WAIT)
-        read.post()
-        read.wait(timeout=WAIT)
-        assert read.status() is tw.Status.DONE
-        assert_equal(rdst, values(nxt, offset), f"round {r}: re-posted READ from {nxt}")
-        comm.barrier(timeout=WAIT)  # nobody overwrites a source before its reader is done
-    write.close()
-    read.close()
-    comm.close()
-    return rounds
 
 
 def _notify_ring(messages: int):
@@ -386,7 +340,7 @@ def test_dtypes_and_sizes(world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_repost_prepared_transfer(world):
     """One prepared READ and one prepared WRITE re-posted 25 times carry each round's new data."""
-    assert launch(_repost, world, 25) == [25] * world
+    assert launch(repost, world, 25) == [25] * world
 
 
 @pytest.mark.parametrize("world", WORLDS)

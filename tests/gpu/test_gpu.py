@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import INIT_TIMEOUT, WAIT, assert_equal, launch, rank_values, ring_peers, sentinel
-from test_p2p import _repost
 
 import tensorwire as tw
+from tensorwire.testing.data import assert_equal, rank_values, sentinel
+from tensorwire.testing.scenarios import repost
+from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch, ring_peers
 
 pytestmark = pytest.mark.gpu
 
@@ -131,7 +132,7 @@ def test_gpu_ring_read_write(world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_gpu_repost(world):
     """CUDA tensors: one prepared READ and one WRITE re-posted 10 times carry each round's new data."""
-    assert launch(_repost, world, 10, "cuda") == [10] * world
+    assert launch(repost, world, 10, "cuda") == [10] * world
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -1,7 +1,7 @@
 """MoE dispatch / combine on GPU memory: the "cuda" and "nixl" backends between two processes sharing one
 GPU, the "cuda" backend without any host sync, and a whole MoE step captured in a CUDA graph.
 
-Inputs and the reference are those of ``test_moe`` (every rank rebuilds every rank's inputs). The "cuda"
+Inputs and the reference are ``tensorwire.testing.moe_reference`` (every rank rebuilds every rank's inputs). The "cuda"
 backend sums in a Triton kernel (fused multiply-adds), so combine results are compared within rounding.
 Every GPU wait of the backend is bounded (its watchdog opens a wait nobody releases and the next call
 raises), and ``launch`` bounds the whole job.
@@ -11,21 +11,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import INIT_TIMEOUT, assert_equal, launch
-from test_moe import (
+
+import tensorwire as tw
+from tensorwire import moe
+from tensorwire.testing.data import assert_equal
+from tensorwire.testing.moe_reference import (
     CASES,
     EXPERTS_PER_RANK,
-    _a2a_counts,
-    _a2a_rows,
+    a2a_counts,
+    a2a_rows,
     check_dispatch,
     make_inputs,
     reference_combine,
     reference_dispatch,
     scaled_expert,
 )
-
-import tensorwire as tw
-from tensorwire import moe
+from tensorwire.testing.suite import INIT_TIMEOUT, launch
 
 pytestmark = pytest.mark.gpu
 
@@ -64,10 +65,10 @@ def _cases_on_one_gpu(backend: str):
                    f"{what}: combine with capacity")
             d.check()
         for seed, dtype in ((0, torch.int64), (1, torch.bfloat16)):
-            counts = _a2a_counts(seed, world)
-            send = _a2a_rows(me, sum(counts[me])).to(dtype).to(comm.device)
+            counts = a2a_counts(seed, world)
+            send = a2a_rows(me, sum(counts[me])).to(dtype).to(comm.device)
             recv, recv_counts = tw.all_to_all_v(send, counts[me], comm=comm, backend=backend)
-            expected_rows = torch.cat([_a2a_rows(s, sum(counts[s]))[sum(counts[s][:me]):sum(counts[s][:me + 1])]
+            expected_rows = torch.cat([a2a_rows(s, sum(counts[s]))[sum(counts[s][:me]):sum(counts[s][:me + 1])]
                                        for s in range(world)]).to(dtype)
             assert_equal(recv, expected_rows, f"{backend} all_to_all_v rank {me}")
             assert recv_counts.device == send.device

@@ -7,9 +7,10 @@ import gc
 import time
 
 import torch
-from conftest import INIT_TIMEOUT, WAIT, assert_equal, cores_used_while, launch, rank_values, rss_bytes, sentinel
 
 import tensorwire as tw
+from tensorwire.testing.data import assert_equal, rank_values, sentinel
+from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, cores_used_while, launch, rss_bytes
 
 MiB = 1 << 20
 RSS_GROWTH_LIMIT = 20 * MiB

@@ -11,9 +11,10 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import INIT_TIMEOUT, WAIT, assert_equal, launch, rank_values, sentinel
 
 import tensorwire as tw
+from tensorwire.testing.data import assert_equal, rank_values, sentinel
+from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch
 
 N = 256  # int64 elements in each buffer: 2048 bytes
 NO_ERROR = "no error"

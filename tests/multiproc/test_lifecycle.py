@@ -8,9 +8,10 @@ import time
 
 import pytest
 import torch
-from conftest import INIT_TIMEOUT, WAIT, assert_equal, launch, rank_values, sentinel
 
 import tensorwire as tw
+from tensorwire.testing.data import assert_equal, rank_values, sentinel
+from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch
 
 
 # --- rank functions --------------------------------------------------------------------------------

@@ -1,0 +1,57 @@
+"""The bounded defaults of tensorwire's own test suite, and what its rank functions measure.
+
+Nothing in the suite may hang: every launch, init, lookup, barrier and wait has a short timeout from here.
+Rank functions are module-level functions of the test modules, run by ``launch`` in fresh processes.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .launch import launch as launch_ranks
+
+if TYPE_CHECKING:
+    from ..communicator import Communicator
+
+__all__ = ["INIT_TIMEOUT", "WAIT", "LAUNCH_TIMEOUT", "launch", "ring_peers", "rss_bytes", "cpu_seconds",
+           "cores_used_while"]
+
+INIT_TIMEOUT = 30.0  # tw.init(timeout=...) in every rank
+WAIT = 10.0  # lookups, barriers and transfer waits that must succeed
+LAUNCH_TIMEOUT = 90.0  # the whole launched job
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = LAUNCH_TIMEOUT,
+           env: dict | None = None) -> list:
+    """``tensorwire.testing.launch`` with the suite's timeout; blocks until every rank returned (their
+    results, by rank) or one failed (raised here, the others stopped)."""
+    return launch_ranks(fn, world_size, *args, timeout=timeout, env=env)
+
+
+def ring_peers(comm: Communicator) -> tuple[int, int]:
+    """(next, previous) rank on the ring."""
+    return (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process, from /proc/self/statm."""
+    with open("/proc/self/statm") as statm:
+        resident_pages = int(statm.read().split()[1])
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_seconds() -> float:
+    """User plus system CPU seconds of this process, every thread."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cores_used_while(fn: Callable[[], Any]) -> float:
+    """CPU time of this process (all threads) divided by wall time, while ``fn()`` runs (it blocks as long)."""
+    cpu_before, wall_before = cpu_seconds(), time.perf_counter()
+    fn()
+    return (cpu_seconds() - cpu_before) / (time.perf_counter() - wall_before)
