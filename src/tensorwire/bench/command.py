@@ -1,4 +1,5 @@
-"""What every ``tensorwire bench <name>`` subcommand shares: argument types, the common flags, the outputs.
+"""What every ``tensorwire bench <name>`` subcommand shares: argument types, the common flags, the outputs
+(the JSON header that says where and with what a result was measured, the JSON file).
 
 A subcommand is one module ``tensorwire.bench.<name>`` with ``add_arguments(parser)`` and ``main(args) -> int``
 (the shape is described in ``tensorwire.cli``); these helpers keep their flags spelled and checked alike.
@@ -7,14 +8,20 @@ A subcommand is one module ``tensorwire.bench.<name>`` with ``add_arguments(pars
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import re
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from ..machine import cpu_summary, gpu_names, hostname, software_versions
+
 __all__ = ["parse_size", "parse_sizes", "at_least", "add_common_arguments", "memories", "write_json",
-           "check_plot"]
+           "check_plot", "header"]
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmg]?)(?:i?b)?\s*$", re.IGNORECASE)
 _UNIT = {"": 0, "k": 10, "m": 20, "g": 30}
@@ -89,3 +96,31 @@ def write_json(path: Path, document: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=1) + "\n")
     print(f"wrote {path}", file=sys.stderr)
+
+
+def header(argv: list[str]) -> dict[str, Any]:
+    """Where and with what the benchmark ran (the JSON header)."""
+    return {
+        "command": shlex.join(["tensorwire", *argv]),
+        "hostname": hostname(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": software_versions(),
+        "source": _source_revision(),
+        "cpu": cpu_summary(),
+        "gpus": gpu_names(),
+    }
+
+
+def _source_revision() -> dict[str, Any] | None:
+    """The git commit of the tensorwire being measured, and whether its tracked files differ from it."""
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/tensorwire
+    try:
+        commit = subprocess.run(["git", "-C", package_dir, "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=5, check=False)
+        if commit.returncode != 0:
+            return None
+        status = subprocess.run(["git", "-C", package_dir, "status", "--porcelain", "--untracked-files=no", "--", "."],
+                                capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit.stdout.strip(), "modified": bool(status.stdout.strip())}

@@ -35,7 +35,7 @@ import torch
 
 from ..errors import InvalidArgumentError, TransferError
 from ..moe.selection import BACKENDS
-from .command import add_common_arguments, at_least, check_plot, write_json
+from .command import add_common_arguments, at_least, check_plot, header, write_json
 from .timing import Timing, summarize
 
 __all__ = ["MoeBenchConfig", "format_moe_report", "run_moe_bench", "HELP", "add_arguments", "main"]
@@ -344,7 +344,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table, write ``--json`` / ``--plot``; blocks until every rank is done."""
     from ..backends.nixl import quiet_nixl_logging
-    from . import report
 
     quiet_nixl_logging()
     check_plot(args)
@@ -362,7 +361,7 @@ def main(args: argparse.Namespace) -> int:
                             backends=backends)
     print(format_moe_report(records), flush=True)
     if args.json is not None:
-        write_json(args.json, {"header": report.header(args.argv), "records": records})
+        write_json(args.json, {"header": header(args.argv), "records": records})
     if args.plot is not None:
         from .plot import plot_moe
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidArgumentError
-from .p2p import (
+from .p2p_records import (
     COPY,
     COPY_MT,
     RAW,

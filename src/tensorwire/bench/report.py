@@ -1,27 +1,24 @@
-"""Reporting of ``tensorwire bench`` (point-to-point): the JSON header, the comparisons and the summary
-against the goals, the aligned text table and the JSON document. Measuring lives in ``p2p.py``."""
+"""Reporting of ``tensorwire bench p2p``: the comparisons and the summary against the goals, the aligned text
+table and the JSON document. Measuring lives in ``p2p_rank.py``; the JSON header (``header``, re-exported
+here) in ``command.py``, shared by every benchmark."""
 
 from __future__ import annotations
 
-import datetime
-import os
-import shlex
-import subprocess
 import textwrap
 from dataclasses import asdict
 from typing import Any
 
-from ..machine import cpu_summary, gpu_names, hostname, software_versions
-from .p2p import (
-    _IDLE_BYTES,
-    _TENSORWIRE_PATHS,
+from .command import header
+from .p2p_records import (
     COPY,
+    IDLE_BYTES,
     RAW,
     STREAM_ORDERED,
     TENSORWIRE,
     TENSORWIRE_GRAPH,
     TENSORWIRE_IN_PROCESS,
     TENSORWIRE_NIXL,
+    TENSORWIRE_PATHS,
     TENSORWIRE_STREAM,
     BenchConfig,
     BenchResult,
@@ -32,34 +29,6 @@ from .p2p import (
 __all__ = ["header", "comparisons", "summary", "format_report", "to_json"]
 
 _ROW_ORDER = (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_GRAPH, TENSORWIRE_IN_PROCESS, TENSORWIRE_NIXL, RAW, COPY)
-
-
-def header(argv: list[str]) -> dict[str, Any]:
-    """Where and with what the benchmark ran (the JSON header)."""
-    return {
-        "command": shlex.join(["tensorwire", *argv]),
-        "hostname": hostname(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "versions": software_versions(),
-        "source": _source_revision(),
-        "cpu": cpu_summary(),
-        "gpus": gpu_names(),
-    }
-
-
-def _source_revision() -> dict[str, Any] | None:
-    """The git commit of the tensorwire being measured, and whether its tracked files differ from it."""
-    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        commit = subprocess.run(["git", "-C", package_dir, "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, timeout=5, check=False)
-        if commit.returncode != 0:
-            return None
-        status = subprocess.run(["git", "-C", package_dir, "status", "--porcelain", "--untracked-files=no", "--", "."],
-                                capture_output=True, text=True, timeout=5, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return {"commit": commit.stdout.strip(), "modified": bool(status.stdout.strip())}
 
 
 # --- reporting ---------------------------------------------------------------------------------------
@@ -76,7 +45,7 @@ def comparisons(records: list[Record]) -> list[dict[str, Any]]:
     out = []
     for (memory, op, size), paths in _cases(records).items():
         raw, copy = paths.get(RAW), paths.get(COPY)
-        for name in _TENSORWIRE_PATHS:
+        for name in TENSORWIRE_PATHS:
             tw = paths.get(name)
             if tw is None:
                 continue
@@ -218,7 +187,7 @@ def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig
     if result.idle:
         per_rank = ", ".join(f"rank {i['rank']} {i['cores']:.3f}" for i in result.idle)
         out.append(f"  idle CPU: {per_rank} cores over {result.idle[0]['wall_s']:.1f} s "
-                   f"(connected communicator, {format_size(_IDLE_BYTES)} registered)")
+                   f"(connected communicator, {format_size(IDLE_BYTES)} registered)")
     out.append("")
     for line in summary(result):
         tag = {True: "[ok]  ", False: "[MISS]", None: "[n/a] "}[line["ok"]]
