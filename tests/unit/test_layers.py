@@ -1,0 +1,215 @@
+"""The layer order of docs/architecture.md, enforced on the source: no import circle between modules of
+``src/tensorwire`` and no import from a higher layer into a lower one.
+
+Imports are read with ``ast`` (nothing is imported): module-level ones and those inside functions alike, since
+a lazy import that goes upward is still an upward dependency; only ``if TYPE_CHECKING:`` blocks are skipped
+(annotations, never run). ``from package import name`` depends on ``package.name`` when that is a module.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+from pathlib import Path
+
+import pytest
+
+SOURCE = Path(__file__).resolve().parents[2] / "src"
+
+# Bottom to top, as docs/architecture.md draws them. A module may import from its own layer and the ones
+# listed before it. Every module must match exactly one layer: a new module is placed here on purpose.
+LAYERS: list[tuple[str, list[str]]] = [
+    ("errors", ["tensorwire.errors"]),
+    ("values and the environment", ["tensorwire.config", "tensorwire.lifetime", "tensorwire.descriptors",
+                                    "tensorwire.cuda", "tensorwire.bootstrap"]),
+    ("memory maps and waiting", ["tensorwire.memory_map", "tensorwire.progress"]),
+    ("backends", ["tensorwire.backends", "tensorwire.backends.*"]),
+    ("communicator", ["tensorwire.communicator", "tensorwire.registration", "tensorwire.transfer"]),
+    ("moe", ["tensorwire.moe", "tensorwire.moe.*"]),
+    ("launcher and test data", ["tensorwire.testing", "tensorwire.testing.launch", "tensorwire.testing.data"]),
+    ("public API", ["tensorwire"]),
+    ("tool support", ["tensorwire.machine", "tensorwire.testing.suite", "tensorwire.testing.scenarios",
+                      "tensorwire.testing.moe_reference"]),
+    ("tools", ["tensorwire.doctor", "tensorwire.bench", "tensorwire.bench.*"]),
+    ("command", ["tensorwire.cli", "tensorwire.__main__"]),
+]
+
+# Import circles that exist today, each to be removed by the step of issue 16 named beside it. The test
+# fails when one of them is gone too, so the exception goes with the circle.
+KNOWN_CIRCLES: list[tuple[frozenset[str], str]] = [
+    # Next step of issue 16 (step 4, MoE engines in their own rooms): dispatch picks an engine through
+    # selection, which imports the engines, which import Dispatch from dispatch. Dispatch moves to
+    # moe/engine.py there.
+    (frozenset({"tensorwire.moe.dispatch", "tensorwire.moe.selection", "tensorwire.moe.torch_engine",
+                "tensorwire.moe.nixl_engine", "tensorwire.moe.kernels.cuda_engine"}), "issue 16, step 4"),
+]
+
+# communicator <-> transfer <-> registration import each other only for annotations, but transfer and
+# registration (and MoE) still reach into the Communicator at run time through private attributes, which
+# no import shows. Next step of issue 16 (step 3: a Runtime the communicator creates and hands to each
+# handle; Registration gets a deregister callback) removes them; until then these, and no others, are allowed.
+# Seen as ``<name>._attr`` where the name is comm, _comm, communicator or _communicator.
+KNOWN_PRIVATE_REACHES: dict[str, set[str]] = {
+    "tensorwire.transfer": {"_engine", "_deadlines", "_timeout", "_notify_when", "_forget_transfer", "_check_open",
+                            "_transfer_words", "_stream_waiters"},
+    "tensorwire.registration": {"_deregister"},
+    "tensorwire.backends.torchdist": {"_rendezvous"},
+    "tensorwire.moe.alltoallv": {"_check_open"},
+    "tensorwire.moe.combine": {"_check_open"},
+    "tensorwire.moe.dispatch": {"_check_open"},
+    "tensorwire.moe.selection": {"_backends"},
+    "tensorwire.moe.nixl_engine": {"_inbox"},
+    "tensorwire.moe.kernels.cuda_engine": {"_stream_waiters", "_engine"},
+}
+_COMMUNICATOR_NAMES = {"comm", "_comm", "communicator", "_communicator"}
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """``{dotted name: (path, is a package)}`` for every module under src/tensorwire."""
+    modules = {}
+    for path in sorted((SOURCE / "tensorwire").rglob("*.py")):
+        parts = list(path.relative_to(SOURCE).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return modules
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(tree: ast.AST):
+    """Every import statement, at any depth, except under ``if TYPE_CHECKING:`` (its ``else`` still counts)."""
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                pending.extend(child.orelse)
+            elif isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child
+            else:
+                pending.append(child)
+
+
+def _graph() -> dict[str, set[str]]:
+    """``{module: the tensorwire modules it imports}``."""
+    modules = _modules()
+    graph = {}
+    for name, (path, is_package) in modules.items():
+        package = name if is_package else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names if alias.name in modules)
+                continue
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module
+            if origin in modules:
+                targets.update(f"{origin}.{a.name}" if f"{origin}.{a.name}" in modules else origin for a in node.names)
+        graph[name] = targets - {name}
+    return graph
+
+
+def _layer_of(module: str) -> list[int]:
+    return [i for i, (_, patterns) in enumerate(LAYERS) if any(fnmatch.fnmatchcase(module, p) for p in patterns)]
+
+
+def _circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[frozenset[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(frozenset(component))
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return _graph()
+
+
+def test_every_module_sits_in_exactly_one_layer(graph):
+    misplaced = {m: [LAYERS[i][0] for i in _layer_of(m)] for m in graph if len(_layer_of(m)) != 1}
+    assert not misplaced, f"place each module in exactly one layer of LAYERS (and docs/architecture.md): {misplaced}"
+
+
+def test_nothing_imports_from_a_higher_layer(graph):
+    upward = [f"{m} ({LAYERS[_layer_of(m)[0]][0]}) imports {t} ({LAYERS[_layer_of(t)[0]][0]})"
+              for m, targets in sorted(graph.items()) for t in sorted(targets)
+              if len(_layer_of(m)) == 1 and len(_layer_of(t)) == 1 and _layer_of(t)[0] > _layer_of(m)[0]]
+    assert not upward, "imports against the layer order of docs/architecture.md:\n" + "\n".join(upward)
+
+
+def test_no_import_circle_but_the_known_ones(graph):
+    known = {circle for circle, _ in KNOWN_CIRCLES}
+    circles = set(_circles(graph))
+    new = [sorted(c) for c in circles - known]
+    assert not new, f"import circles: {new}; break them (a module imported by both, or a lazy import will not do)"
+    gone = [f"{sorted(c)} ({step})" for c, step in KNOWN_CIRCLES if c not in circles]
+    assert not gone, f"these circles are gone or changed: update KNOWN_CIRCLES in this test: {gone}"
+
+
+def test_doctor_and_the_benchmarks_do_not_import_each_other(graph):
+    bench = {m for m in graph if m == "tensorwire.bench" or m.startswith("tensorwire.bench.")}
+    assert not graph["tensorwire.doctor"] & bench, "doctor imports bench: shared code belongs in machine/testing"
+    assert not any("tensorwire.doctor" in graph[m] for m in bench), "bench imports doctor: use tensorwire.machine"
+    assert not any("tensorwire.cli" in graph[m] for m in graph if m != "tensorwire.__main__"), "only __main__ runs cli"
+
+
+def test_no_module_reaches_into_the_communicator_but_the_known_ones():
+    reaches: dict[str, set[str]] = {}
+    for name, (path, _) in _modules().items():
+        if name == "tensorwire.communicator":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            holder = node.value
+            held_by = holder.id if isinstance(holder, ast.Name) else getattr(holder, "attr", None)
+            if held_by in _COMMUNICATOR_NAMES:
+                reaches.setdefault(name, set()).add(node.attr)
+    new = {m: sorted(attrs - KNOWN_PRIVATE_REACHES.get(m, set())) for m, attrs in reaches.items()
+           if attrs - KNOWN_PRIVATE_REACHES.get(m, set())}
+    assert not new, f"private attributes of the Communicator used elsewhere: {new}; give it a public method"
+    gone = {m: sorted(attrs - reaches.get(m, set())) for m, attrs in KNOWN_PRIVATE_REACHES.items()
+            if attrs - reaches.get(m, set())}
+    assert not gone, f"no longer reached: remove them from KNOWN_PRIVATE_REACHES in this test: {gone}"
