@@ -24,7 +24,8 @@ LAYERS: list[tuple[str, list[str]]] = [
                                     "tensorwire.cuda", "tensorwire.bootstrap"]),
     ("memory maps and waiting", ["tensorwire.memory_map", "tensorwire.progress"]),
     ("backends", ["tensorwire.backends", "tensorwire.backends.*"]),
-    ("communicator", ["tensorwire.communicator", "tensorwire.registration", "tensorwire.transfer"]),
+    ("communicator", ["tensorwire.communicator", "tensorwire.registration", "tensorwire.transfer",
+                      "tensorwire.blocks"]),
     ("moe", ["tensorwire.moe", "tensorwire.moe.*"]),
     ("launcher and test data", ["tensorwire.testing", "tensorwire.testing.launch", "tensorwire.testing.data"]),
     ("public API", ["tensorwire"]),
@@ -44,8 +45,8 @@ KNOWN_CIRCLES: list[tuple[frozenset[str], str]] = [
                 "tensorwire.moe.nixl_engine", "tensorwire.moe.kernels.cuda_engine"}), "issue 16, step 4"),
 ]
 
-# communicator <-> transfer <-> registration import each other only for annotations, but transfer and
-# registration (and MoE) still reach into the Communicator at run time through private attributes, which
+# communicator <-> transfer <-> registration import each other only for annotations, but transfer, blocks
+# and registration (and MoE) still reach into the Communicator at run time through private attributes, which
 # no import shows. Next step of issue 16 (step 3: a Runtime the communicator creates and hands to each
 # handle; Registration gets a deregister callback) removes them; until then these, and no others, are allowed.
 # Seen as ``<name>._attr`` where the name is comm, _comm, communicator or _communicator.
@@ -53,6 +54,7 @@ KNOWN_PRIVATE_REACHES: dict[str, set[str]] = {
     "tensorwire.transfer": {"_engine", "_deadlines", "_timeout", "_notify_when", "_forget_transfer", "_check_open",
                             "_transfer_words", "_stream_waiters"},
     "tensorwire.registration": {"_deregister"},
+    "tensorwire.blocks": {"_notify_when", "_timeout"},
     "tensorwire.backends.torchdist": {"_rendezvous"},
     "tensorwire.moe.alltoallv": {"_check_open"},
     "tensorwire.moe.combine": {"_check_open"},

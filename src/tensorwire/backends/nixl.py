@@ -218,7 +218,7 @@ class NixlBackend:
         return request
 
     # --- block transfers ----------------------------------------------------------------------
-    def prepare_blocks(self, op: Op, local: BlockLayout, remote: BlockLayout, peer: int) -> "_BlockRequest":
+    def prepare_blocks(self, op: Op, local: BlockLayout, remote: BlockLayout, peer: int) -> _BlockRequest:
         """Both pools as prepped descriptor lists, made once: one strided row per region (NIXL expands it
         to a descriptor per block, index ``region * num_blocks + block``)."""
         for layout in (local, remote):
@@ -228,7 +228,8 @@ class NixlBackend:
         try:
             local_list = self.agent.prep_xfer_dlist("", _strided_rows(local), _MEM_TYPE[local.kind])
             try:
-                remote_list = self.agent.prep_xfer_dlist(agent_name(peer), _strided_rows(remote), _MEM_TYPE[remote.kind])
+                remote_list = self.agent.prep_xfer_dlist(agent_name(peer), _strided_rows(remote),
+                                                         _MEM_TYPE[remote.kind])
             except Exception:
                 self.agent.release_dlist_handle(local_list)
                 raise
@@ -237,7 +238,7 @@ class NixlBackend:
         return _BlockRequest(self.agent, op, local_list, remote_list, local.num_blocks, remote.num_blocks,
                              len(local.regions))
 
-    def bind_blocks(self, request: "_BlockRequest", local_ids: np.ndarray, remote_ids: np.ndarray,
+    def bind_blocks(self, request: _BlockRequest, local_ids: np.ndarray, remote_ids: np.ndarray,
                     notify: bytes | None) -> None:
         """One NIXL request for these ids (every region of each block): ``make_prepped_xfer`` with int32
         index arrays; NIXL merges descriptors that are adjacent in memory."""
@@ -249,7 +250,7 @@ class NixlBackend:
             raise self._translate(e, f"building a {request.op.value} of {len(local_ids)} blocks") from e
         request.bindings.bind((handle, notify or b""))
 
-    def _post_blocks(self, request: "_BlockRequest") -> Any:
+    def _post_blocks(self, request: _BlockRequest) -> Any:
         """Post the next bound NIXL request (the one it replaces has completed: a transfer is not re-posted
         while in flight); returns NIXL's code."""
         request.bindings.advance()
