@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -36,7 +35,7 @@ import torch
 from ..errors import InvalidArgumentError, TransferError
 from ..moe.selection import BACKENDS
 from .command import add_common_arguments, at_least, check_plot, header, write_json
-from .timing import Timing, summarize
+from .timing import CudaEventClock, HostClock, Timing, summarize
 
 __all__ = ["MoeBenchConfig", "format_moe_report", "run_moe_bench", "HELP", "add_arguments", "main"]
 
@@ -178,22 +177,15 @@ def _routing(config: MoeBenchConfig, rank: int, tokens: int, device: torch.devic
 
 
 def _clock(device: torch.device) -> Callable[[Callable[[], Any]], float]:
-    """Seconds one call takes: wall clock on the host, CUDA events on a GPU (the call's stream work)."""
-    if device.type != "cuda":
-        def host(fn: Callable[[], Any]) -> float:
-            start = time.perf_counter_ns()
-            fn()
-            return (time.perf_counter_ns() - start) * 1e-9
-        return host
+    """Seconds one call takes, read by the benchmarks' clocks (``timing``): the wall clock on the host, CUDA
+    events around the call's stream work on a GPU (blocks until the GPU ran it). One call at a time: the
+    ranks' calls are collective, so repetitions are counted by the caller, not time-budgeted."""
+    clock = CudaEventClock() if device.type == "cuda" else HostClock()
 
-    def events(fn: Callable[[], Any]) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e-3
-    return events
+    def one_call(fn: Callable[[], Any]) -> float:
+        return clock.time_calls(fn, 1)[0]
+
+    return one_call
 
 
 def _time_backend(moe: Any, comm: Any, backend: str, x: torch.Tensor, topk_idx: torch.Tensor,
