@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import INIT_TIMEOUT, WAIT, launch
 
 import tensorwire as tw
+from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch
 
 pytestmark = pytest.mark.gpu
 

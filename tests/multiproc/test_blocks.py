@@ -14,10 +14,11 @@ import uuid
 import numpy as np
 import pytest
 import torch
-from conftest import INIT_TIMEOUT, WAIT, assert_equal, launch
 
 import tensorwire as tw
 from tensorwire.blocks import as_ids
+from tensorwire.testing.data import assert_equal
+from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch
 
 NUM_BLOCKS = 96
 SHAPES = ((2, 4, 8), (16,))  # a vLLM-like [num_blocks, 2, block, head_dim] view and a flat one
@@ -260,7 +261,7 @@ def test_disaggregated_kv_example_runs():
     import sys
     from pathlib import Path
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "disaggregated_kv.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "disaggregated_kv.py"
     done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "decode read 63 blocks x 4 layers" in done.stdout, done.stdout

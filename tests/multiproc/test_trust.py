@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 
 import tensorwire as tw
-from conftest import INIT_TIMEOUT, WAIT, assert_equal, launch, rank_values, sentinel
 from tensorwire import config
 from tensorwire.backends.base import Op, Segment
-from tensorwire.backends.shm import ShmBackend, _EXPORT
+from tensorwire.backends.shm import _EXPORT, ShmBackend
 from tensorwire.bootstrap import _listen_socket, seal, unseal
 from tensorwire.descriptors import MemoryKind, TensorDesc
 from tensorwire.memory_map import MemoryMap, host_identity, typed_decoding
+from tensorwire.testing.data import assert_equal, rank_values, sentinel
+from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch
 
 TOKEN = b"0123456789abcdef0123456789abcdef"
 HERE = os.path.dirname(os.path.abspath(__file__))
