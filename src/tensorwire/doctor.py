@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # cpu_model and ucx_version are only re-exported: they lived here before machine.py.
+from .config import job_token_status
 from .machine import cpu_model, cuda_summary, software_versions, ucx_version
 
 __all__ = [
@@ -309,6 +310,13 @@ def diagnose(emit: Callable[[str], None] = print, timeout_s: float = 15.0, quiet
     if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
         report.loud("WARN", "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True; NIXL registers such memory "
                     "but UCX then moves it at ~0.3 GB/s", "unset expandable_segments for processes that transfer")
+
+    report.section("job")
+    authenticated, reason = job_token_status()
+    if authenticated:
+        report.line(reason)
+    else:
+        report.loud("WARN", reason)
 
     report.section("transports (2 processes, UCX_PROTO_INFO=y in their environment)")
     host = run_probe("cpu", timeout_s, quiet) if nixl_ok else None

@@ -61,6 +61,25 @@ def test_bench_moe_takes_ranks_and_backends(tmp_path):
         assert 0 < png.stat().st_size < 100_000
 
 
+def test_bench_kv_writes_every_path_on_host_memory(tmp_path):
+    """``bench kv`` on host memory: tensorwire (shm, and nixl forced), raw NIXL per-request and prepped, and the
+    contiguous copy for every case, the tensorwire paths' bytes verified (wrong bytes fail the command)."""
+    out = tmp_path / "kv.json"
+    done = _tensorwire("bench", "kv", "--memory", "cpu", "--blocks", "300", "--block-bytes", "4096", "--no-llama",
+                       "--time", "0.02", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    paths = {(r["op"], r["pattern"], r["path"]) for r in result["records"]}
+    for op in ("READ", "WRITE"):
+        for pattern in ("random", "contiguous"):
+            for path in ("tensorwire", "tensorwire (nixl)", "raw nixl descs", "raw nixl prepped", "contiguous copy"):
+                assert (op, pattern, path) in paths, (op, pattern, path)
+    assert {r["transport"] for r in result["records"] if r["path"] == "tensorwire"} == {"shm"}
+    assert all(r["gbps"] > 0 and r["blocks"] == 300 for r in result["records"])
+    assert all(r["post_p99_us"] >= r["post_p50_us"] > 0 for r in result["records"] if "post_p50_us" in r)
+    assert result["command"].startswith("tensorwire bench kv")
+
+
 def test_doctor_gives_a_verdict():
     done = _tensorwire("doctor", "--timeout", "60")
     assert done.returncode == 0, done.stderr[-3000:]

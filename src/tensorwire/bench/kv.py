@@ -42,7 +42,9 @@ import torch
 from ..errors import InvalidArgumentError, TransferError
 from .timing import Budget, CudaEventClock, HostClock, measure
 
-__all__ = ["KvBenchConfig", "run", "add_arguments", "main", "format_report"]
+__all__ = ["HELP", "KvBenchConfig", "run", "add_arguments", "main", "format_report"]
+
+HELP = "KV-cache block READ/WRITE by id between two local ranks beside raw NIXL, a contiguous copy and a gather"
 
 LLAMA = "llama70b-tp8"
 _LLAMA_VIEWS, _LLAMA_BLOCKS, _LLAMA_BLOCK_BYTES = 160, 512, 4096
@@ -430,18 +432,16 @@ def config_from(args: argparse.Namespace) -> KvBenchConfig:
     return replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+def main(args: argparse.Namespace) -> int:
     config = config_from(args)
     if any(size % 4 for size in config.block_bytes):
-        raise InvalidArgumentError(f"bench kv: --block-bytes {config.block_bytes}; give multiples of 4")
+        args.parser.error(f"--block-bytes {config.block_bytes}: give multiples of 4")
     records = run(config)
     print(format_report(records))
-    document = {"command": " ".join(["tensorwire", "bench", "kv", *(argv or [])]), "config": asdict(config),
-                "records": records}
     if args.json:
-        from .report import header
+        from .command import header
 
-        document = {**header(["bench", "kv", *(argv or [])]), "config": asdict(config), "records": records}
+        document = {**header(args.argv), "config": asdict(config), "records": records}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(document, indent=1) + "\n")
     if args.plot:
@@ -474,11 +474,3 @@ def plot_kv(records: list[dict[str, Any]], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=80)
     pyplot.close(figure)
-
-
-if __name__ == "__main__":  # python -m tensorwire.bench.kv
-    import sys
-
-    parser = argparse.ArgumentParser(prog="tensorwire bench kv", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    sys.exit(main(parser.parse_args(), sys.argv[1:]))
