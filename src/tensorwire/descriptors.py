@@ -61,7 +61,7 @@ class TensorDesc:
     def end(self) -> int:
         return self.addr + self.nbytes
 
-    def narrow(self, offset: int, nbytes: int) -> "TensorDesc":
+    def narrow(self, offset: int, nbytes: int) -> TensorDesc:
         """The sub-range ``[addr + offset, addr + offset + nbytes)``; must lie inside this one."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
             raise InvalidArgumentError(
@@ -70,7 +70,7 @@ class TensorDesc:
             )
         return replace(self, addr=self.addr + offset, nbytes=nbytes)
 
-    def contains(self, other: "TensorDesc") -> bool:
+    def contains(self, other: TensorDesc) -> bool:
         """Whether ``other`` lies inside this range on the same rank and device."""
         return (
             other.rank == self.rank
@@ -81,7 +81,7 @@ class TensorDesc:
         )
 
     @staticmethod
-    def pack(descs: "list[TensorDesc] | TensorDesc") -> bytes:
+    def pack(descs: list[TensorDesc] | TensorDesc) -> bytes:
         """Serialize descriptors to bytes (``len == 8 + 28 * n``)."""
         descs = [descs] if isinstance(descs, TensorDesc) else list(descs)
         parts = [_HEADER.pack(_MAGIC, _FORMAT_VERSION, len(descs))]
@@ -94,7 +94,7 @@ class TensorDesc:
         return b"".join(parts)
 
     @staticmethod
-    def unpack(data: bytes, *, source: str = "TensorDesc.unpack") -> "list[TensorDesc]":
+    def unpack(data: bytes, *, source: str = "TensorDesc.unpack") -> list[TensorDesc]:
         """Inverse of ``pack``; corrupt or foreign bytes raise ``InvalidArgumentError`` whose message starts with
         ``source`` (say where the bytes came from: a store key and rank). The record count is checked against
         the length before anything is allocated."""

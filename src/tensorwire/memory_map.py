@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from .bootstrap import hostname
 from .descriptors import TensorDesc
@@ -69,7 +69,7 @@ class MemoryMap:
         return _HEADER.unpack_from(blob)[0]
 
     @staticmethod
-    def unpack(blob: bytes, source: str = "MemoryMap.unpack") -> "MemoryMap":
+    def unpack(blob: bytes, source: str = "MemoryMap.unpack") -> MemoryMap:
         """Inverse of ``pack``. Every length is checked against the bytes that are there before anything is
         sliced or allocated; a map without a UTF-8 ``host`` section, with a section twice, or with bytes left over
         raises ``InvalidArgumentError`` naming ``source`` (e.g. the key and rank it was read from)."""

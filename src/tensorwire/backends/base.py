@@ -8,9 +8,10 @@ Adding a backend is one file implementing ``Backend``.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 import functools
-from typing import Any, Callable, NamedTuple, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -52,11 +53,11 @@ class Poster(NamedTuple):
 
     call: Callable[[], Any]
     done: Any
-    finish: Callable[[Any], "Status"]
+    finish: Callable[[Any], Status]
     error: Callable[[Exception], Exception]
 
     @staticmethod
-    def of(backend: "Backend", request: Any, notify: bytes | None) -> "Poster":
+    def of(backend: Backend, request: Any, notify: bytes | None) -> Poster:
         """The backend's own poster, or a plain ``post`` call for backends without one."""
         poster = getattr(backend, "poster", None)
         if poster is not None:
@@ -68,14 +69,14 @@ class StreamOrderedRequest:
     """Completion of copies enqueued on a CUDA stream: the event recorded after them (``None`` until the
     first post). Stream-ordered backends' requests derive from this."""
 
-    event: "torch.cuda.Event | None" = None
+    event: torch.cuda.Event | None = None
 
-    def record(self, stream: "torch.cuda.Stream") -> None:
+    def record(self, stream: torch.cuda.Stream) -> None:
         if self.event is None:
             self.event = torch.cuda.Event()
         self.event.record(stream)
 
-    def status(self) -> "Status":
+    def status(self) -> Status:
         return Status.DONE if self.event is None or self.event.query() else Status.IN_PROGRESS
 
 
@@ -83,10 +84,10 @@ class StreamOrderedCompletion:
     """The completion half of a stream-ordered backend, whose requests derive from ``StreamOrderedRequest``
     and which has no message channel of its own (notifications travel through NIXL)."""
 
-    def status(self, request: StreamOrderedRequest) -> "Status":
+    def status(self, request: StreamOrderedRequest) -> Status:
         return request.status()
 
-    def completion_event(self, request: StreamOrderedRequest) -> "torch.cuda.Event | None":
+    def completion_event(self, request: StreamOrderedRequest) -> torch.cuda.Event | None:
         return request.event
 
     def notifications(self) -> list[tuple[int, bytes]]:

@@ -81,7 +81,8 @@ class CudaIpcBackend(StreamOrderedCompletion):
 
     # --- peers --------------------------------------------------------------------------------
     def metadata(self) -> bytes:
-        return b"".join(_EXPORT.pack(e.addr, e.nbytes, e.base, e.device_index, e.handle) for e in self._exports.values())
+        return b"".join(_EXPORT.pack(e.addr, e.nbytes, e.base, e.device_index, e.handle)
+                        for e in self._exports.values())
 
     def load_peer(self, rank: int, metadata: bytes) -> None:
         exports = [_Export(*_EXPORT.unpack_from(metadata, o)) for o in range(0, len(metadata), _EXPORT.size)]
@@ -114,7 +115,7 @@ class CudaIpcBackend(StreamOrderedCompletion):
     def bind_blocks(self, request: DeviceBlockRequest, local_ids, remote_ids, notify: bytes | None) -> None:
         request.bind(local_ids, remote_ids, notify)
 
-    def post(self, request: _Request, notify: bytes | None, stream: "torch.cuda.Stream | None" = None) -> Status:
+    def post(self, request: _Request, notify: bytes | None, stream: torch.cuda.Stream | None = None) -> Status:
         if isinstance(request, DeviceBlockRequest):
             return request.post(stream)
         stream = stream or torch.cuda.current_stream(request.device_index)
@@ -145,7 +146,8 @@ class CudaIpcBackend(StreamOrderedCompletion):
             handle.reserved = export.handle
             flags = self._cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
             with torch.cuda.device(device_index):
-                pointer = cuda.check(self._cu.cuIpcOpenMemHandle(handle, flags), f"cuda_ipc: opening rank {peer}'s memory")
+                pointer = cuda.check(self._cu.cuIpcOpenMemHandle(handle, flags),
+                                     f"cuda_ipc: opening rank {peer}'s memory")
             self._mapped[key] = int(pointer)
         return self._mapped[key] + (s.addr - export.base)
 

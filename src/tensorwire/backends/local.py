@@ -11,8 +11,8 @@ holds views of both ranges, so their memory outlives a registration closed while
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -73,7 +73,7 @@ class LocalBackend(StreamOrderedCompletion):
     def bind_blocks(self, request, local_ids, remote_ids, notify: bytes | None) -> None:
         request.bind(local_ids, remote_ids, notify)
 
-    def post(self, request: _Request, notify: bytes | None, stream: "torch.cuda.Stream | None" = None) -> Status:
+    def post(self, request: _Request, notify: bytes | None, stream: torch.cuda.Stream | None = None) -> Status:
         if isinstance(request, BLOCK_COPY_REQUESTS):
             return request.post(stream)
         if request.device_index is None:

@@ -15,7 +15,8 @@ import secrets
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import TensorwireError, WaitTimeoutError
 
@@ -121,7 +122,8 @@ def _launch_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: 
                     pending.discard(rank)
             if time.monotonic() > deadline:
                 raise WaitTimeoutError(
-                    f"launch: ranks {sorted(pending)} of {world_size} still running after {timeout:.0f}s; killed them all"
+                    f"launch: ranks {sorted(pending)} of {world_size} still running after {timeout:.0f}s; "
+                    "killed them all"
                 )
             time.sleep(0.01)
     finally:
