@@ -6,28 +6,16 @@ bounded (an event polled with a deadline).
 
 from __future__ import annotations
 
-import time
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch
+from tensorwire.testing.suite import GPU_ENV, INIT_TIMEOUT, WAIT, drain, launch
 
 pytestmark = pytest.mark.gpu
-
-GPU_ENV = {"CUDA_MODULE_LOADING": "EAGER"}  # lazy module loading can deadlock against a blocked stream
-
-
-def _finish(stream: torch.cuda.Stream, seconds: float = 30.0) -> None:
-    event = torch.cuda.Event()
-    event.record(stream)
-    deadline = time.monotonic() + seconds
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the GPU stream did not drain within {seconds}s")
-        time.sleep(1e-4)
 
 
 def pool(rank: int, num_blocks: int, shapes, device, dtype=torch.int32) -> list[torch.Tensor]:
@@ -95,8 +83,9 @@ def _graph_capture(comm, x, source, target, num_blocks: int, n: int, replays: in
     stream.wait_stream(torch.cuda.current_stream(device))
     x.post(dst_ids, src_ids, stream=stream)  # eager once: compiled and mapped before capture
     x.wait(stream=stream)
-    _finish(stream)
-    with pytest.raises(tw.InvalidArgumentError, match="cannot be captured"):
+    drain(stream)
+    with pytest.raises(tw.InvalidArgumentError, match="cannot be captured"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: "the CUDA Graph is empty" (the post was refused)
         with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
             x.post(np.arange(n), np.arange(n), stream=stream)
     graph = torch.cuda.CUDAGraph()
@@ -111,7 +100,7 @@ def _graph_capture(comm, x, source, target, num_blocks: int, n: int, replays: in
         before = [t.clone() for t in target]
         torch.cuda.current_stream(device).synchronize()
         graph.replay()
-        _finish(stream)
+        drain(stream)
         want = [b.clone() for b in before]
         for w, s in zip(want, source):
             w[dst_ids] = s[src_ids]
@@ -159,7 +148,7 @@ def _two_gpu_ranks(transport: str | None):
                         before = [v.clone() for v in views]
                         x.post([1500, 1600], [3, 4], stream=stream)
                         x.wait(stream=stream)
-                        _finish(stream)
+                        drain(stream)
                         check(views, before, peer_views, [1500, 1600], [3, 4], "READ posted on a stream")
                 comm.write_blocks(mine, [0, 1, 2], remote, [2045, 2046, 2047], notify=b"written", timeout=WAIT)
                 comm.barrier(timeout=WAIT)

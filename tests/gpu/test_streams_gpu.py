@@ -13,22 +13,9 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch
+from tensorwire.testing.suite import GPU_ENV, INIT_TIMEOUT, WAIT, drain, launch
 
 pytestmark = pytest.mark.gpu
-
-GPU_ENV = {"CUDA_MODULE_LOADING": "EAGER"}  # lazy module loading can deadlock against a blocked stream
-
-
-def _finish(stream: torch.cuda.Stream, seconds: float = 30.0) -> None:
-    """Wait (bounded) until everything enqueued on ``stream`` so far has run."""
-    event = torch.cuda.Event()
-    event.record(stream)
-    deadline = time.monotonic() + seconds
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the GPU stream did not drain within {seconds}s: a stream wait was never released")
-        time.sleep(1e-4)
 
 
 def _transports_between_processes_on_one_gpu():
@@ -92,7 +79,7 @@ def _graph_replays(transport: str, op_name: str, replays: int):
                     with torch.cuda.stream(stream):  # the replay is ordered after the new data, on one stream
                         staging.fill_(i * 7)
                         graph.replay()
-                    _finish(stream)
+                    drain(stream)
                     correct += bool((derived == i * 7 + 1).all())
                     comm.barrier(WAIT)  # WRITE: rank 1 may check now
                     comm.barrier(WAIT)
@@ -160,7 +147,7 @@ def _wait_on_stream_orders_the_consumer(transport: str, op_name: str):
                                 total = big.sum(dtype=torch.int64)  # the consumer, ordered after the transfer
                             else:
                                 big.zero_()  # reuses the source: only safe once the WRITE is complete
-                        _finish(stream, 60)
+                        drain(stream, 60)
                     if op is tw.READ:
                         assert int(total) == 5 * n, f"consumer ran before the data arrived: sum {int(total)}"
                 comm.barrier(60)
@@ -208,7 +195,7 @@ def _staged_read_with_a_consumer_behind_its_stream_wait(rounds: int):
                         x.wait(stream=stream, timeout=3.0)
                         with torch.cuda.stream(stream):
                             total = buf.sum(dtype=torch.int64)
-                        _finish(stream, 60)
+                        drain(stream, 60)
                         try:
                             x.wait(WAIT)
                             outcomes.append("right" if int(total) == 5 * n else f"wrong sum {int(total)}, no error")
@@ -253,7 +240,7 @@ def _notification_on_stream(transport: str, rounds: int):
                     with torch.cuda.stream(stream):
                         result.copy_(recv)
                     comm.barrier(WAIT)  # only now does rank 1 write
-                    _finish(stream)
+                    drain(stream)
                     correct += bool((result == i + 3).all())
                     comm.barrier(WAIT)
             else:

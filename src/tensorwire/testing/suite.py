@@ -17,12 +17,28 @@ from .launch import launch as launch_ranks
 if TYPE_CHECKING:
     from ..communicator import Communicator
 
-__all__ = ["INIT_TIMEOUT", "WAIT", "LAUNCH_TIMEOUT", "launch", "ring_peers", "rss_bytes", "cpu_seconds",
-           "cores_used_while"]
+__all__ = ["INIT_TIMEOUT", "WAIT", "LAUNCH_TIMEOUT", "GPU_ENV", "launch", "drain", "ring_peers", "rss_bytes",
+           "cpu_seconds", "cores_used_while"]
 
 INIT_TIMEOUT = 30.0  # tw.init(timeout=...) in every rank
 WAIT = 10.0  # lookups, barriers and transfer waits that must succeed
 LAUNCH_TIMEOUT = 90.0  # the whole launched job
+GPU_ENV = {"CUDA_MODULE_LOADING": "EAGER"}  # GPU ranks: lazy module loading can deadlock against a blocked stream
+
+
+def drain(stream: Any, seconds: float = 30.0) -> None:
+    """Wait, bounded, until everything enqueued on the CUDA ``stream`` so far has run: an event polled with a
+    deadline instead of a synchronize, so a stream wait that is never released fails the test instead of
+    hanging it (``TimeoutError``)."""
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(stream)
+    deadline = time.monotonic() + seconds
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the GPU stream did not drain within {seconds}s: a stream wait was never released")
+        time.sleep(1e-4)
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = LAUNCH_TIMEOUT,
