@@ -117,9 +117,10 @@ class Communicator:
         self._peers: dict[int, PeerView] = {}
         self._registrations: weakref.WeakSet[Registration] = weakref.WeakSet()
         self._transfers: weakref.WeakSet[Transfer] = weakref.WeakSet()
-        # Whatever GPU streams may wait on (transfers' pinned words, the MoE cuda backend's flags): each has
+        # Whatever GPU streams may wait on (transfers' pinned words): each has
         # _release_stream_waits(), which close() calls before the progress thread stops.
         self._stream_waiters: weakref.WeakSet = weakref.WeakSet()
+        self._dependents: weakref.WeakSet = weakref.WeakSet()  # objects with close() (MoE engines): closed first
         self._publish_memory_map()
 
     # --- memory ---------------------------------------------------------------------------------
@@ -662,6 +663,8 @@ class Communicator:
         up until every rank has closed (at most the communicator's timeout). Idempotent."""
         if self.closed:
             return
+        for dependent in list(self._dependents):  # first: they close their own transfers and registrations
+            dependent.close()
         for transfer in list(self._transfers):
             transfer.close()
         for registration in list(self._registrations):

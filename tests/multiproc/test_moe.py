@@ -234,15 +234,16 @@ def test_layout_orders_pairs_by_rank_then_expert_then_token():
 
 # --- the "cuda" backend's kernels on Triton's interpreter (no GPU needed; needs triton) ------------
 def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
-    """The ``"cuda"`` backend's steps (``cuda_engine``'s functions and ``nvlink``'s kernels) for ``world``
+    """The ``"cuda"`` backend's steps (``engines/cuda_steps``' functions and ``nvlink``'s kernels) for ``world``
     ranks in this one process, on host tensors standing in for the IPC-mapped spaces and a host check
     standing in for the stream waits (every awaited flag word must have reached its target), followed by
     the ``consume_flags`` kernel, as on the stream. Ranks run each step in turn; the count exchange runs twice,
     since in its first pass (ranks in turn, waits skipped) earlier ranks copy their slots before later ranks
     stored into them; the second pass repeats the same stores and then finds every row. Run under
     TRITON_INTERPRET=1 (the flag must be set before triton is imported)."""
-    from tensorwire.moe.exchange import ERROR_OVERFLOW
-    from tensorwire.moe.kernels import cuda_engine as ce
+    from tensorwire.moe.count_rows import ERROR_OVERFLOW
+    from tensorwire.moe.engines import cuda_routing, cuda_steps
+    from tensorwire.moe.engines.cuda_spaces import DataSpace, SignalSpace, word_dtype
     from tensorwire.moe.kernels import nvlink, routing
 
     case = Case("interpreted", topk=4, hidden=24, tokens=6, skew=True, seed=11)
@@ -261,11 +262,11 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
         return [make(t, bases) for t in tensors]
 
     stride = 64
-    signals = spaces(ce.SignalSpace.nbytes(world, stride), lambda t, b: ce.SignalSpace(t, b, world, stride))
-    data = spaces(ce.DataSpace.nbytes(world, capacity, row_bytes),
-                  lambda t, b: ce.DataSpace(t, b, world, capacity, row_bytes))
+    signals = spaces(SignalSpace.nbytes(world, stride), lambda t, b: SignalSpace(t, b, world, stride))
+    data = spaces(DataSpace.nbytes(world, capacity, row_bytes),
+                  lambda t, b: DataSpace(t, b, world, capacity, row_bytes))
     errors = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    layouts = [routing.send_layout(i, num_experts, world) for _, i, _ in inputs]
+    layouts = [cuda_routing.send_layout(routing, i, num_experts, world) for _, i, _ in inputs]
 
     problems = []
 
@@ -274,7 +275,8 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
         if (flags < target).any():
             problems.append(f"a wait for {target} at word {first_word} found flags {flags.tolist()}")
         before = flags.clone()
-        nvlink.consume_flags[(1,)](space.view(torch.int64), first_word, target, count, BLOCK=4)
+        nvlink.consume_flags[(1,)](space_ptr=space.view(torch.int64), first_word=first_word, target=target,
+                                   count=count, BLOCK=4)
         if not torch.equal(flags, before - target):
             problems.append(f"consume_flags({target}) turned {before.tolist()} into {flags.tolist()}")
 
@@ -283,10 +285,10 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
     for attempt in range(2):
         for r in range(world):
             wait = host_wait if attempt else (lambda *args: None)
-            ce.exchange_counts(nvlink, signals[r], layouts[r].expert_counts, layouts[r].out_of_range, row_bytes,
-                               capacity, num_experts, r, world, wait)
-    wheres = [routing.block_tables(signals[r].slots, signals[r].round, r, world, EXPERTS_PER_RANK, errors[r], capacity)
-              for r in range(world)]
+            cuda_steps.exchange_counts(nvlink, signals[r], layouts[r].expert_counts, layouts[r].out_of_range,
+                                       row_bytes, capacity, num_experts, r, world, wait)
+    wheres = [cuda_routing.block_tables(routing, signals[r].slots, signals[r].round, r, world, EXPERTS_PER_RANK,
+                                        errors[r], capacity) for r in range(world)]
     for r in range(world):
         if capacity_slack >= 0:
             data[r].next_half()  # the second dispatch into a space: half 1
@@ -295,13 +297,13 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
         data[r].rows(torch.float32, case.hidden, 1 - halves[r]).fill_(7.0)
     for r, (x, _, weights) in enumerate(inputs):
         layout = layouts[r]
-        ce.store_rows(nvlink, data[r], x.view(ce.word_dtype(row_bytes)), layout.order, layout.expert_of_pair, weights,
-                      layout.topk, wheres[r], halves[r], r, world)
+        cuda_steps.store_rows(nvlink, data[r], x.view(word_dtype(row_bytes)), layout.order, layout.expert_of_pair,
+                              weights, layout.topk, wheres[r], halves[r], r, world)
     results = []
     for r in range(world):
-        host_wait(data[r].tensor, data[r].flags_offset, ce.SCATTER_PROGRAMS, world)
+        host_wait(data[r].tensor, data[r].flags_offset, cuda_steps.SCATTER_PROGRAMS, world)
         recv_x = data[r].rows(torch.float32, case.hidden, halves[r])
-        src_rank, src_idx, weights = ce.received_meta(data[r], halves[r], capacity, torch.float32)
+        src_rank, src_idx, weights = cuda_steps.received_meta(data[r], halves[r], capacity, torch.float32)
         untouched = data[r].rows(torch.float32, case.hidden, 1 - halves[r])
         if (untouched != 7.0).any():
             problems.append(f"rank {r}: rows landed in the other half of the space")
@@ -319,11 +321,11 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
         out = scaled_expert(recv_x, per_expert, r) if capacity_slack >= 0 else recv_x * 2
         recv_x.copy_(out)  # what combine does with outputs not computed in place
     for r in range(world):
-        ce.signal_ready(nvlink, data[r], r, world)
+        cuda_steps.signal_ready(nvlink, data[r], r, world)
     for r, (x, topk_idx, topk_weights) in enumerate(inputs):
         host_wait(data[r].tensor, data[r].ready_offset, 1, world)
         y = torch.empty_like(x)
-        ce.pull_combine(nvlink, y, layouts[r], wheres[r], topk_weights, data[r], halves[r])
+        cuda_steps.pull_combine(nvlink, y, layouts[r], wheres[r], topk_weights, data[r], halves[r])
         if capacity_slack >= 0:
             want = reference_combine(x, topk_idx, topk_weights, scaled=True)
         else:  # pairs whose row fell past the capacity were dropped and add nothing
@@ -338,7 +340,7 @@ def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
     # signals must survive (two combines in a row).
     for _ in range(2):
         for r in range(world):
-            ce.signal_ready(nvlink, data[r], r, world)
+            cuda_steps.signal_ready(nvlink, data[r], r, world)
     for _ in range(2):
         for r in range(world):
             host_wait(data[r].tensor, data[r].ready_offset, 1, world)
@@ -403,7 +405,8 @@ def _interpreted_routing_tables() -> list[str]:
     """``routing``'s kernels against ``layout``'s torch ops: the same send order (valid pairs; invalid
     pairs after them, a permutation), counts and out-of-range flag; the same block tables from count rows
     in a signal space's slots, and the error bits with a capacity."""
-    from tensorwire.moe.exchange import ERROR_EXPERT_OUT_OF_RANGE, ERROR_MISMATCH, ERROR_OVERFLOW, HEADER
+    from tensorwire.moe.count_rows import ERROR_EXPERT_OUT_OF_RANGE, ERROR_MISMATCH, ERROR_OVERFLOW, HEADER
+    from tensorwire.moe.engines import cuda_routing
     from tensorwire.moe.kernels import routing
     from tensorwire.moe.layout import placement, send_layout
 
@@ -414,7 +417,7 @@ def _interpreted_routing_tables() -> list[str]:
         topk_idx = torch.randint(-1, experts, (tokens, topk), generator=generator)
         if tokens > 3:
             topk_idx[1, 0] = experts + 3
-        want, got = send_layout(topk_idx, experts, world), routing.send_layout(topk_idx, experts, world)
+        want, got = send_layout(topk_idx, experts, world), cuda_routing.send_layout(routing, topk_idx, experts, world)
         n = int(want.num_pairs)
         case = f"T={tokens} K={topk} E={experts} W={world}"
         if not torch.equal(want.order[:n], got.order[:n]):
@@ -434,7 +437,7 @@ def _interpreted_routing_tables() -> list[str]:
         round_word = torch.tensor([3])  # odd: the rows are in slots[1]
         for rank in range(world):
             error = torch.zeros(1, dtype=torch.int64)
-            tables = routing.block_tables(slots, round_word, rank, world, experts // world, error, 10**6)
+            tables = cuda_routing.block_tables(routing, slots, round_word, rank, world, experts // world, error, 10**6)
             where = placement(counts, rank)
             for name in ("send_start", "destination_start", "tokens_per_expert", "num_recv_rows", "rows_per_rank"):
                 if not torch.equal(getattr(tables, name), getattr(where, name)):
@@ -444,7 +447,8 @@ def _interpreted_routing_tables() -> list[str]:
         slots[1, world - 1, 1] = 999  # another row size on the last rank, an out-of-range id on rank 0
         slots[1, 0, 0] = ERROR_EXPERT_OUT_OF_RANGE
         error = torch.zeros(1, dtype=torch.int64)
-        routing.block_tables(slots, round_word, 0, world, experts // world, error, 1)  # capacity 1: overflow
+        # capacity 1: overflow
+        cuda_routing.block_tables(routing, slots, round_word, 0, world, experts // world, error, 1)
         if int(error) != ERROR_EXPERT_OUT_OF_RANGE | ERROR_MISMATCH | ERROR_OVERFLOW:
             problems.append(f"{case}: error bits {int(error)}, expected all three")
     return problems

@@ -36,14 +36,9 @@ LAYERS: list[tuple[str, list[str]]] = [
 ]
 
 # Import circles that exist today, each to be removed by the step of issue 16 named beside it. The test
-# fails when one of them is gone too, so the exception goes with the circle.
-KNOWN_CIRCLES: list[tuple[frozenset[str], str]] = [
-    # Next step of issue 16 (step 4, MoE engines in their own rooms): dispatch picks an engine through
-    # selection, which imports the engines, which import Dispatch from dispatch. Dispatch moves to
-    # moe/engine.py there.
-    (frozenset({"tensorwire.moe.dispatch", "tensorwire.moe.selection", "tensorwire.moe.torch_engine",
-                "tensorwire.moe.nixl_engine", "tensorwire.moe.kernels.cuda_engine"}), "issue 16, step 4"),
-]
+# fails when one of them is gone too, so the exception goes with the circle. None today: MoE's
+# dispatch -> selection -> engines -> dispatch went when Dispatch moved to moe/engine.py (step 4).
+KNOWN_CIRCLES: list[tuple[frozenset[str], str]] = []
 
 # communicator <-> transfer <-> registration import each other only for annotations, but transfer, blocks
 # and registration (and MoE) still reach into the Communicator at run time through private attributes, which
@@ -55,13 +50,10 @@ KNOWN_PRIVATE_REACHES: dict[str, set[str]] = {
                             "_transfer_words", "_stream_waiters"},
     "tensorwire.registration": {"_deregister"},
     "tensorwire.blocks": {"_notify_when", "_timeout"},
-    "tensorwire.backends.torchdist": {"_rendezvous"},
-    "tensorwire.moe.alltoallv": {"_check_open"},
-    "tensorwire.moe.combine": {"_check_open"},
-    "tensorwire.moe.dispatch": {"_check_open"},
-    "tensorwire.moe.selection": {"_backends"},
-    "tensorwire.moe.nixl_engine": {"_inbox"},
-    "tensorwire.moe.kernels.cuda_engine": {"_stream_waiters", "_engine"},
+    "tensorwire.moe.collectives": {"_rendezvous"},
+    "tensorwire.moe.selection": {"_backends", "_dependents"},
+    "tensorwire.moe.engines.nixl": {"_inbox"},
+    "tensorwire.moe.engines.cuda_waits": {"_engine"},
     # The KV benchmark's raw-NIXL baseline swaps agent metadata through the communicator's store (the p2p
     # benchmark lends its own store to tw.init instead); a public store accessor would remove it.
     "tensorwire.bench.kv": {"_rendezvous"},

@@ -25,6 +25,7 @@ call pays on every step.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -33,11 +34,12 @@ from typing import Any
 import torch
 
 from ..errors import InvalidArgumentError, TransferError
+from ..moe import collectives
 from ..moe.selection import BACKENDS
 from .command import add_common_arguments, at_least, check_plot, header, write_json
 from .timing import CudaEventClock, HostClock, Timing, summarize
 
-__all__ = ["MoeBenchConfig", "format_moe_report", "run_moe_bench", "HELP", "add_arguments", "main"]
+__all__ = ["MoeBenchConfig", "format_moe_report", "run_moe_bench", "skip_reason", "HELP", "add_arguments", "main"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,7 +53,7 @@ class MoeBenchConfig:
     hidden: int | None = None  # cpu 1024, cuda 7168
     topk: int = 8
     num_experts: int | None = None  # cpu 32, cuda 256 (rounded up to a multiple of world_size)
-    backends: tuple[str, ...] | None = None  # cpu ("torch", "nixl"); cuda ("cuda", "nixl", "torch" if a GPU per rank)
+    backends: tuple[str, ...] | None = None  # cpu ("torch", "nixl"); cuda ("cuda", "nixl", "torch"); minus skipped
     world_size: int = 2
     dtype: str | None = None  # cpu float32, cuda bfloat16
     capacity_factor: float | None = None  # capacity = factor * T * topk rows (None: exact shapes)
@@ -61,6 +63,7 @@ class MoeBenchConfig:
     timeout_s: float = 600.0
     quiet_nixl: bool = True
     graphs: bool = False  # also time the cuda backend's steps captured in CUDA graphs
+    skipped: tuple[tuple[str, str], ...] = ()  # (backend, why it cannot run here), filled in by resolved()
 
     def resolved(self) -> MoeBenchConfig:
         """Defaults filled in for ``memory``; checked."""
@@ -72,20 +75,23 @@ class MoeBenchConfig:
                 f"bench moe: memory='cuda' but torch {torch.__version__} sees no GPU; "
                 "pass memory='cpu'"
             )
-        backends = self.backends
-        if backends is None:
-            # NCCL needs a GPU per rank; two ranks on one GPU take the other two backends only.
-            backends = ("torch", "nixl") if not gpu else ("cuda", "nixl") + (
-                ("torch",) if torch.cuda.device_count() >= self.world_size else ())
-        unknown = sorted(set(backends) - set(BACKENDS))
+        requested = self.backends or (("cuda", "nixl", "torch") if gpu else ("torch", "nixl"))
+        unknown = sorted(set(requested) - set(BACKENDS))
         if unknown:
             raise InvalidArgumentError(f"bench moe: unknown backend(s) {unknown}; pass some of {', '.join(BACKENDS)}")
+        gpus = torch.cuda.device_count() if gpu else 0
+        reasons = {b: skip_reason(b, self.memory, self.world_size, gpus) for b in requested}
+        backends = tuple(b for b in requested if reasons[b] is None)
+        if not backends:
+            raise InvalidArgumentError("bench moe: no requested backend can run here: " + "; ".join(
+                f"{b}: {reasons[b]}" for b in requested))
         experts = self.num_experts or (256 if gpu else 32)
         experts = -(-experts // self.world_size) * self.world_size
         config = replace(
             self, tokens=tuple(self.tokens or ((128, 4096) if gpu else (128, 512))),
             hidden=self.hidden or (7168 if gpu else 1024),
-            num_experts=experts, backends=tuple(backends), dtype=self.dtype or ("bfloat16" if gpu else "float32"),
+            num_experts=experts, backends=backends, dtype=self.dtype or ("bfloat16" if gpu else "float32"),
+            skipped=tuple((b, reasons[b]) for b in requested if reasons[b] is not None),
         )
         if config.dtype not in _DTYPES:
             raise InvalidArgumentError(f"bench moe: dtype={config.dtype!r}; pass one of {sorted(_DTYPES)}")
@@ -97,6 +103,24 @@ class MoeBenchConfig:
         if config.world_size < 1 or config.warmup < 0 or config.reps < 1:
             raise InvalidArgumentError("bench moe: world_size >= 1, warmup >= 0 and reps >= 1 are required")
         return config
+
+
+def skip_reason(backend: str, memory: str, world_size: int, gpu_count: int) -> str | None:
+    """Why ``backend`` cannot run ``world_size`` local ranks on ``memory`` ("cpu"/"cuda") of a host with
+    ``gpu_count`` GPUs, or None when it can. Ranks take the GPUs in turn, so more ranks than GPUs put two
+    ranks on one GPU. Local: no GPU work, no process group is made."""
+    if backend == "cuda" and memory != "cuda":
+        return "it moves GPU memory only; pass --memory cuda"
+    if backend == "cuda" and importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (pip install triton, or tensorwire[cuda])"
+    if backend == "torch":
+        if memory == "cuda" and world_size > gpu_count:
+            return (f"NCCL needs a GPU of its own per rank and {world_size} ranks share {gpu_count} GPU(s); "
+                    f"pass --ranks {max(gpu_count, 1)} or fewer to time it")
+        available, reason = collectives.availability(torch.device(memory))
+        if not available:
+            return reason
+    return None
 
 
 def run_moe_bench(args: Any = None, **overrides: Any) -> list[dict]:
@@ -119,6 +143,8 @@ def run_moe_bench(args: Any = None, **overrides: Any) -> list[dict]:
         if isinstance(value, (str, int)):
             config = replace(config, **{name: (value,)})
     config = config.resolved()
+    for backend, reason in config.skipped:
+        print(f"bench moe: skipping backend {backend!r}: {reason}", file=sys.stderr, flush=True)
     results = launch(_rank_main, config.world_size, config, timeout=config.timeout_s)
     return results[0]
 

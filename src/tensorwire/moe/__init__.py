@@ -12,6 +12,11 @@ WRITEs with notifications; host and GPU memory, across machines) and ``"cuda"`` 
 into peers' GPU memory through CUDA IPC; no host sync and CUDA-graph capturable with ``capacity=``).
 ``tensorwire.moe.selection`` says which one ``None`` picks. Layout conventions: ``tensorwire.moe.layout``.
 
+Inside: ``engine`` (the Engine interface, ``Dispatch``, the dispatch skeleton every engine runs),
+``engines/`` (one module per backend, with its helpers), ``kernels/`` (the Triton kernels of ``cuda``),
+``count_rows`` (the count round's format and checks), ``rows`` (row metadata, combine's weighted sum),
+``collectives`` (the torch.distributed process groups of ``torch``).
+
 Non-goals: routing (top-k selection), the experts themselves, autograd.
 """
 
@@ -19,7 +24,8 @@ from __future__ import annotations
 
 from .alltoallv import all_to_all_v
 from .combine import combine
-from .dispatch import Dispatch, DispatchResult, dispatch
+from .dispatch import dispatch
+from .engine import Dispatch, DispatchResult
 from .selection import BACKENDS
 
 __all__ = ["BACKENDS", "Dispatch", "DispatchResult", "all_to_all_v", "combine", "dispatch"]

@@ -13,6 +13,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from . import selection
+from .engine import check_open
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
@@ -41,7 +42,7 @@ def all_to_all_v(send: torch.Tensor, send_counts: torch.Tensor | Sequence[int], 
             "all_to_all_v: comm must be a tensorwire Communicator (tw.init()), "
             f"got {type(comm).__name__}"
         )
-    comm._check_open("all_to_all_v")
+    check_open(comm, "all_to_all_v")
     if not isinstance(send, torch.Tensor) or send.dim() < 1:
         shape = tuple(send.shape) if isinstance(send, torch.Tensor) else type(send).__name__
         raise InvalidArgumentError(f"all_to_all_v: send must be a tensor with a row dimension [N, ...], got {shape}")

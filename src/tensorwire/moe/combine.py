@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvalidArgumentError
-from .dispatch import Dispatch
+from .engine import Dispatch, check_open
 
 __all__ = ["combine"]
 
@@ -30,7 +30,8 @@ def combine(expert_out: torch.Tensor, dispatched: Dispatch) -> torch.Tensor:
             "combine: the second argument must be what dispatch() returned, "
             f"got {type(dispatched).__name__}"
         )
-    dispatched.comm._check_open("combine")
+    engine = dispatched._handle.engine
+    check_open(engine.comm, "combine")
     if dispatched.combined:
         raise InvalidArgumentError("combine: this Dispatch was already combined; each dispatch is combined once "
                                    "(dispatch again for another pass)")
@@ -50,6 +51,6 @@ def combine(expert_out: torch.Tensor, dispatched: Dispatch) -> torch.Tensor:
                                    f"move it with .to('{expected.device}')")
     if expert_out is not expected:  # recv_x itself may be strided: passed as is, combine needs no copy
         expert_out = expert_out.contiguous()
-    result = dispatched.engine.combine(expert_out, dispatched)
+    result = engine.combine(expert_out, dispatched)
     dispatched.combined = True
     return result

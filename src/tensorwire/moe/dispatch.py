@@ -1,4 +1,4 @@
-"""``dispatch``: send each token to the ranks that hold its top-k experts, and the ``Dispatch`` it returns.
+"""``dispatch``: send each token to the ranks that hold its top-k experts (``Dispatch``: ``engine``).
 
 Experts are placed contiguously: with ``E`` experts on ``W`` ranks, expert ``e`` lives on rank
 ``e // (E // W)``. A token routed to ``K`` experts travels once per (token, expert) pair; the receiver gets
@@ -8,14 +8,13 @@ its rows grouped by local expert, source ranks in order inside a group, each sou
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import InvalidArgumentError
 from . import selection
-from .layout import SendLayout
+from .engine import Dispatch, DispatchResult, check_open
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
@@ -23,67 +22,6 @@ if TYPE_CHECKING:
 __all__ = ["Dispatch", "DispatchResult", "dispatch"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass(eq=False, repr=False)
-class Dispatch:
-    """What ``dispatch`` returns on each rank (N = rows received; ``capacity`` rows when it was given).
-
-    Received side, on x's device:
-      - ``recv_x [N, H]`` (x's dtype): one row per (token, expert) pair routed to this rank, grouped by
-        local expert, source-rank order inside a group, token order inside a source.
-      - ``tokens_per_expert [E // W]`` int64: the group sizes.
-      - ``recv_src_rank [N]``, ``recv_src_idx [N]`` int64: the rank and token index each row came from.
-      - ``recv_weights [N]`` (topk_weights' dtype): the routing weight of each row's pair.
-      - ``num_recv_rows`` 0-dim int64: the valid rows (``N`` itself on the exact path; with ``capacity`` the
-        rows past it are unspecified).
-    Send side, kept for ``combine``: ``layout`` (the send order and its inverse), ``topk_weights``,
-    ``num_tokens``, the ``backend`` name and the ``comm``; ``state`` is what the backend keeps.
-
-    On the ``"cuda"`` backend ``recv_x`` is a view of the backend's receive buffer (no copy; strided when a
-    row is not a multiple of 64 bytes), and so are ``recv_src_rank`` and ``recv_src_idx`` (valid until the
-    second dispatch after this one). ``recv_x`` holds the received rows until this dispatch is combined, when
-    ``combine`` stores the expert outputs into it (clone it to keep the inputs, e.g. for a backward pass).
-    Computing the experts in place into ``recv_x`` and passing it as ``expert_out`` saves combine that copy.
-    After ``combine`` the peers read those rows until they are done with their own combine: do not write
-    ``recv_x`` again before the next dispatch. The buffer has two halves, taken in turn by the dispatches
-    issued on the host; a dispatch captured in a CUDA graph uses the half it was captured with on every
-    replay, so combine an eager dispatch before replaying a graph that dispatches.
-
-    ``check()`` reports a device-side error (capacity overflow, an expert id out of range, a timed-out
-    wait) of the ``cuda`` backend; it synchronises with the host. The other backends raise such errors
-    from the call itself.
-    """
-
-    recv_x: torch.Tensor
-    tokens_per_expert: torch.Tensor
-    recv_src_rank: torch.Tensor
-    recv_src_idx: torch.Tensor
-    recv_weights: torch.Tensor
-    num_recv_rows: torch.Tensor
-    capacity: int | None
-    backend: str
-    comm: Communicator
-    num_tokens: int
-    layout: SendLayout
-    topk_weights: torch.Tensor
-    state: Any = None
-    engine: Any = None
-    combined: bool = field(default=False)
-
-    def check(self) -> None:
-        """Raise the error the backend recorded on the device, if any. Synchronises with the host."""
-        checker = getattr(self.engine, "check", None)
-        if checker is not None:
-            checker("dispatch")
-
-    def __repr__(self) -> str:
-        return (f"Dispatch(backend={self.backend!r}, recv_x={tuple(self.recv_x.shape)} {self.recv_x.dtype} on "
-                f"{self.recv_x.device}, num_tokens={self.num_tokens}, capacity={self.capacity}, "
-                f"combined={self.combined})")
-
-
-DispatchResult = Dispatch
 
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_experts: int,
@@ -121,7 +59,7 @@ def _check_inputs(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
             "dispatch: comm must be a tensorwire Communicator (tw.init()), "
             f"got {type(comm).__name__}"
         )
-    comm._check_open("dispatch")
+    check_open(comm, "dispatch")
     for name, value in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
         if not isinstance(value, torch.Tensor):
             raise InvalidArgumentError(f"dispatch: {name} must be a torch.Tensor, got {type(value).__name__}")
@@ -141,6 +79,12 @@ def _check_inputs(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
         raise InvalidArgumentError("dispatch: x has hidden size 0; pass rows of at least one element")
     if not x.is_contiguous():
         raise InvalidArgumentError(f"dispatch: x is not contiguous (strides {x.stride()}); call x.contiguous() first")
+    _check_routing(x, topk_idx, topk_weights)
+    _check_sizes(num_experts, comm.world_size, capacity)
+
+
+def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    """``topk_idx`` and ``topk_weights`` against ``x`` (shapes, dtypes, devices; no values)."""
     if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
         raise InvalidArgumentError(
             f"dispatch: topk_idx has shape {tuple(topk_idx.shape)}, x {tuple(x.shape)}; pass topk_idx as "
@@ -164,12 +108,15 @@ def _check_inputs(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
                 f"dispatch: {name} is on {value.device} but x on {x.device}; "
                 "move it with .to(x.device)"
             )
+
+
+def _check_sizes(num_experts: int, world_size: int, capacity: int | None) -> None:
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
         raise InvalidArgumentError(f"dispatch: num_experts={num_experts!r}; pass a positive int")
-    if num_experts % comm.world_size:
+    if num_experts % world_size:
         raise InvalidArgumentError(
-            f"dispatch: num_experts={num_experts} is not divisible by the world size {comm.world_size}; experts "
-            f"are spread evenly, pass a multiple of {comm.world_size}"
+            f"dispatch: num_experts={num_experts} is not divisible by the world size {world_size}; experts "
+            f"are spread evenly, pass a multiple of {world_size}"
         )
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0):
         raise InvalidArgumentError(

@@ -1,4 +1,4 @@
-"""Which MoE backend moves the rows: the names, what each needs, the default, one engine per communicator.
+"""Which MoE engine moves the rows: the names, what each needs, the default, one engine per communicator.
 
 | backend   | memory    | how                                                              | host sync          |
 |-----------|-----------|------------------------------------------------------------------|--------------------|
@@ -9,6 +9,9 @@
 ``backend=None`` picks, for host tensors, ``nixl`` (UCX shared memory beats Gloo's TCP; ``tensorwire
 bench`` measures both), and for CUDA tensors ``cuda`` when every rank is on this host and Triton and the
 CUDA IPC transport are present, else ``nixl`` (the path that crosses machines).
+
+Engines are created on first use and closed by ``Communicator.close`` (they release their buffers, GPU
+waits and process groups there), never used after it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import BackendUnavailableError, InvalidArgumentError
-from .exchange import Engine
+from .engine import Engine
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
@@ -69,26 +72,28 @@ def engine(comm: Communicator, backend: str | None, device: torch.device, fn: st
                 "pass backend='nixl' or 'torch'"
             )
     if name == "torch":
-        from ..backends import torchdist
+        from . import collectives
 
-        available, reason = torchdist.availability(device)
+        available, reason = collectives.availability(device)
         if not available:
             raise BackendUnavailableError(f"{fn}: backend='torch' is unavailable: {reason}; pass backend='nixl'")
     engines = comm.__dict__.setdefault(_ENGINES_ATTRIBUTE, {})
     if name not in engines:
         engines[name] = _create(comm, name)
+        comm._dependents.add(engines[name])  # Communicator.close closes it
     return engines[name]
 
 
 def _create(comm: Communicator, name: str) -> Engine:
+    """The engine's module is imported on first use: each pulls in what only it needs (Triton, NIXL)."""
     if name == "torch":
-        from .torch_engine import TorchEngine
+        from .engines.torch import TorchEngine
 
         return TorchEngine(comm)
     if name == "nixl":
-        from .nixl_engine import NixlEngine
+        from .engines.nixl import NixlEngine
 
         return NixlEngine(comm)
-    from .kernels.cuda_engine import CudaEngine
+    from .engines.cuda import CudaEngine
 
     return CudaEngine(comm)

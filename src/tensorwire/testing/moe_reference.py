@@ -15,7 +15,7 @@ import torch
 from .data import assert_equal
 
 if TYPE_CHECKING:
-    from ..moe.dispatch import Dispatch
+    from ..moe.engine import Dispatch
 
 __all__ = ["EXPERTS_PER_RANK", "Case", "CASES", "make_inputs", "reference_dispatch", "scaled_expert",
            "reference_combine", "check_close", "check_dispatch", "a2a_counts", "a2a_rows"]

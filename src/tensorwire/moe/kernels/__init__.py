@@ -1,9 +1,9 @@
-"""The ``"cuda"`` MoE backend: Triton kernels that store rows straight into peers' GPU memory.
+"""Triton kernels of the ``"cuda"`` MoE engine, and nothing else: every function here is ``@triton.jit``.
 
-- ``nvlink``: the kernels (Triton; imported only when the backend runs) and the data-flow, signal-layout
-  and memory-ordering contract in its docstring.
-- ``cuda_engine``: the host op: workspaces (registered, mapped into every peer through CUDA IPC), the
-  tables computed with torch ops on the device, and the launches.
+- ``nvlink``: the row kernels (count exchange, row stores, combine's pulls, flag consumption) and the
+  data-flow, signal-layout and memory-ordering contract in its docstring.
+- ``routing``: the routing tables (send order, block tables, error bits).
 
-Nothing here imports Triton or touches CUDA at import time.
+Their host side (buffers, launches with keyword arguments) is in ``tensorwire.moe.engines``. Nothing here
+is imported by ``tensorwire.moe`` until the ``cuda`` engine is created: importing these modules imports Triton.
 """

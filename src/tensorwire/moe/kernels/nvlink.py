@@ -1,6 +1,7 @@
-"""Triton kernels of the ``"cuda"`` MoE backend: rows stored straight into peers' GPU memory.
+"""Triton kernels of the ``"cuda"`` MoE engine: rows stored straight into peers' GPU memory.
 
-Importing this module imports Triton; ``cuda_engine`` imports it only when the backend first runs.
+Importing this module imports Triton; ``engines/cuda.py`` imports it only when the engine is first created,
+and ``engines/cuda_steps.py`` launches the kernels (keyword arguments, these names).
 
 Memory. Every rank allocates the same *spaces* (same sizes, same offsets), registers them with the
 communicator and maps every peer's copy through CUDA IPC, so a kernel holds ``peer_bases[r]``, the address
@@ -53,7 +54,7 @@ Memory-ordering contract.
     count row for that dispatch, i.e. has run (on its stream) everything it did with the half before:
     its use of ``recv_x`` and its combine's pulls. Two halves let a second dispatch run before the first
     is combined; a dispatch must be combined before the second dispatch after it.
-  * A stream wait has no timeout of its own: the engine's watchdog (``cuda_engine``) reports a wait that
+  * A stream wait has no timeout of its own: the engine's watchdog (``engines/cuda_waits.py``) reports a wait that
     is not released within the communicator's timeout and then releases it, so a dead peer neither hangs
     the GPU nor goes unreported.
 """
@@ -76,7 +77,7 @@ def publish_counts(space_ptr, peer_bases_ptr, counts_ptr, error_ptr, row_bytes, 
                    width, stride, flags_offset, slots_offset, HEADER_WORDS: tl.constexpr, HAS_ERROR: tl.constexpr,
                    BLOCK: tl.constexpr):
     """Grid (W,). Program p stores this rank's count row ``[errors, row_bytes, capacity, num_experts,
-    *counts[:width]]`` (``exchange``'s format; ``errors`` = ``error_ptr[0]``, a bool, as bit 1) into rank p's
+    *counts[:width]]`` (``count_rows``' format; ``errors`` = ``error_ptr[0]``, a bool, as bit 1) into rank p's
     slot of this round and release-adds 1 to p's COUNT_FLAGS[rank]. ``space_ptr``: this rank's signal space
     (int64 words; word 0 is the round, already bumped); offsets in int64 words."""
     peer = tl.program_id(0)

@@ -1,12 +1,12 @@
-"""Triton kernels for the ``"cuda"`` backend's routing tables: the send order and the block tables.
+"""Triton kernels for the ``"cuda"`` engine's routing tables: the send order and the block tables.
 
-``layout.send_layout`` and ``layout.placement`` compute the same tables with torch ops: about forty small
-kernels and a radix sort per dispatch, which cost more than the rows' own copy at a few thousand tokens.
-Here they take four launches, with the same results (the tests compare both):
+Their buffers and launches (keyword arguments, these names) are in ``engines/cuda_routing.py``; importing
+this module imports Triton. The tables are ``layout``'s (the tests compare both), in four launches:
 
 Send order (``send_layout``): a stable counting sort of the ``P = T * K`` pairs by expert id, in blocks of
-``PAIR_BLOCK`` pairs. Every pair has a *bin*: its expert, ``E`` for "no expert" (-1), ``E + 1`` for an id
-out of range (sorted with the invalid pairs, and counted, so the error bit needs no extra pass).
+``PAIR_BLOCK`` pairs (``cuda_routing``). Every pair has a *bin*: its expert, ``E`` for "no expert" (-1),
+``E + 1`` for an id out of range (sorted with the invalid pairs, and counted, so the error bit needs no extra
+pass).
 
 1. ``count_pairs`` (one program per block): the block's histogram over the bins, and its exclusive
    prefix ``within[b, bin]``: how many pairs of the block sort before the bin's first.
@@ -19,24 +19,19 @@ out of range (sorted with the invalid pairs, and counted, so the error bit needs
 
 Block tables (``block_tables``): one program reads every rank's count row straight from the signal space
 (the round's slots, no gather copy), and writes the sender's and receiver's tables that the row kernels
-read, the receive-side counts, and, with a capacity, the error bits (``exchange.ERROR_*``) that the
+read, the receive-side counts, and, with a capacity, the error bits (``count_rows.ERROR_*``) that the
 host-synchronised path would raise.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
 import triton
 import triton.language as tl
 
-from ..exchange import ERROR_EXPERT_OUT_OF_RANGE, ERROR_MISMATCH, ERROR_OVERFLOW, HEADER, next_power_of_two
-from ..layout import SendLayout
+from ..count_rows import ERROR_EXPERT_OUT_OF_RANGE, ERROR_MISMATCH, ERROR_OVERFLOW
 
-__all__ = ["PAIR_BLOCK", "BlockTables", "block_tables", "send_layout"]
+__all__ = ["count_pairs", "offset_blocks", "place_blocks", "place_pairs"]
 
-PAIR_BLOCK = 1024  # pairs per program of the counting sort: one in-register sort of this many keys
 # The error bits as compile-time constants (a kernel may only read globals that are constexpr).
 _OUT_OF_RANGE, _MISMATCH, _OVERFLOW = (tl.constexpr(bit) for bit in (ERROR_EXPERT_OUT_OF_RANGE, ERROR_MISMATCH,
                                                                      ERROR_OVERFLOW))
@@ -102,44 +97,7 @@ def place_pairs(idx_ptr, base_ptr, within_ptr, order_ptr, position_ptr, num_pair
     tl.store(position_ptr + pair, position, mask=inside)
 
 
-def send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> SendLayout:
-    """``layout.send_layout`` for ``topk_idx [T, K]`` int64 on a GPU, in three launches. No host sync;
-    CUDA-graph capturable."""
-    num_tokens, topk = topk_idx.shape
-    num_pairs = num_tokens * topk
-    device = topk_idx.device
-    idx = topk_idx.contiguous()
-    bins = next_power_of_two(num_experts + 3)  # experts, "none", "out of range", the padding lanes' bin
-    blocks = max(1, triton.cdiv(num_pairs, PAIR_BLOCK))
-    key = torch.empty(num_tokens, topk, dtype=torch.int64, device=device)
-    hist = torch.empty(blocks, bins, dtype=torch.int32, device=device)
-    within = torch.empty_like(hist)
-    base = torch.empty(blocks, bins, dtype=torch.int64, device=device)
-    counts = torch.empty(num_experts, dtype=torch.int64, device=device)
-    out_of_range = torch.empty((), dtype=torch.bool, device=device)
-    order = torch.empty(num_pairs, dtype=torch.int64, device=device)
-    position = torch.empty(num_tokens, topk, dtype=torch.int64, device=device)
-    count_pairs[(blocks,)](idx, key, hist, within, num_pairs, num_experts, BINS=bins, BLOCK=PAIR_BLOCK)
-    offset_blocks[(1,)](hist, base, counts, out_of_range, blocks, num_experts, BINS=bins)
-    place_pairs[(blocks,)](idx, base, within, order, position, num_pairs, num_experts, BINS=bins, BLOCK=PAIR_BLOCK)
-    return SendLayout(num_tokens=num_tokens, topk=topk, num_experts=num_experts, world_size=world_size, order=order,
-                      position_of_pair=position, expert_of_pair=key, expert_counts=counts, out_of_range=out_of_range)
-
-
 # --- the block tables -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class BlockTables:
-    """What the row kernels and ``Dispatch`` need of ``layout.Placement`` (same meanings), int64 on the device:
-    ``send_start``/``destination_start [W, L]``, ``tokens_per_expert [L]``, ``num_recv_rows`` (0-dim),
-    ``rows_per_rank [W]``."""
-
-    send_start: torch.Tensor
-    destination_start: torch.Tensor
-    tokens_per_expert: torch.Tensor
-    num_recv_rows: torch.Tensor
-    rows_per_rank: torch.Tensor
-
-
 @triton.jit
 def place_blocks(slots_ptr, round_ptr, send_start_ptr, destination_start_ptr, tokens_per_expert_ptr,
                  num_recv_rows_ptr, rows_per_rank_ptr, error_ptr, rank, world, blocks_per_rank, stride, capacity,
@@ -181,22 +139,3 @@ def place_blocks(slots_ptr, round_ptr, send_start_ptr, destination_start_ptr, to
         overflow = tl.where(tl.max(rows_per_rank, 0) > capacity, _OVERFLOW, 0)
         bits = tl.max(errors & _OUT_OF_RANGE, 0) | tl.max(errors & _MISMATCH, 0) | overflow
         tl.store(error_ptr, tl.load(error_ptr) | bits)
-
-
-def block_tables(slots: torch.Tensor, round_word: torch.Tensor, rank: int, world: int, blocks_per_rank: int,
-                 error: torch.Tensor, capacity: int | None) -> BlockTables:
-    """The tables from this round's count rows in ``slots [2, W, stride]`` int64 (the signal space's), one
-    launch. ``capacity`` given: the error bits go into ``error [1]`` int64 on the device."""
-    device = slots.device
-    send_start = torch.empty(world, blocks_per_rank, dtype=torch.int64, device=device)
-    destination_start = torch.empty_like(send_start)
-    tokens_per_expert = torch.empty(blocks_per_rank, dtype=torch.int64, device=device)
-    num_recv_rows = torch.empty((), dtype=torch.int64, device=device)
-    rows_per_rank = torch.empty(world, dtype=torch.int64, device=device)
-    place_blocks[(1,)](
-        slots, round_word, send_start, destination_start, tokens_per_expert, num_recv_rows, rows_per_rank, error,
-        rank, world, blocks_per_rank, slots.shape[2], -1 if capacity is None else capacity, HEADER_WORDS=HEADER,
-        W_P=max(2, next_power_of_two(world)), L_P=max(2, next_power_of_two(blocks_per_rank)),
-        CHECK=capacity is not None,
-    )
-    return BlockTables(send_start, destination_start, tokens_per_expert, num_recv_rows, rows_per_rank)

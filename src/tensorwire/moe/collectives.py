@@ -1,4 +1,4 @@
-"""torch.distributed collectives on a communicator, without ``init_process_group``.
+"""torch.distributed collectives on a communicator, without ``init_process_group``: the ``torch`` engine's.
 
 A communicator already owns a store (``comm._rendezvous.store``, a ``PrefixStore`` over the job's
 ``TCPStore``). This module builds a process group over a further-prefixed view of it (``pg/gloo/`` for host
@@ -6,7 +6,7 @@ tensors, ``pg/nccl/`` for CUDA tensors), once per communicator and kind, the fir
 it; every rank does so in the same collective call, which is what a group's rendezvous requires.
 
 The groups are cached in a ``WeakKeyDictionary`` keyed by the communicator, so they go when it goes;
-``shutdown(comm)`` aborts them eagerly (the communicator may call it from ``close()``). Collectives call
+``shutdown(comm)`` aborts them eagerly (the ``torch`` engine calls it when the communicator closes). Collectives call
 the group's own methods (``allgather``, ``alltoall_base``): the functional ``torch.distributed`` API wants
 a default process group, which tensorwire does not require users to create.
 

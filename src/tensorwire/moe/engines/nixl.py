@@ -1,4 +1,4 @@
-"""The ``"nixl"`` MoE backend: one-sided WRITEs into peers' registered buffers, completed by notifications.
+"""The ``"nixl"`` MoE engine: one-sided WRITEs into peers' registered buffers, completed by notifications.
 
 Host and GPU memory alike; the path that crosses machines. Driven by the CPU, so every call synchronises
 with the host (once, to read the counts) and blocks until its rows have arrived.
@@ -37,27 +37,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..backends.base import Op, Status
-from ..descriptors import TensorDesc
-from ..errors import TransferError
-from ..progress import wait_until
-from .dispatch import Dispatch
-from .exchange import (
-    HEADER,
-    META_COLUMNS,
-    check_capacity,
-    check_count_rows,
-    check_fresh,
-    count_row,
-    next_power_of_two,
-    pack_meta,
-    unpack_meta,
-    weighted_sum,
-)
-from .layout import Placement, SendLayout, placement, send_layout
+from ...backends.base import Op, Status
+from ...descriptors import TensorDesc
+from ...errors import TransferError
+from ...progress import wait_until
+from ..engine import DispatchHandle, Received, SkeletonEngine
+from ..layout import Placement, SendLayout
+from ..rows import META_COLUMNS, next_power_of_two, pack_meta, row_bytes, unpack_meta, weighted_sum
 
 if TYPE_CHECKING:
-    from ..communicator import Communicator
+    from ...communicator import Communicator
 
 __all__ = ["NixlEngine"]
 
@@ -94,7 +83,6 @@ class _Buffer:
 class _State:
     """What combine needs from a dispatch."""
 
-    dispatch_index: int
     round: int
     where: Placement  # host tensors
     num_received: int
@@ -106,16 +94,12 @@ def _settle(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-class NixlEngine:
+class NixlEngine(SkeletonEngine):
     name = "nixl"
-    send_layout = staticmethod(send_layout)
 
     def __init__(self, comm: Communicator) -> None:
-        self.comm = comm
+        super().__init__(comm)
         comm._inbox.open_channel(_MAGIC)  # MoE notifications never mix with the user's
-        self.rank = comm.rank
-        self.world_size = comm.world_size
-        self.dispatches = 0
         self._rounds = 0  # count exchanges so far: the same on every rank
         self._counts: tuple[int, _Buffer, _Buffer] | None = None  # (slot width, slots, my row)
         self._receive: dict[str, _Buffer] = {}
@@ -126,17 +110,12 @@ class NixlEngine:
         self._counts_transfers: dict[tuple[int, int], list] = {}  # (slot parity, width) -> one WRITE per peer
         self._early: list[set[tuple[int, int]]] = [set() for _ in range(comm.world_size)]
 
-    # --- public operations ----------------------------------------------------------------------
-    def dispatch(self, x: torch.Tensor, layout: SendLayout, topk_weights: torch.Tensor,
-                 capacity: int | None) -> Dispatch:
+    # --- the row moves --------------------------------------------------------------------------
+    def move_rows(self, x: torch.Tensor, layout: SendLayout, topk_weights: torch.Tensor, where: Placement,
+                  capacity: int | None) -> Received:
         me, device, hidden = self.rank, x.device, x.shape[1]
         row_bytes = hidden * x.element_size()
-        rows = self._gather_rows(count_row(layout.expert_counts, layout.out_of_range, row_bytes, capacity,
-                                           layout.num_experts), "dispatch")
-        where = placement(rows[:, HEADER:], me)
         rows_per_rank = where.rows_per_rank.tolist()
-        check_capacity(rows_per_rank, capacity, "dispatch")
-        self.dispatches += 1
         allocated = [capacity if capacity is not None else n for n in rows_per_rank]
         family = f"dispatch/{device.type}"
         x_buffer = self._ensure_receive(f"{family}/x", [n * row_bytes for n in allocated], device)
@@ -160,25 +139,21 @@ class NixlEngine:
 
         num_received = rows_per_rank[me]
         recv_x, meta = local_x.clone(), local_meta.clone()
-        recv_x[num_received:] = 0  # capacity rows past the valid ones: zeros, as the torch backend gives
+        recv_x[num_received:] = 0  # capacity rows past the valid ones: zeros, as the torch engine gives
         meta[num_received:] = 0
         src_rank, src_idx, weights = unpack_meta(meta, topk_weights.dtype)
-        return Dispatch(
-            recv_x=recv_x, tokens_per_expert=where.tokens_per_expert.to(device), recv_src_rank=src_rank,
-            recv_src_idx=src_idx, recv_weights=weights,
-            num_recv_rows=torch.tensor(num_received, dtype=torch.int64).to(device), capacity=capacity,
-            backend=self.name, comm=self.comm, num_tokens=layout.num_tokens, layout=layout,
-            topk_weights=topk_weights, state=_State(self.dispatches, self._rounds, where, num_received), engine=self,
-        )
+        return Received(recv_x=recv_x, tokens_per_expert=where.tokens_per_expert.to(device), recv_src_rank=src_rank,
+                        recv_src_idx=src_idx, recv_weights=weights,
+                        num_recv_rows=torch.tensor(num_received, dtype=torch.int64).to(device),
+                        state=_State(self._rounds, where, num_received))
 
-    def combine(self, expert_out: torch.Tensor, dispatched: Dispatch) -> torch.Tensor:
-        state: _State = dispatched.state
-        check_fresh(self.dispatches, state.dispatch_index)
+    def return_rows(self, expert_out: torch.Tensor, handle: DispatchHandle, num_tokens: int) -> torch.Tensor:
+        state: _State = handle.state
         me, device, hidden = self.rank, expert_out.device, expert_out.shape[1]
         row_bytes = hidden * expert_out.element_size()
         where = state.where
         pairs = where.pairs_per_rank.tolist()  # rows each rank dispatched = rows it gets back
-        family = f"combine{state.dispatch_index % 2}/{device.type}"
+        family = f"combine{handle.dispatch_index % 2}/{device.type}"
         back = self._ensure_receive(family, [n * row_bytes for n in pairs], device)
         returned = _rows_or_empty(back, expert_out.dtype, pairs[me], (hidden,), device)
         num_received = state.num_received
@@ -190,40 +165,46 @@ class NixlEngine:
                             [(stage, returned, family, row_bytes)])
         senders = [r for r, n in enumerate(where.send_counts.sum(1).tolist()) if n and r != me and row_bytes]
         self._move(_RETURN, state.round, sends, senders, "combine")
-        return weighted_sum(returned, dispatched.layout, dispatched.topk_weights)
+        return weighted_sum(returned, handle.layout, handle.topk_weights)
 
     def all_to_all_v(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
         me, device, world = self.rank, send.device, self.world_size
         row_shape = tuple(send.shape[1:])
-        row_elements = 1
-        for size in row_shape:
-            row_elements *= size
-        row_bytes = row_elements * send.element_size()
+        nbytes = row_bytes(send)
         counts = torch.tensor(send_counts, dtype=torch.int64)
-        rows = self._gather_rows(count_row(counts, 0, row_bytes, None, world), "all_to_all_v")
-        where = placement(rows[:, HEADER:], me)
+        where = self.place(self.count_round(counts, 0, nbytes, None, world, "all_to_all_v"), None, "all_to_all_v")
         recv_counts = where.recv_counts.reshape(-1).tolist()
         num_received = sum(recv_counts)
-        if row_bytes == 0:
+        if nbytes == 0:
             return torch.empty(num_received, *row_shape, dtype=send.dtype, device=device), recv_counts
         family = f"a2av/{device.type}"
-        buffer = self._ensure_receive(family, [n * row_bytes for n in where.rows_per_rank.tolist()], device)
-        local = _rows_or_empty(buffer, torch.uint8, num_received, (row_bytes,), device)
-        stage = self._stage("a2av", send.shape[0] * row_bytes, device).rows(torch.uint8, send.shape[0], (row_bytes,))
-        stage.copy_(send.reshape(send.shape[0], row_elements).view(torch.uint8))
+        buffer = self._ensure_receive(family, [n * nbytes for n in where.rows_per_rank.tolist()], device)
+        local = _rows_or_empty(buffer, torch.uint8, num_received, (nbytes,), device)
+        stage = self._stage("a2av", send.shape[0] * nbytes, device).rows(torch.uint8, send.shape[0], (nbytes,))
+        stage.copy_(send.reshape(send.shape[0], nbytes // send.element_size()).view(torch.uint8))
         _settle(device)
 
         sends = self._route(_blocks(where.send_counts, where.send_start, where.destination_start),
-                            [(stage, local, family, row_bytes)])
+                            [(stage, local, family, nbytes)])
         senders = [s for s, n in enumerate(recv_counts) if n and s != me]
         self._move(_ROWS, self._rounds, sends, senders, "all_to_all_v")
         recv = local.clone().view(send.dtype).view(num_received, *row_shape)
         return recv, recv_counts
 
+    def close(self) -> None:
+        """Close the count round's prepared WRITEs and deregister every buffer (local; idempotent)."""
+        self._drop_counts_transfers()
+        buffers = [*self._receive.values(), *self._staging.values(), *self._retired]
+        if self._counts is not None:
+            buffers += self._counts[1:]
+        self._receive, self._staging, self._retired, self._counts = {}, {}, [], None
+        for buffer in buffers:
+            buffer.close()
+
     # --- the count exchange ---------------------------------------------------------------------
-    def _gather_rows(self, row: torch.Tensor, fn: str) -> torch.Tensor:
-        """Every rank's count row ``[W, width]`` int64 on the host, checked (see ``exchange.py``). The
-        ``.cpu()`` of ``row`` is the call's one host sync."""
+    def exchange_counts(self, row: torch.Tensor, fn: str) -> torch.Tensor:
+        """Every rank's count row ``[W, width]`` int64 on the host (``count_rows``). The ``.cpu()`` of
+        ``row`` is the call's one host sync."""
         world, me = self.world_size, self.rank
         row = row.cpu()
         width = row.numel()
@@ -252,9 +233,7 @@ class NixlEngine:
         except BaseException:
             self._drop_counts_transfers()  # a failed round may leave them in flight: prepare afresh next time
             raise
-        rows = table[parity, :, :width].clone()
-        check_count_rows(rows, fn)
-        return rows
+        return table[parity, :, :width].clone()
 
     def _counts_space(self, width: int) -> tuple[int, _Buffer, _Buffer]:
         """The counts buffers, grown in lockstep (every rank asks for the same width in the same call)."""

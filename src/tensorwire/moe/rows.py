@@ -1,0 +1,81 @@
+"""Rows on the move: the metadata each dispatched row carries, sizes, combine's weighted sum, buffer reuse.
+
+Row metadata. Each dispatched row travels with three int64 words: the source rank, the source token index
+and the routing weight (widened to float64, whose bits are stored; exact for float16/bfloat16/float32).
+
+Non-goals: where rows go (``layout``), the count round (``count_rows``), moving bytes (the engines).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InvalidArgumentError
+from .layout import SendLayout
+
+__all__ = ["META_COLUMNS", "check_fresh", "next_power_of_two", "pack_meta", "row_bytes", "unpack_meta",
+           "weighted_sum"]
+
+META_COLUMNS = 3  # source rank, source token index, weight bits (float64)
+
+
+def next_power_of_two(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``): buffers grow geometrically, kernels take
+    power-of-two blocks."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def row_bytes(send: torch.Tensor) -> int:
+    """Bytes of one row of ``send [N, ...]`` (defined for N = 0 too)."""
+    count = 1
+    for size in send.shape[1:]:
+        count *= size
+    return count * send.element_size()
+
+
+def pack_meta(out: torch.Tensor, rank: int, token_of_row: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Fill ``out [n, 3]`` int64 with (rank, token index, float64 bits of the weight) per row."""
+    out[:, 0] = rank
+    out[:, 1] = token_of_row
+    out[:, 2] = weights.to(torch.float64).view(torch.int64)
+    return out
+
+
+def unpack_meta(meta: torch.Tensor, weight_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``meta [n, 3]`` int64 -> (source rank [n] int64, source token [n] int64, weight [n] ``weight_dtype``)."""
+    weights = meta[:, 2].contiguous().view(torch.float64).to(weight_dtype)
+    return meta[:, 0].contiguous(), meta[:, 1].contiguous(), weights
+
+
+def weighted_sum(returned: torch.Tensor, layout: SendLayout, topk_weights: torch.Tensor,
+                 usable: torch.Tensor | None = None) -> torch.Tensor:
+    """``y [T, H]``: ``y[t] = sum over valid k, in k order, of topk_weights[t, k] * returned[position(t, k)]``,
+    accumulated in float32 and cast to ``returned.dtype``.
+
+    ``returned [R, H]`` holds the expert outputs in this rank's send order (rows past the valid ones may
+    be garbage, even NaN: they are selected away, never multiplied in). ``usable [T, K]`` bool further
+    masks pairs (e.g. dropped by a capacity overflow). Device ops only: no host sync, graph-safe.
+    """
+    num_tokens, topk = layout.num_tokens, layout.topk
+    hidden = returned.shape[1]
+    result = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=returned.device)
+    if returned.shape[0] == 0 or num_tokens == 0:
+        return result.to(returned.dtype)
+    valid = layout.valid if usable is None else layout.valid & usable
+    position = layout.position_of_pair.clamp(max=returned.shape[0] - 1)
+    weights = topk_weights.to(torch.float32)
+    for k in range(topk):
+        rows = returned.index_select(0, position[:, k]).to(torch.float32)
+        contribution = rows * weights[:, k].unsqueeze(1)
+        result += torch.where(valid[:, k].unsqueeze(1), contribution, 0.0)
+    return result.to(returned.dtype)
+
+
+def check_fresh(dispatches_now: int, dispatch_index: int) -> None:
+    """Engines that reuse their buffers every second dispatch refuse to combine an older dispatch."""
+    later = dispatches_now - dispatch_index
+    if later >= 2:
+        raise InvalidArgumentError(
+            f"combine: {later} dispatches ran after this one on the same communicator and backend; receive "
+            "buffers alternate between two dispatches, so combine each dispatch before the second one after it"
+        )
