@@ -7,9 +7,10 @@ publishes its map (host identity, every backend's metadata, registered ranges, s
 whenever it registers or deregisters, and a rank loads a peer's map the first time it addresses a
 descriptor newer than the view it holds. No collective is needed to add a peer.
 
-Transport selection, per transfer (``Transfer.transport`` tells, ``prepare(transport=)`` overrides):
-the peer is this rank -> ``local``; same host and GPU memory on both sides, exported through IPC ->
-``cuda_ipc``; otherwise -> ``nixl``.
+Transport selection, per transfer (``Transfer.transport`` tells, ``prepare(transport=)`` overrides): the
+first transport of ``backends.registry.TRANSPORTS`` that reaches the peer: the peer is this rank -> ``local``;
+same host and GPU memory on both sides, exported through IPC -> ``cuda_ipc``; same host and host memory the
+peer keeps in a shared file -> ``shm``; otherwise -> ``nixl``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from . import config as config_module
 from . import cuda
 from . import blocks as blocks_module
+from .backends import registry
 from .backends.base import Backend, Op, Segment, Status
 from .backends.local import LocalBackend
 from .backends.nixl import NixlBackend
@@ -43,7 +45,6 @@ from .transfer import Transfer
 
 __all__ = ["Communicator", "init"]
 
-_SAME_HOST_ONLY = frozenset({"cuda_ipc", "shm"})  # backends whose metadata only means something on one host
 
 def init(
     *,
@@ -207,7 +208,8 @@ class Communicator:
             memory_map = MemoryMap.unpack(blob, source)
             host = memory_map.sections.pop("host").decode()
             for name, metadata in memory_map.sections.items():
-                if name in self._backends and (name not in _SAME_HOST_ONLY or host == self._host):
+                if name in self._backends and (not self._backends[name].capabilities.same_host_only
+                                               or host == self._host):
                     with typed_decoding(f"{source}, section {name!r}"):
                         self._backends[name].load_peer(rank, metadata)
             self._peers[rank] = PeerView(epoch, host, memory_map.regions)
@@ -268,8 +270,9 @@ class Communicator:
         item i of ``remote`` (descriptors of ONE rank, possibly this one). May block on first contact with a
         peer while its memory map is fetched (bounded by the timeout). Zero-byte items are skipped.
 
-        ``transport`` forces ``"nixl"``, ``"cuda_ipc"`` or ``"local"``; by default the fastest that reaches
-        the peer is chosen (see the module docstring) and ``Transfer.transport`` says which."""
+        ``transport`` forces one of ``backends.registry.NAMES`` (``"local"``, ``"cuda_ipc"``, ``"shm"``,
+        ``"nixl"``) where it reaches the peer; by default the first that does is chosen (see the module docstring)
+        and ``Transfer.transport`` says which."""
         self._check_open("prepare")
         if not isinstance(op, Op):
             raise InvalidArgumentError(f"prepare: op={op!r}; pass tw.READ or tw.WRITE")
@@ -289,8 +292,8 @@ class Communicator:
             raise InvalidArgumentError(f"prepare: remote descriptors belong to ranks {peers}; one transfer reaches one rank, prepare one per rank")
         peer = peers[0]
         self._check_rank(peer, "prepare")
-        if transport is not None and transport not in ("nixl", "cuda_ipc", "local"):
-            raise InvalidArgumentError(f"prepare: transport={transport!r}; pass 'nixl', 'cuda_ipc', 'local' or None")
+        if transport is not None and transport not in registry.NAMES:
+            raise InvalidArgumentError(f"prepare: transport={transport!r}; pass one of {registry.NAMES} or None")
         if notify is not None and (not isinstance(notify, (bytes, bytearray)) or len(notify) == 0):
             raise InvalidArgumentError(
                 f"prepare: notify must be non-empty bytes (NIXL does not deliver empty messages), got {notify!r}; "
@@ -383,36 +386,24 @@ class Communicator:
                 )
 
     def _choose_transport(self, peer: int, pairs: list[tuple[Segment, Segment]], requested: str | None) -> str:
-        """The fastest backend that reaches ``peer`` for these segments (or the requested one, checked)."""
+        """The first transport of the registry that reaches ``peer`` for these segments (or the requested one,
+        checked)."""
         local_kind, remote_kind = pairs[0][0].kind, pairs[0][1].kind
-        if peer == self.rank:
-            reachable = ["local"]
-        else:
-            reachable = []
-            same_host, remotes = self._peers[peer].host == self._host, [r for _, r in pairs]
-            ipc = self._backends.get("cuda_ipc")
-            if (ipc is not None and local_kind is MemoryKind.CUDA and remote_kind is MemoryKind.CUDA and same_host
-                    and ipc.reaches(peer, remotes)):
-                reachable.append("cuda_ipc")
-            if (local_kind is MemoryKind.CPU and remote_kind is MemoryKind.CPU and same_host
-                    and self._backends["shm"].reaches(peer, remotes)):
-                reachable.append("shm")
-            reachable.append("nixl")
-        if requested is None:
-            chosen = reachable[0]
-            if (chosen == "nixl" and local_kind is MemoryKind.CUDA and remote_kind is MemoryKind.CUDA
-                    and self._peers[peer].host == self._host):
+        same_host = peer == self.rank or self._peers[peer].host == self._host
+        usable = registry.reachable(self._backends, peer == self.rank, same_host, local_kind, remote_kind, peer,
+                                    [r for _, r in pairs])
+        if requested is None and usable:
+            if usable[0] == "nixl" and local_kind is remote_kind is MemoryKind.CUDA and same_host:
                 self._warn_once(
                     f"cuda_ipc-unavailable-{peer}",
                     f"tensorwire: GPU transfers with rank {peer} on this host take NIXL, not CUDA IPC "
                     f"({self._ipc_reason(peer, pairs)}); expect lower bandwidth",
                 )
-            return chosen
-        if requested not in reachable:
+            return usable[0]
+        if requested not in usable:
             raise InvalidArgumentError(
-                f"prepare: transport={requested!r} cannot reach rank {peer} for {local_kind.name}->{remote_kind.name} "
-                f"memory here; usable: {reachable}"
-            )
+                f"prepare: transport={requested!r} cannot reach rank {peer} for {local_kind.name}->"
+                f"{remote_kind.name} memory here; usable: {usable}")
         return requested
 
     def _ipc_reason(self, peer: int, pairs: list[tuple[Segment, Segment]]) -> str:
@@ -617,8 +608,8 @@ class Communicator:
                                        "(index_select / index_copy_)")
         self._check_remote_ranges(peer, remote.spans(), "prepare_blocks")
         pairs = list(zip(pool.layout.spans(), remote.layout().spans()))
-        if transport is not None and transport not in self._backends:
-            raise InvalidArgumentError(f"prepare_blocks: transport={transport!r}; pass one of {sorted(self._backends)}")
+        if transport is not None and transport not in registry.NAMES:
+            raise InvalidArgumentError(f"prepare_blocks: transport={transport!r}; pass one of {registry.NAMES} or None")
         backend = self._backends[self._choose_transport(peer, pairs, transport)]
         uses_cuda = MemoryKind.CUDA in (pool.layout.kind, remote.kind)
         if backend is self._nixl and uses_cuda:

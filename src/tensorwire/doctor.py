@@ -293,7 +293,7 @@ def diagnose(emit: Callable[[str], None] = print, timeout_s: float = 15.0, quiet
             value += f" (loaded {versions['nixl_module']})"
         report.line(f"{name:<11}{value}")
 
-    infos = _transport_infos(backends())
+    infos = backends()
     report.section("backends")
     _table(report, ["backend", "available", "version", "reason", "fix"],
            [[i.name, "yes" if i.available else "no", i.version or "-", i.reason, i.fix or "-"] for i in infos.values()])
@@ -335,23 +335,6 @@ def diagnose(emit: Callable[[str], None] = print, timeout_s: float = 15.0, quiet
     else:
         report.line("no problems found")
     return report
-
-
-def _transport_infos(infos: dict) -> dict:
-    """``tw.backends()`` plus the transports the communicator picks by itself (same-host CUDA IPC and shared
-    host memory, the same-process copy), so the table shows every way tensorwire can move bytes here."""
-    from . import cuda
-    from .backends.base import BackendInfo
-
-    infos = dict(infos)
-    if "cuda_ipc" not in infos:
-        usable, reason = cuda.availability()
-        fix = "" if usable else ("pip install cuda-python" if "cuda-python" in reason else "needs a CUDA device")
-        infos["cuda_ipc"] = BackendInfo("cuda_ipc", usable, reason, fix=fix)
-    infos.setdefault("shm", BackendInfo("shm", True, "host memory a same-host peer registered in a shared file "
-                                                     "mapping (e.g. /dev/shm): memcpy through a mapping of it"))
-    infos.setdefault("local", BackendInfo("local", True, "copies between ranges of one process (always)"))
-    return infos
 
 
 def _table(report: Report, header: list[str], rows: list[list[str]]) -> None:

@@ -8,7 +8,8 @@ __all__ = ["Backend", "BackendInfo", "Capabilities", "Op", "Segment", "Status", 
 
 
 def backends() -> dict[str, BackendInfo]:
-    """Every backend tensorwire knows, with whether it works here and why not. Cheap; creates no peers."""
-    from . import nixl
+    """Every transport tensorwire has (in the order it prefers them), with whether it works here and why not.
+    Cheap; creates no peers."""
+    from . import registry
 
-    return {"nixl": nixl.info()}
+    return registry.infos()

@@ -96,11 +96,15 @@ class StreamOrderedCompletion:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend supports, as data (the engine picks a backend from these)."""
+    """What a backend reaches and supports, as data (``registry.reachable`` picks a transport from these)."""
 
-    memory_kinds: frozenset[MemoryKind]
+    memory_kinds: frozenset[MemoryKind]  # memory it moves, on either side
     remote: bool  # reaches other processes / hosts
     stream_ordered: bool  # completion can be ordered on a CUDA stream without the CPU
+    same_process: bool = False  # reaches ranges of this very process
+    same_host_only: bool = False  # its metadata means something on the same host only
+    same_kind_only: bool = False  # both sides must be the same memory kind
+    message_channel: bool = False  # delivers notifications itself (others send theirs through NIXL)
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,9 @@ class Backend(Protocol):
     def load_peer(self, rank: int, metadata: bytes) -> None:
         """Add or refresh a peer from its ``metadata()``."""
 
+    def reaches(self, peer: int, remote: list[Segment]) -> bool:
+        """Whether it can address every remote segment of ``peer`` (e.g. what the peer exported to it)."""
+
     def prepare(
         self, op: Op, local: list[Segment], remote: list[Segment], peer: int, notify: bytes | None
     ) -> Any:
@@ -144,6 +151,12 @@ class Backend(Protocol):
         """Poll a posted request; drives the backend's progress."""
 
     def release(self, request: Any) -> None: ...
+
+    def prepare_blocks(self, op: Op, local: Any, remote: Any, peer: int) -> Any:
+        """A reusable block request between two ``block_copy.BlockLayout`` pools; posted like any request."""
+
+    def bind_blocks(self, request: Any, local_ids: Any, remote_ids: Any, notify: bytes | None) -> None:
+        """Queue the block ids (and notification) the next post of a block request moves."""
 
     # A backend may offer ``poster(request, notify) -> Poster``: ``post`` unbundled for the CPU hot path
     # (NIXL resolves its C call once).

@@ -20,10 +20,17 @@ import torch
 from .. import cuda
 from ..descriptors import MemoryKind
 from ..errors import TransferError
-from .base import Capabilities, Op, Segment, Status, StreamOrderedCompletion, StreamOrderedRequest
+from .base import BackendInfo, Capabilities, Op, Segment, Status, StreamOrderedCompletion, StreamOrderedRequest
 from .block_copy import BlockLayout, DeviceBlockRequest, copy_request
 
-__all__ = ["CudaIpcBackend"]
+__all__ = ["CudaIpcBackend", "info"]
+
+
+def info() -> BackendInfo:
+    """Usable where CUDA and cuda-python are (same-host GPU memory; the peer's allocation must be exportable)."""
+    usable, reason = cuda.availability()
+    fix = "" if usable else ("pip install cuda-python" if "cuda-python" in reason else "needs a CUDA device")
+    return BackendInfo("cuda_ipc", usable, reason, fix=fix)
 
 _EXPORT = struct.Struct("<QQQi64s")  # addr, nbytes, allocation base, device index, IPC handle
 
@@ -50,7 +57,8 @@ class CudaIpcBackend(StreamOrderedCompletion):
     """The ``Backend`` protocol over CUDA IPC between processes of one host."""
 
     name = "cuda_ipc"
-    capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.CUDA}), remote=True, stream_ordered=True)
+    capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.CUDA}), remote=True, stream_ordered=True,
+                                same_host_only=True, same_kind_only=True)
 
     def __init__(self) -> None:
         self._cu = cuda.driver()

@@ -18,10 +18,14 @@ import torch
 
 from .. import cuda
 from ..descriptors import MemoryKind
-from .base import Capabilities, Op, Segment, Status, StreamOrderedCompletion, StreamOrderedRequest
+from .base import BackendInfo, Capabilities, Op, Segment, Status, StreamOrderedCompletion, StreamOrderedRequest
 from .block_copy import BLOCK_COPY_REQUESTS, BlockLayout, copy_request
 
-__all__ = ["LocalBackend"]
+__all__ = ["LocalBackend", "info"]
+
+
+def info() -> BackendInfo:
+    return BackendInfo("local", True, "copies between ranges of one process (always)")
 
 
 @dataclass
@@ -35,9 +39,8 @@ class LocalBackend(StreamOrderedCompletion):
     """The ``Backend`` protocol for ranges of this very process."""
 
     name = "local"
-    capabilities = Capabilities(
-        memory_kinds=frozenset({MemoryKind.CPU, MemoryKind.CUDA}), remote=False, stream_ordered=True
-    )
+    capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.CPU, MemoryKind.CUDA}), remote=False,
+                                stream_ordered=True, same_process=True)
 
     def __init__(self, view: Callable[[Segment], torch.Tensor]) -> None:
         self._view = view  # resolves a registered segment of this process to a uint8 tensor
@@ -53,6 +56,9 @@ class LocalBackend(StreamOrderedCompletion):
 
     def load_peer(self, rank: int, metadata: bytes) -> None:
         pass
+
+    def reaches(self, peer: int, remote: list[Segment]) -> bool:
+        return True  # the communicator checked the ranges against this process's own map
 
     def prepare(self, op: Op, local: list[Segment], remote: list[Segment], peer: int, notify: bytes | None) -> _Request:
         sources, destinations = (remote, local) if op is Op.READ else (local, remote)

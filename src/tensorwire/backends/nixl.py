@@ -130,9 +130,8 @@ class NixlBackend:
     """The ``Backend`` protocol over one NIXL agent."""
 
     name = "nixl"
-    capabilities = Capabilities(
-        memory_kinds=frozenset({MemoryKind.CPU, MemoryKind.CUDA}), remote=True, stream_ordered=False
-    )
+    capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.CPU, MemoryKind.CUDA}), remote=True,
+                                stream_ordered=False, message_channel=True)
 
     def __init__(self, rank: int, *, progress_wakeup_ms: float = 10.0) -> None:
         api, bindings = _import_nixl()
@@ -169,6 +168,9 @@ class NixlBackend:
     # --- peers --------------------------------------------------------------------------------
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
+
+    def reaches(self, peer: int, remote: list[Segment]) -> bool:
+        return True  # what the peer registered: the communicator checked the ranges against its map
 
     def load_peer(self, rank: int, metadata: bytes) -> None:
         try:

@@ -32,10 +32,20 @@ from dataclasses import dataclass
 
 from ..descriptors import MemoryKind
 from ..errors import InvalidArgumentError, TransferError
-from .base import Capabilities, Op, Segment, Status
+from .base import BackendInfo, Capabilities, Op, Segment, Status
 from .block_copy import BlockLayout, HostBlockRequest, copy_request
 
-__all__ = ["ShmBackend", "shared_file_of"]
+__all__ = ["ShmBackend", "shared_file_of", "info"]
+
+
+def info() -> BackendInfo:
+    """Usable on Linux (``/proc/self/maps`` finds the file behind a range); only for host memory a same-host
+    peer registered inside a shared file mapping."""
+    if not os.path.exists("/proc/self/maps"):
+        return BackendInfo("shm", False, "no /proc/self/maps here: shared file mappings cannot be found",
+                           fix="host memory takes nixl")
+    return BackendInfo("shm", True, "host memory a same-host peer registered in a shared file mapping (e.g. "
+                                    "/dev/shm): memcpy through a mapping of it")
 
 _EXPORT = struct.Struct("<QQQQQH")  # addr, nbytes, file offset of addr, st_dev, st_ino, length of the path
 _SHM_DIRECTORY = "/dev/shm"
@@ -105,7 +115,8 @@ class ShmBackend:
     progress thread answers, so the copy starts only once the stream has produced the bytes."""
 
     name = "shm"
-    capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.CPU}), remote=True, stream_ordered=False)
+    capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.CPU}), remote=True, stream_ordered=False,
+                                same_host_only=True, same_kind_only=True)
 
     def __init__(self, *, authenticated: bool = False) -> None:
         self._authenticated = authenticated  # peers' exports come from the job (a job token verified them)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..backends.registry import stream_ordered_names
 from .timing import Budget, Timing
 
 __all__ = [
@@ -20,7 +21,7 @@ TENSORWIRE, TENSORWIRE_NIXL, RAW, COPY, COPY_MT = "tensorwire", "tensorwire (nix
 TENSORWIRE_STREAM = "tensorwire (stream)"  # stream-ordered transports timed with CUDA events, like the copy
 TENSORWIRE_IN_PROCESS = "tensorwire (in-process)"  # between two ranges of rank 0: the local transport
 TENSORWIRE_GRAPH = "tensorwire (graph)"  # post(stream=) + wait(stream=) captured in a CUDA graph, replayed
-STREAM_ORDERED = ("cuda_ipc", "local")
+STREAM_ORDERED = stream_ordered_names()
 TENSORWIRE_PATHS = (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_GRAPH, TENSORWIRE_IN_PROCESS, TENSORWIRE_NIXL)
 RAW_CONFIGS = {
     "sleeping": "a bare nixl_agent per rank from tensorwire's _make_agent with NIXL's defaults (UCX, error mode "

@@ -1,0 +1,87 @@
+"""Every transport tensorwire has, in the order it prefers them, with what each can reach as data.
+
+The communicator picks a transport per transfer from this table (``reachable``), ``prepare(transport=)``
+checks names against it, ``tw.backends()`` and ``tensorwire doctor`` report it, and the benchmarks read which
+transports are stream-ordered from it. Adding a transport is one backend module (a class implementing
+``base.Backend`` with its ``capabilities``, and a module-level ``info()``) plus one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from ..descriptors import MemoryKind
+from .base import BackendInfo, Capabilities, Segment
+
+__all__ = ["Transport", "TRANSPORTS", "NAMES", "transport", "reachable", "infos", "stream_ordered_names"]
+
+
+@dataclass(frozen=True)
+class Transport:
+    """One transport: its name and where its backend class lives."""
+
+    name: str
+    module: str  # under tensorwire.backends
+    class_name: str
+
+    def _module(self) -> Any:
+        return importlib.import_module(f"{__package__}.{self.module}")
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return getattr(self._module(), self.class_name).capabilities
+
+    def info(self) -> BackendInfo:
+        """Whether it works here, and why not (the module's ``info()``)."""
+        return self._module().info()
+
+
+# Preference order: the first that reaches a peer carries the transfer.
+TRANSPORTS: tuple[Transport, ...] = (
+    Transport("local", "local", "LocalBackend"),  # this very process: a copy (NIXL would take TCP emulation)
+    Transport("cuda_ipc", "cuda_ipc", "CudaIpcBackend"),  # GPU memory of a same-host peer, copy engines
+    Transport("shm", "shm", "ShmBackend"),  # host memory a same-host peer keeps in a shared file: memcpy
+    Transport("nixl", "nixl", "NixlBackend"),  # everything else, across hosts too (UCX)
+)
+NAMES: tuple[str, ...] = tuple(t.name for t in TRANSPORTS)
+
+
+def transport(name: str) -> Transport:
+    return TRANSPORTS[NAMES.index(name)]
+
+
+def stream_ordered_names() -> tuple[str, ...]:
+    """Transports whose completion is ordered on a CUDA stream without the CPU."""
+    return tuple(t.name for t in TRANSPORTS if t.capabilities.stream_ordered)
+
+
+def reachable(backends: dict[str, Any], to_self: bool, same_host: bool, local_kind: MemoryKind,
+              remote_kind: MemoryKind, peer: int, remotes: list[Segment]) -> list[str]:
+    """The transports of ``backends`` (name -> instance) that can move ``local_kind`` <-> ``remote_kind``
+    memory to ``peer`` (``remotes``: its segments), in preference order. A backend whose reach depends on the
+    peer's memory (what it exported) answers ``reaches(peer, remotes)``."""
+    names = []
+    for entry in TRANSPORTS:
+        backend = backends.get(entry.name)
+        if backend is None:
+            continue
+        caps = backend.capabilities
+        if (caps.same_process if to_self else caps.remote) is False:
+            continue
+        if caps.same_host_only and not same_host:
+            continue
+        if local_kind not in caps.memory_kinds or remote_kind not in caps.memory_kinds:
+            continue
+        if caps.same_kind_only and local_kind is not remote_kind:
+            continue
+        if not backend.reaches(peer, remotes):
+            continue
+        names.append(entry.name)
+    return names
+
+
+def infos() -> dict[str, BackendInfo]:
+    """Every transport, whether it works here, and why not; creates no peers."""
+    return {t.name: t.info() for t in TRANSPORTS}
