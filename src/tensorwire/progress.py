@@ -35,9 +35,11 @@ from .errors import WaitTimeoutError
 __all__ = ["wait_until", "Inbox", "Deadlines", "warn_from_progress_thread"]
 
 
-def wait_until(ready: Callable[[], bool], timeout_s: float, describe: Callable[[], str], config: Config) -> None:
+def wait_until(ready: Callable[[], bool], timeout_s: float, describe: Callable[[], str], config: Config,
+               alive: Callable[[], None] | None = None) -> None:
     """Returns once ``ready()`` is true; raises ``WaitTimeoutError`` after ``timeout_s``. Blocks the CPU
-    thread (sleeping), never the GPU."""
+    thread (sleeping), never the GPU. ``alive()``, called between sleeps (not while spinning), raises when
+    what is waited for can no longer come (a peer that is gone: ``PeerLostError``)."""
     if ready():
         return
     start = time.perf_counter()
@@ -60,6 +62,8 @@ def wait_until(ready: Callable[[], bool], timeout_s: float, describe: Callable[[
     with fine_timer_slack():  # only waits that got past the spin pay the two system calls
         while not ready():
             now = now_before_deadline()
+            if alive is not None:
+                alive()
             time.sleep(min(max_sleep, (now - start) / 32, deadline - now))
 
 
