@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import tensorwire as tw
-from conftest import assert_equal, launch, rank_values, sentinel
+from tensorwire.testing.data import assert_equal, rank_values, sentinel
+from tensorwire.testing.suite import launch
 from tensorwire.testing import netns
 
 LIVENESS_S = 2.0
