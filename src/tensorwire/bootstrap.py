@@ -506,10 +506,18 @@ class Rendezvous:
 
 
 def _socket_fds() -> set[int]:
+    found = set()
     try:
-        return {int(fd) for fd in os.listdir("/proc/self/fd") if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")}
+        names = os.listdir("/proc/self/fd")
     except OSError:
-        return set()
+        return found
+    for name in names:
+        try:  # the listing's own descriptor is closed by now, and others may close meanwhile
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                found.add(int(name))
+        except OSError:
+            continue
+    return found
 
 
 def _store_client_sockets(before: set[int], port: int) -> list[socket.socket]:

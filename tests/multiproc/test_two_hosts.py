@@ -6,6 +6,7 @@ Root only (creating namespaces needs it): skipped elsewhere with the reason."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -31,6 +32,7 @@ def _wait_for_file(path: str, timeout_s: float = 60.0) -> None:
 
 
 def _elapsed_error(call, expected) -> tuple[str, float]:
+    print(f"rank {os.environ['RANK']}: {call.__code__.co_names}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     try:
         call()
@@ -55,10 +57,9 @@ def _rank_on_its_host(hosts: netns.TwoHosts, signals: str):
     comm.publish_blocks("pool", pool)
     remote_src, remote_dst = comm.lookup("src", peer, timeout=30), comm.lookup("dst", peer, timeout=30)
     remote_pool = comm.lookup_blocks("pool", peer, timeout=30)
-    assert comm._peers[peer].host != comm._host, "the two namespaces look like one host"
-
     with comm.prepare(tw.READ, dst, remote_src) as x:  # READ
         assert x.transport == "nixl", x.transport
+        assert comm._peers[peer].host != comm._host, "the two namespaces look like one host"
         x.post()
         x.wait(timeout=30)
     assert_equal(dst, rank_values(peer, n, torch.int64), "READ across the veth pair")
@@ -127,7 +128,7 @@ def test_two_hosts_move_bytes_over_nixl_and_a_cut_link_ends_both_ranks(two_hosts
 
     cutter = threading.Thread(target=cut_when_ready, daemon=True)
     cutter.start()
-    results = launch(_rank_on_its_host, 2, two_hosts, signals, timeout=180,
+    results = launch(_rank_on_its_host, 2, two_hosts, signals, timeout=100,
                      env={"TENSORWIRE_LIVENESS_S": str(LIVENESS_S)})
     cutter.join(timeout=5)
     assert not cutter_error, cutter_error

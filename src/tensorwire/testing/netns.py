@@ -22,8 +22,10 @@ import subprocess
 
 __all__ = ["TwoHosts", "skip_reason"]
 
+_CLONE_NEWNS = 0x00020000
 _CLONE_NEWUTS = 0x04000000
 _CLONE_NEWNET = 0x40000000
+_MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 0x80000, 2
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -49,7 +51,15 @@ def skip_reason() -> str | None:
 def _libc():
     libc = ctypes.CDLL(None, use_errno=True)
     libc.setns.argtypes, libc.unshare.argtypes = [ctypes.c_int, ctypes.c_int], [ctypes.c_int]
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
+    libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
     return libc
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"TwoHosts.enter: {what} failed: {os.strerror(errno)}")
 
 
 class TwoHosts:
@@ -82,14 +92,19 @@ class TwoHosts:
         libc = _libc()
         fd = os.open(f"/var/run/netns/{self.namespaces[rank]}", os.O_RDONLY)
         try:
-            if libc.setns(fd, _CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), f"setns into {self.namespaces[rank]}")
+            _check(libc.setns(fd, _CLONE_NEWNET), f"setns into {self.namespaces[rank]}")
         finally:
             os.close(fd)
-        if libc.unshare(_CLONE_NEWUTS) != 0:
-            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS)")
+        _check(libc.unshare(_CLONE_NEWUTS | _CLONE_NEWNS), "unshare(CLONE_NEWUTS | CLONE_NEWNS)")
         socket.sethostname(self.hostnames[rank])
+        # As 'ip netns exec' does: /sys of this namespace, or UCX lists the machine's network devices, not these.
+        _check(libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "making / a slave mount")
+        _check(libc.umount2(b"/sys", _MNT_DETACH), "unmounting /sys")
+        _check(libc.mount(self.namespaces[rank].encode(), b"/sys", b"sysfs", 0, None), "mounting sysfs")
         os.environ["MASTER_ADDR"] = self.addresses[0]
+        # UCX still sees one machine (one boot id) and would move host memory with process_vm_readv (cma),
+        # which no network cut stops; between real hosts it takes TCP.
+        os.environ["UCX_TLS"] = "tcp"
         return self.addresses[rank]
 
     def cut(self) -> None:
