@@ -711,9 +711,8 @@ class Communicator:
         attempt(self._deadlines.close)
         for backend in self._backends.values():
             attempt(backend.close)
-        self._liveness.close()  # after the transfers: a peer watching this rank learns at once that it is gone
-        attempt(lambda: self._rendezvous.depart(self.timeout_s))
-        self._rendezvous.close()
+        attempt(lambda: self._rendezvous.depart(self.timeout_s))  # rank 0: until every rank departed or is gone
+        self._rendezvous.close()  # and its liveness sockets: peers watching this rank learn at once that it left
         remote = [e for e in failures if isinstance(e, (PeerLostError, WaitTimeoutError))]
         local = [e for e in failures if e not in remote]
         if remote:

@@ -6,7 +6,6 @@ Root only (creating namespaces needs it): skipped elsewhere with the reason."""
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 
@@ -32,7 +31,6 @@ def _wait_for_file(path: str, timeout_s: float = 60.0) -> None:
 
 
 def _elapsed_error(call, expected) -> tuple[str, float]:
-    print(f"rank {os.environ['RANK']}: {call.__code__.co_names}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     try:
         call()
