@@ -39,6 +39,7 @@ from .descriptors import MemoryKind, TensorDesc
 from .memory_map import MemoryMap, PeerView, host_identity, typed_decoding
 from .errors import BackendUnavailableError, ClosedError, InvalidArgumentError, PeerLostError, WaitTimeoutError
 from .progress import Deadlines, Inbox, ProgressEngine, wait_until, warn_from_progress_thread
+from .revocation import CHANNEL as REVOCATION_CHANNEL, Revocations
 from .registration import LocalMemoryMap, Registration, as_tensor_list, segment_of
 from .blocks import BlockPool, BlockPoolDesc, BlockTransfer
 from .transfer import Transfer
@@ -104,6 +105,8 @@ class Communicator:
 
             self._backends["cuda_ipc"] = CudaIpcBackend()
         self._inbox = Inbox(self._nixl.notifications)
+        self._revocations = Revocations(self)
+        self._inbox.open_channel(REVOCATION_CHANNEL, self._revocations.handle)
         self._engine = ProgressEngine(cfg)
         self._deadlines = Deadlines()  # the timeouts that release stream waits, apart from the progress thread
         self._warned: set[str] = set()
@@ -173,9 +176,13 @@ class Communicator:
         if self.closed:
             return  # the backends are gone and took the registrations with them
         if not self._closing:
-            # First the map without these ranges (peers' prepares refuse them), then the backends let go.
+            # First the map without these ranges (peers' prepares refuse them), then the peers' prepared transfers
+            # to them are revoked, then the backends let go (see tensorwire.revocation).
             self._publish_memory_map()
-        self._release_handles(handles)
+        tensors = registration._tensors  # kept alive by the release while peers may still post (quarantine)
+        epochs = sorted({d.epoch for d in registration.descs})
+        self._revocations.revoke(epochs, lambda: (self._release_handles(handles), tensors.clear()),
+                                 wait=not self._closing)
 
     def _release_handles(self, handles: list[dict]) -> None:
         for per_backend in handles:
@@ -355,6 +362,7 @@ class Communicator:
                 self._touch_remote_allocations(peer, pairs)
             request = backend.prepare(op, [s for s, _ in pairs], [r for _, r in pairs], peer, notify)
         transfer = Transfer(self, op, peer, sum(s.nbytes for s, _ in pairs), backend, request, notify, uses_cuda)
+        transfer._remote_epochs = {d.epoch for d in remote_descs if d.nbytes}
         self._transfers.add(transfer)
         for registration in registrations:
             if registration is not None:
@@ -646,6 +654,7 @@ class Communicator:
             self._touch_remote_allocations(peer, pairs)
         request = backend.prepare_blocks(op, pool.layout, remote.layout(), peer)
         core = Transfer(self, op, peer, 0, backend, request, None, uses_cuda)
+        core._remote_epochs = {region[3] for region in remote.regions}
         self._transfers.add(core)
         for registration in set(pool._holders):
             registration.transfers.add(core)
@@ -711,6 +720,7 @@ class Communicator:
         attempt(self._deadlines.close)
         for backend in self._backends.values():
             attempt(backend.close)
+        self._revocations.close()
         attempt(lambda: self._rendezvous.depart(self.timeout_s))  # rank 0: until every rank departed or is gone
         self._rendezvous.close()  # and its liveness sockets: peers watching this rank learn at once that it left
         remote = [e for e in failures if isinstance(e, (PeerLostError, WaitTimeoutError))]
@@ -772,8 +782,13 @@ class Communicator:
         """For ``wait_until``: raises ``PeerLostError`` once ``rank`` is gone (None for this rank)."""
         if rank == self.rank:
             return None
-        liveness = self._liveness
-        return lambda: liveness.check(rank, what)
+        liveness, revocations = self._liveness, self._revocations
+
+        def alive() -> None:
+            liveness.check(rank, what)
+            revocations.pump()  # a sleeping wait also handles revocations that arrived
+
+        return alive
 
     def _forget_transfer(self, transfer: Transfer) -> None:
         self._transfers.discard(transfer)

@@ -119,6 +119,13 @@ class Liveness:
                     return reason
             return self._lost.get(rank)
 
+    def peers(self) -> list[int]:
+        """The ranks this rank has a liveness connection with (it watches them, or they watch it)."""
+        with self._lock:
+            if not self.closed:
+                self._accept()
+            return [rank for rank, sockets in self._sockets.items() if sockets]
+
     def watch(self, rank: int) -> None:
         """Connect to ``rank`` now (bounded by ``liveness_s``) so that a later wait knows at once if it is gone."""
         if rank != self.rank:

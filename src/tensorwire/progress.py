@@ -127,18 +127,28 @@ class Inbox:
             b"": collections.defaultdict(collections.deque)
         }
         self._lock = threading.Lock()
+        self._handlers: dict[bytes, Callable[[int, bytes], None]] = {}
 
-    def open_channel(self, prefix: bytes) -> None:
-        """Route messages that start with ``prefix`` to their own channel (idempotent)."""
+    def open_channel(self, prefix: bytes, handler: Callable[[int, bytes], None] | None = None) -> None:
+        """Route messages that start with ``prefix`` to their own channel (idempotent), or, with ``handler``, to
+        ``handler(sender, message)`` as they arrive (called by whichever thread pumps, outside the lock)."""
         with self._lock:
             self._channels.setdefault(prefix, collections.defaultdict(collections.deque))
+            if handler is not None:
+                self._handlers[prefix] = handler
 
     def pump(self) -> None:
         """Move newly arrived notifications into their channel's per-sender queues."""
+        handled = []
         with self._lock:
             for sender, message in self._poll():
                 channel = next((p for p in self._channels if p and message.startswith(p)), b"")
-                self._channels[channel][sender].append(message)
+                if channel in self._handlers:
+                    handled.append((self._handlers[channel], sender, message))
+                else:
+                    self._channels[channel][sender].append(message)
+        for handler, sender, message in handled:
+            handler(sender, message)
 
     def push(self, sender: int, message: bytes) -> None:
         with self._lock:

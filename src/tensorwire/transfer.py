@@ -95,6 +95,7 @@ class Transfer(Closeable):
         self._stuck: Exception | None = None  # a doorbell that timed out: raised by every later call
         self._ring_unwaited = False  # a CPU-driven post(stream=) whose wait(stream=) has not been enqueued yet
         self._post_failure: Exception | None = None  # why the last CPU post failed (raised again by wait())
+        self._remote_epochs: set[int] = set()  # registration epochs of the peer's memory it reaches (revocation)
         self.closed = False
 
     @property
@@ -144,6 +145,8 @@ class Transfer(Closeable):
         except Exception as e:  # noqa: BLE001 - the backend says what its exceptions mean
             if self._publishing:  # no stream may wait for a post that never started
                 self._advance_done_seq(self._posts & 0xFFFFFFFF)
+            if self._stuck is not None:  # revoked between the hot path's check and the call
+                raise self._stuck.with_traceback(None) from None
             # A failed post is not done: a wait() after it must raise, not report the previous post's success.
             self._state = Status.ERROR
             error = self._peer_lost_or(self._post_error(e), "post")
@@ -564,6 +567,13 @@ class Transfer(Closeable):
                                       "released, and bytes may still land: close transfers after wait()")
         except Exception:  # noqa: BLE001 - failed or the peer is gone: nothing more lands
             pass
+
+    def _revoke(self, error: Exception) -> None:
+        """The peer deregistered the memory this transfer reaches: every later call raises ``error``; the CPU
+        post's bound call is cleared (the hot path then takes the slow path, which raises), and a stream post's
+        doorbell is released without posting (``_stuck``)."""
+        self._stuck = error
+        self._post_call = None
 
     def _drained(self) -> bool:
         """Closed, and the GPU work that could still ring this transfer's doorbell has run."""

@@ -294,7 +294,7 @@ def _close_in_flight():
 
 
 def test_closing_a_transfer_in_flight_waits_for_it_so_no_byte_lands_after():
-    counts = launch(_close_in_flight, 2, env=ENV)
+    counts = launch(_close_in_flight, 2, env={**ENV, "UCX_TLS": "tcp"})  # TCP completes after post() returns
     if max(counts) == 0:
         pytest.skip("every 64 MiB READ completed inside post(): no transfer was in flight to close")
 
@@ -331,3 +331,56 @@ def test_prepare_accepts_a_forced_shm_transport_and_refuses_garbled_epochs_in_bo
         print(f"\ngarbled epoch refused after: far {timings['far']:.3f}s, near {timings['near']:.3f}s")
         assert timings["far"] < 1.0, "an epoch far beyond the peer's is refused at once"
         assert timings["near"] < BOUND_S, "an epoch a little beyond the peer's is refused within the liveness bound"
+
+
+# --- revocation: a peer deregisters memory this rank has a prepared transfer to -------------------------
+def _revocation():
+    comm = tw.init(timeout=60)
+    owner, n = 1, 1 << 12
+    if comm.rank == owner:
+        target = torch.full((n,), -7, dtype=torch.int64)  # kept alive by this test: a late write would show here
+        reg = comm.register(target)
+        comm.publish("target", reg.descs)
+        comm.barrier(timeout=WAIT)  # the peer has prepared and posted once
+        target.fill_(-7)
+        t0 = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            reg.close()
+        close_s = time.monotonic() - t0
+        comm.barrier(timeout=60)  # the peer has tried to post again
+        untouched = bool((target == -7).all())
+        comm.close()
+        return close_s, untouched, [str(w.message) for w in caught]
+    src = rank_values(0, n, torch.int64)
+    comm.register(src)
+    remote = comm.lookup("target", owner, timeout=WAIT)
+    x = comm.prepare(tw.WRITE, src, remote)
+    x.post()
+    x.wait(timeout=WAIT)
+    comm.barrier(timeout=WAIT)
+    # Sleep in a wait (as a rank waiting for its next request would): it handles the revocation meanwhile.
+    try:
+        comm.wait_notification(owner, timeout=3.0)
+    except tw.WaitTimeoutError:
+        pass
+    error = None
+    try:
+        x.post()
+        x.wait(timeout=WAIT)
+    except tw.RevokedError as e:
+        error = type(e).__name__
+    x.close()
+    comm.barrier(timeout=60)
+    comm.close()
+    return error
+
+
+def test_deregistering_memory_revokes_the_peers_prepared_transfers():
+    """The owner closes a registration its peer holds a prepared WRITE to: the peer's next post raises
+    RevokedError and no byte lands (before, the WRITE went into the deregistered memory)."""
+    error, (close_s, untouched, caught) = launch(_revocation, 2, env=ENV)
+    print(f"\nowner's close {close_s:.3f}s; peer's post after: {error}; warnings: {caught}")
+    assert error == "RevokedError", f"the peer's post after the owner deregistered raised {error}"
+    assert untouched, "the peer's WRITE landed in memory its owner had deregistered"
+    assert close_s < BOUND_S
