@@ -2,8 +2,10 @@
 
 Reads the launcher's environment (torchrun, OpenMPI, SLURM) and connects to torch.distributed's
 ``TCPStore`` (rank 0 hosts it, listening on ``MASTER_ADDR``'s interface only). Every blocking call takes a
-timeout and raises ``WaitTimeoutError``; losing the store's host raises ``PeerLostError``. Non-goal:
-process-group collectives.
+timeout and raises ``WaitTimeoutError``; losing the store's host raises ``PeerLostError``. Every store call is
+bounded even when the store's host stops answering (torch's client is not: a watchdog shuts our connection
+down), and the waits here poll the store so that they can also watch the peers' liveness (``liveness.py``).
+Non-goal: process-group collectives.
 
 Trust. With a job token (``TENSORWIRE_JOB_TOKEN``, read by ``config.py``) every value tensorwire puts in
 the store is sealed here: ``b"TWA" | version u8 | HMAC-SHA256(token, key length u32 | key | value) | value``,

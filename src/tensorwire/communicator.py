@@ -778,7 +778,7 @@ class Communicator:
         if not isinstance(key, str) or not key:
             raise InvalidArgumentError(f"{fn}: key must be a non-empty str, got {key!r}")
 
-    def _alive(self, rank: int, what: str) -> "Callable[[], None] | None":
+    def _alive(self, rank: int, what: "str | Callable[[], str]") -> "Callable[[], None] | None":
         """For ``wait_until``: raises ``PeerLostError`` once ``rank`` is gone (None for this rank)."""
         if rank == self.rank:
             return None

@@ -84,11 +84,13 @@ class Liveness:
         self.closed = False
 
     # --- the public checks ------------------------------------------------------------------------
-    def check(self, rank: int, what: str) -> None:
-        """Raise ``PeerLostError`` (naming ``what``) if ``rank`` is known to be gone; otherwise return at once.
-        Rate-limited: a peer's sockets are looked at every ``_CHECK_PERIOD_S`` at most."""
+    def check(self, rank: int, what: "str | Callable[[], str]") -> None:
+        """Raise ``PeerLostError`` (naming ``what``, a string or a callable that makes one) if ``rank`` is known to
+        be gone; otherwise return at once. Rate-limited: a peer's sockets are looked at every ``_CHECK_PERIOD_S``
+        at most."""
         reason = self.lost(rank)
         if reason is not None:
+            what = what() if callable(what) else what
             raise PeerLostError(f"{what}: rank {rank} is gone ({reason}); it exited, crashed, closed its "
                                 f"communicator or its network broke (noticed within TENSORWIRE_LIVENESS_S="
                                 f"{self.liveness_s:g}s)")

@@ -417,8 +417,10 @@ class Transfer(Closeable):
         if self._state is Status.ERROR and self._post_failure is not None:
             failure = self._post_failure
             raise type(failure)(f"wait: the last post failed, nothing was transferred: {failure}")
-        what = f"wait: {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport}"
-        wait_until(lambda: self.status() is not Status.IN_PROGRESS, self._comm._timeout(timeout), lambda: what,
+        def what() -> str:  # made only if needed: this is the path of every wait that is not done at once
+            return f"wait: {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport}"
+
+        wait_until(lambda: self.status() is not Status.IN_PROGRESS, self._comm._timeout(timeout), what,
                    self._comm.config, self._comm._alive(self.peer, what))
         if self._state is Status.ERROR:
             raise self._peer_lost_or(TransferError(
