@@ -30,13 +30,12 @@ import struct
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch.distributed as dist
 
 from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, WaitTimeoutError
-from .liveness import Liveness
-from .progress import Deadlines
+from .liveness import Liveness, Watchdog
 
 __all__ = ["Environment", "resolve_environment", "Rendezvous"]
 
@@ -244,8 +243,9 @@ class Rendezvous:
         self._owns_store = store is None
         self._claim: bytes | None = None
         self._lost: str | None = None  # why the store connection is gone; every later call raises PeerLostError
+        self.between_polls: Callable[[], None] | None = None  # run while a wait sleeps (the inbox's pump)
         self._store_sockets: list[socket.socket] = []  # our client connection(s) to the store, to cut a stuck call
-        self._watchdog = Deadlines()  # cuts a store call that outlives its bound (torch's own timeout does not)
+        self._watchdog = Watchdog()  # cuts a store call that outlives its bound (torch's own timeout does not)
         if token is None and env.world_size > 1:
             _warn_once("unauthenticated", (
                 "tensorwire: this job is unauthenticated (TENSORWIRE_JOB_TOKEN is not set): any process that reaches "
@@ -353,6 +353,8 @@ class Rendezvous:
             now = time.monotonic()
             for rank in ranks:
                 self.liveness.check(rank, what)
+            if self.between_polls is not None:
+                self.between_polls()
             if now >= deadline:
                 raise WaitTimeoutError(
                     f"{what}: not done after {timeout_s:.3g}s; a peer may be slow, stuck or dead. "

@@ -107,6 +107,7 @@ class Communicator:
         self._inbox = Inbox(self._nixl.notifications)
         self._revocations = Revocations(self)
         self._inbox.open_channel(REVOCATION_CHANNEL, self._revocations.handle)
+        self._rendezvous.between_polls = self._revocations.pump  # a rank in a barrier answers revocations too
         self._engine = ProgressEngine(cfg)
         self._deadlines = Deadlines()  # the timeouts that release stream waits, apart from the progress thread
         self._warned: set[str] = set()

@@ -12,14 +12,14 @@ Protocol (notifications on the channel ``b"twrev"``; the owner is the rank that 
    those epochs is failed (``RevokedError`` from every later call: its CPU post never reaches the backend, and
    the doorbell of a stream post is released without posting); it waits (bounded) until none of them is in
    flight, then answers ``A <epochs>``.
-4. The owner waits up to ``TENSORWIRE_LIVENESS_S`` for every answer (a rank that is gone counts as answered),
-   then releases the memory from the backends and drops its tensors.
+4. The owner does not wait: it keeps the tensors and their backend registrations (*quarantine*) until every
+   such rank has answered (handled by whichever of its threads pumps notifications next: its waits, its next
+   deregistration) or is gone, or the communicator closes; then it releases them from the backends and drops
+   the tensors.
 
-A rank that has not answered in time (busy outside tensorwire, so nothing pumped its notifications) cannot be
-stopped without a check on every post, which the hot path does not pay for: the owner then keeps the
-tensors and their backend registrations (*quarantine*) until that rank answers or is gone, or the
-communicator closes, so a late write lands in memory that is still allocated, never in freed memory. Its
-transfer fails at the first post after it has handled the revocation.
+So a late write lands in memory that is still allocated, never in freed memory, and ``Registration.close`` never
+blocks on a peer. A rank busy outside tensorwire is not stopped before it handles the revocation (a check on
+every post would cost the hot path); its transfer fails at the first post after that.
 
 The hot path costs nothing: a revoked transfer's bound post call is cleared, so its next post takes the
 slow path, which raises.
@@ -30,7 +30,6 @@ from __future__ import annotations
 import struct
 import threading
 import time
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from .backends.base import Status
@@ -64,6 +63,7 @@ class Revocations:
         self._awaiting: dict[tuple[int, ...], set[int]] = {}  # epochs revoked by this rank -> ranks yet to answer
         self._quarantine: dict[tuple[int, ...], Any] = {}  # epochs -> what to release once every rank answered
         self._next_pump = 0.0
+        self._pumping = False
 
     # --- holder side ------------------------------------------------------------------------------
     def handle(self, sender: int, message: bytes) -> None:
@@ -71,8 +71,11 @@ class Revocations:
         kind, epochs = _parse(message)
         if kind == _REVOKE:
             self._revoke_transfers(sender, set(epochs))
+            comm = self._comm
             try:
-                self._comm._nixl.send_notification(sender, _message(_ACK, epochs))
+                if sender not in comm._nixl._loaded_peers:  # holds nothing of it, but the owner waits: load it once
+                    comm._peer_view(sender, 0, comm.config.liveness_s)
+                comm._nixl.send_notification(sender, _message(_ACK, epochs))
             except Exception:  # noqa: BLE001 - the owner is gone or unreachable: nothing to tell
                 pass
         elif kind == _ACK:
@@ -100,19 +103,26 @@ class Revocations:
     def pump(self) -> None:
         """Handle what has arrived (rate-limited: at most every 10 ms); for waits that sleep anyway."""
         now = time.monotonic()
-        if now >= self._next_pump:
+        if now >= self._next_pump and not self._comm.closed and not self._pumping:
             self._next_pump = now + 0.01
-            self._comm._inbox.pump()
+            self._pumping = True  # a handler's store wait polls this again: do not nest
+            try:
+                self._comm._inbox.pump()
+            finally:
+                self._pumping = False
 
     # --- owner side -------------------------------------------------------------------------------
     def revoke(self, epochs: list[int], release: Any, wait: bool = True) -> None:
-        """Tell every rank that may hold transfers to ``epochs``; wait (bounded) for their answers; then
-        ``release()`` (backend deregistration, dropping the tensors), or keep it in quarantine."""
+        """Tell every rank that may hold transfers to ``epochs``, and ``release()`` (backend deregistration,
+        dropping the tensors) once all of them have answered or are gone: at once when none may hold any, else
+        from the pump that handles the last answer. Never blocks on a peer. ``wait=False`` (the communicator
+        closes): release now; the backends go with the communicator."""
         comm = self._comm
         key = tuple(sorted(epochs))
-        targets = set(comm._liveness.peers()) | set(comm._nixl._loaded_peers)
-        targets.discard(comm.rank)
-        comm._revocations._revoke_transfers(comm.rank, set(epochs))  # this rank's own transfers to them
+        self._revoke_transfers(comm.rank, set(epochs))  # this rank's own transfers to them
+        comm._inbox.pump()  # answers to earlier revocations: release what they held
+        self._sweep()
+        targets = (set(comm._liveness.peers()) | set(comm._nixl._loaded_peers)) - {comm.rank}
         pending = set()
         for rank in sorted(targets):
             try:
@@ -124,34 +134,30 @@ class Revocations:
                 pending.add(rank)
             except Exception:  # noqa: BLE001 - gone or unreachable: it posts nothing more
                 continue
-        if not wait:  # the communicator closes: its backends take the memory with them
+        if not wait or not pending:
             release()
             return
         with self._lock:
             self._awaiting[key] = pending
-        deadline = time.monotonic() + comm.config.liveness_s
-        while time.monotonic() < deadline:
-            comm._inbox.pump()
-            with self._lock:
-                left = {r for r in self._awaiting.get(key, ()) if comm._liveness.lost(r) is None}
-                self._awaiting[key] = left
-            if not left:
-                break
-            time.sleep(0.001)
+            self._quarantine[key] = release
+
+    def _sweep(self) -> None:
+        """Ranks that are gone answer no more: release what waited only for them."""
+        liveness, released = self._comm._liveness, []
         with self._lock:
-            left = self._awaiting.get(key, set())
-            if left:
-                self._quarantine[key] = release
-            else:
-                self._awaiting.pop(key, None)
-        if left:
-            warnings.warn(
-                f"tensorwire: rank {comm.rank} deregistered memory (epochs {list(key)}) but rank(s) {sorted(left)} did "
-                f"not acknowledge within {comm.config.liveness_s:g}s (busy outside tensorwire?); the memory stays "
-                "allocated until they do, so their prepared transfers cannot write into freed memory",
-                RuntimeWarning, stacklevel=4)
-        else:
-            release()
+            for key, left in list(self._awaiting.items()):
+                left -= {rank for rank in left if liveness.lost(rank) is not None}
+                if not left:
+                    del self._awaiting[key]
+                    released.append(self._quarantine.pop(key, None))
+        for release in released:
+            if release is not None:
+                release()
+
+    def quarantined(self) -> int:
+        """How many deregistrations still wait for a peer's answer (their memory is kept)."""
+        with self._lock:
+            return len(self._quarantine)
 
     def _answered(self, rank: int, key: tuple[int, ...]) -> None:
         release = None

@@ -348,10 +348,11 @@ def _revocation():
             warnings.simplefilter("always")
             reg.close()
         close_s = time.monotonic() - t0
-        comm.barrier(timeout=60)  # the peer has tried to post again
+        comm.barrier(timeout=60)  # the peer has tried to post again (and answered: this barrier's polls took it)
         untouched = bool((target == -7).all())
+        released = comm._revocations.quarantined() == 0
         comm.close()
-        return close_s, untouched, [str(w.message) for w in caught]
+        return close_s, untouched, released, [str(w.message) for w in caught]
     src = rank_values(0, n, torch.int64)
     comm.register(src)
     remote = comm.lookup("target", owner, timeout=WAIT)
@@ -379,8 +380,9 @@ def _revocation():
 def test_deregistering_memory_revokes_the_peers_prepared_transfers():
     """The owner closes a registration its peer holds a prepared WRITE to: the peer's next post raises
     RevokedError and no byte lands (before, the WRITE went into the deregistered memory)."""
-    error, (close_s, untouched, caught) = launch(_revocation, 2, env=ENV)
+    error, (close_s, untouched, released, caught) = launch(_revocation, 2, env=ENV)
     print(f"\nowner's close {close_s:.3f}s; peer's post after: {error}; warnings: {caught}")
     assert error == "RevokedError", f"the peer's post after the owner deregistered raised {error}"
     assert untouched, "the peer's WRITE landed in memory its owner had deregistered"
+    assert released, "the owner still holds the memory although the peer answered the revocation"
     assert close_s < BOUND_S
