@@ -22,6 +22,7 @@ from .errors import (
     ClosedError,
     InvalidArgumentError,
     PeerLostError,
+    RevokedError,
     TensorwireError,
     TransferError,
     WaitTimeoutError,
@@ -40,5 +41,6 @@ __all__ = [
     "BlockPool", "BlockPoolDesc", "BlockTransfer",
     "MemoryKind", "BackendInfo", "backends", "testing", "TensorwireError", "InvalidArgumentError",
     "ClosedError", "BackendUnavailableError", "TransferError", "WaitTimeoutError", "PeerLostError",
+    "RevokedError",
     "AuthenticationError", "moe", "all_to_all_v",
 ]

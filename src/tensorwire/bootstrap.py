@@ -2,8 +2,10 @@
 
 Reads the launcher's environment (torchrun, OpenMPI, SLURM) and connects to torch.distributed's
 ``TCPStore`` (rank 0 hosts it, listening on ``MASTER_ADDR``'s interface only). Every blocking call takes a
-timeout and raises ``WaitTimeoutError``; losing the store's host raises ``PeerLostError``. Non-goal:
-process-group collectives.
+timeout and raises ``WaitTimeoutError``; losing the store's host raises ``PeerLostError``. Every store call is
+bounded even when the store's host stops answering (torch's client is not: a watchdog shuts our connection
+down), and the waits here poll the store so that they can also watch the peers' liveness (``liveness.py``).
+Non-goal: process-group collectives.
 
 Trust. With a job token (``TENSORWIRE_JOB_TOKEN``, read by ``config.py``) every value tensorwire puts in
 the store is sealed here: ``b"TWA" | version u8 | HMAC-SHA256(token, key length u32 | key | value) | value``,
@@ -28,10 +30,12 @@ import struct
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch.distributed as dist
 
 from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, WaitTimeoutError
+from .liveness import Liveness, Watchdog
 
 __all__ = ["Environment", "resolve_environment", "Rendezvous"]
 
@@ -231,23 +235,43 @@ class Rendezvous:
     the one place where job-token MACs are made and checked."""
 
     def __init__(self, env: Environment, timeout_s: float, store: dist.Store | None = None, *,
-                 token: bytes | None = None) -> None:
+                 token: bytes | None = None, liveness_s: float = 5.0) -> None:
         self.env = env
         self.timeout_s = timeout_s
+        self.liveness_s = liveness_s
         self._token = token
         self._owns_store = store is None
         self._claim: bytes | None = None
+        self._lost: str | None = None  # why the store connection is gone; every later call raises PeerLostError
+        self.between_polls: Callable[[], None] | None = None  # run while a wait sleeps (the inbox's pump)
+        self._store_sockets: list[socket.socket] = []  # our client connection(s) to the store, to cut a stuck call
+        self._watchdog = Watchdog()  # cuts a store call that outlives its bound (torch's own timeout does not)
         if token is None and env.world_size > 1:
             _warn_once("unauthenticated", (
                 "tensorwire: this job is unauthenticated (TENSORWIRE_JOB_TOKEN is not set): any process that reaches "
                 f"the store at {env.master_addr}:{env.master_port} can forge memory maps, descriptors and barrier "
                 "entries; set the same random TENSORWIRE_JOB_TOKEN on every rank (see the README)"), stacklevel=4)
         if store is None:
+            before = _socket_fds()
             store = self._connect()
+            self._store_sockets = _store_client_sockets(before, store.port)
         self._raw = store
         self.store = dist.PrefixStore("tensorwire/", store)
         self._barrier_generation = 0
         self._claim_rank()
+        self.liveness = Liveness(env.rank, env.world_size, liveness_s, _local_address(env), token, self._resolve)
+        self.set(f"alive/{env.rank}", f"{self.liveness.address[0]} {self.liveness.address[1]}".encode())
+        if env.rank != 0:  # the store's host: watched from the start, so that a lost store is noticed in any wait
+            self.get("alive/0", timeout_s, "init: waiting for rank 0's liveness address")
+            self.liveness.watch(0)
+
+    def _resolve(self, rank: int) -> "tuple[str, int] | None":
+        """``rank``'s liveness address from the store, or None while it has not published one."""
+        key = f"alive/{rank}"
+        if not self.check(key):
+            return None
+        host, port = self._open(key, self._call(lambda: self.store.get(key), f"reading {key!r}")).decode().split()
+        return host, int(port)
 
     def _connect(self) -> dist.Store:
         env, timeout_s = self.env, self.timeout_s
@@ -291,13 +315,19 @@ class Rendezvous:
         """Store ``value`` under ``key``, sealed with the job token when there is one."""
         if self._token is not None:
             value = seal(self._token, key, value)
+        # torch's set does not wait for an answer: without the check a set to a store that is gone "succeeds"
+        # and the value is lost. The check is the round trip that says it arrived.
         self._call(lambda: self.store.set(key, value), f"writing {key!r}")
+        if not self._call(lambda: self.store.check([key]), f"confirming {key!r}"):
+            raise PeerLostError(f"writing {key!r}: the store at {self.env.master_addr}:{self.env.master_port} "
+                                "does not hold the value just written; another process deleted it or the store restarted")
 
-    def get(self, key: str, timeout_s: float | None = None, what: str | None = None) -> bytes:
-        """Blocks until ``key`` exists (at most ``timeout_s``), then returns its verified value
-        (``AuthenticationError`` when it does not verify; nothing is cached, so a later valid value is read)."""
+    def get(self, key: str, timeout_s: float | None = None, what: str | None = None, ranks: tuple[int, ...] = ()) -> bytes:
+        """Blocks until ``key`` exists (at most ``timeout_s``; ``PeerLostError`` as soon as one of ``ranks`` is
+        gone), then returns its verified value (``AuthenticationError`` when it does not verify; nothing is
+        cached, so a later valid value is read)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        self.wait([key], timeout_s, what or f"waiting for {key!r}")
+        self.wait([key], timeout_s, what or f"waiting for {key!r}", ranks)
         return self._open(key, self._call(lambda: self.store.get(key), f"reading {key!r}"))
 
     def _open(self, key: str, blob: bytes) -> bytes:
@@ -310,8 +340,26 @@ class Rendezvous:
             return False
         return True
 
-    def wait(self, keys: list[str], timeout_s: float, what: str) -> None:
-        self._call(lambda: self.store.wait(keys, _delta(timeout_s)), what, timeout_s)
+    def wait(self, keys: list[str], timeout_s: float, what: str, ranks: "Iterable[int]" = ()) -> None:
+        """Until every key exists: ``WaitTimeoutError`` after ``timeout_s``, ``PeerLostError`` once one of
+        ``ranks`` (the ranks that would write them) or the store is gone.
+
+        Polls ``check`` (one round trip; sleeps growing with the wait, at most 20 ms) rather than torch's
+        ``wait``: a blocked ``wait`` could not look at the peers' liveness, and on a silent link it does not
+        return after its own timeout."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        while not self._call(lambda: self.store.check(keys), what):
+            now = time.monotonic()
+            for rank in ranks:
+                self.liveness.check(rank, what)
+            if self.between_polls is not None:
+                self.between_polls()
+            if now >= deadline:
+                raise WaitTimeoutError(
+                    f"{what}: not done after {timeout_s:.3g}s; a peer may be slow, stuck or dead. "
+                    "Pass a larger timeout= or check the other ranks")
+            time.sleep(min(0.02, max(0.0002, (now - start) / 32), max(deadline - now, 0.0)))
 
     def add(self, key: str, amount: int) -> int:
         """The store's counter (unauthenticated: a counter cannot carry a MAC); tensorwire decides nothing on it."""
@@ -319,6 +367,11 @@ class Rendezvous:
 
     def check(self, key: str) -> bool:
         return bool(self._call(lambda: self.store.check([key]), f"checking {key!r}"))
+
+    def close(self) -> None:
+        """Local: stop watching peers (they learn at once that this rank is gone) and the call watchdog."""
+        self.liveness.close()
+        self._watchdog.close()
 
     # --- ranks ----------------------------------------------------------------------------------
     def _claim_rank(self) -> None:
@@ -356,7 +409,9 @@ class Rendezvous:
         Each rank writes a sealed arrival record, ``barrier/<g>/<rank>``; rank 0 waits for all of them, verifies
         each and writes ``barrier/<g>/done``, which the others wait for and verify. A shared ``add`` counter
         would be cheaper for rank 0 but cannot carry a MAC: anyone reaching the store could count in for a rank
-        that has not arrived. A record that fails verification raises ``AuthenticationError``."""
+        that has not arrived. A record that fails verification raises ``AuthenticationError``. A rank that is
+        gone raises ``PeerLostError`` on rank 0, which says so in ``done`` (``lost <rank>``), so every rank
+        raises it within the liveness bound."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         self._barrier_generation += 1
         generation, env = self._barrier_generation, self.env
@@ -365,16 +420,26 @@ class Rendezvous:
         self.set(f"{base}/{env.rank}", b"1")
         if env.rank == 0:
             arrivals = [f"{base}/{r}" for r in range(env.world_size)]
-            self.wait(arrivals, timeout_s, what)
+            try:
+                self.wait(arrivals, timeout_s, what, ranks=range(1, env.world_size))
+            except PeerLostError as e:
+                try:
+                    self.set(f"{base}/done", f"lost {e}".encode())
+                except PeerLostError:
+                    pass
+                raise
             values = self._call(lambda: self.store.multi_get(arrivals), f"reading {base}")
             for key, value in zip(arrivals, values):
                 self._open(key, value)
             self.set(f"{base}/done", b"1")
-        self.get(f"{base}/done", timeout_s, what)
+        done = self.get(f"{base}/done", timeout_s, what, ranks=(0,))
+        if done.startswith(b"lost "):
+            raise PeerLostError(f"{what}: rank 0 found a rank gone: {done[5:].decode(errors='replace')}")
 
     def depart(self, timeout_s: float) -> None:
         """Say this rank is done (``departed/<rank>``, sealed) and give up its rank; the store's host waits
-        (bounded) until every rank said so with a record that verifies."""
+        (bounded by ``timeout_s``) until every rank said so with a record that verifies, or is gone (its
+        liveness connection broke: a rank that died does not hold the store's host for the whole timeout)."""
         if self.env.world_size == 1:
             self._release_rank()
             return
@@ -383,31 +448,44 @@ class Rendezvous:
         if self.env.rank != 0 or not self._owns_store or self.env.agent_store:
             return
         deadline = time.monotonic() + timeout_s
-        pending = [f"departed/{r}" for r in range(self.env.world_size)]
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            try:
-                self.wait(pending, remaining, "waiting for every rank to depart")
-            except WaitTimeoutError:
-                return
-            values = self._call(lambda: self.store.multi_get(pending), "reading the departures")
-            # A record that does not verify is not a departure: keep the store up for that rank.
-            forged = [key for key, value in zip(pending, values) if not self._verifies(key, value)]
-            if forged:
-                time.sleep(0.01)
-            pending = forged
+        pending = list(range(1, self.env.world_size))
+        start = time.monotonic()
+        while pending and time.monotonic() < deadline:
+            still = []
+            for rank in pending:
+                key = f"departed/{rank}"
+                if self.check(key) and self._verifies(key, self._call(lambda: self.store.get(key), f"reading {key!r}")):
+                    continue  # a record that does not verify is not a departure: keep the store up for that rank
+                if self.liveness.lost(rank) is not None and not self.check(key):
+                    continue  # gone without departing
+                still.append(rank)
+            pending = still
+            if pending:
+                time.sleep(min(0.02, max(0.0002, (time.monotonic() - start) / 32)))
 
     def _call(self, fn, what: str, timeout_s: float | None = None):
+        """Run one store call, bounded: torch's client blocks forever in ``add``/``check``/``compare_set`` (and
+        after the timeout of ``get``/``wait``) when the store's host stops answering. A watchdog shuts our
+        connection down once the call outlives ``liveness_s`` (``timeout_s + liveness_s`` for a wait), which
+        makes the blocked call return; the store then counts as lost."""
+        if self._lost is not None:
+            raise PeerLostError(f"{what}: {self._lost}")
+        key = None
+        if self._store_sockets:
+            key = object()
+            bound = self.liveness_s + (timeout_s or 0.0)
+            self._watchdog.arm(key, time.monotonic() + bound, lambda: self._cut(f"no answer within {bound:.3g}s"))
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - torch's store raises DistStoreError/DistNetworkError/RuntimeError
             text = str(e)
-            if isinstance(e, getattr(dist, "DistNetworkError", ())) or "Connection" in text or "Broken pipe" in text:
-                raise PeerLostError(
-                    f"{what}: lost the store hosted by rank 0 at {self.env.master_addr}:{self.env.master_port} ({text.splitlines()[0]})"
-                ) from e
+            if self._lost is not None:
+                raise PeerLostError(f"{what}: {self._lost}") from e
+            if isinstance(e, getattr(dist, "DistNetworkError", ())) or "Connection" in text or "Broken pipe" in text \
+                    or "connection" in text:
+                self._lost = (f"lost the store hosted by rank 0 at {self.env.master_addr}:{self.env.master_port} "
+                              f"({text.splitlines()[0] if text else type(e).__name__})")
+                raise PeerLostError(f"{what}: {self._lost}") from e
             if "imeout" in text or "timed out" in text:
                 seconds = self.timeout_s if timeout_s is None else timeout_s
                 raise WaitTimeoutError(
@@ -415,6 +493,71 @@ class Rendezvous:
                     "Pass a larger timeout= or check the other ranks"
                 ) from e
             raise
+        finally:
+            if key is not None:
+                self._watchdog.disarm(key)
+
+    def _cut(self, why: str) -> None:
+        """The watchdog: the store did not answer in time. Shut our connection down (the blocked call returns
+        with an error) and remember why; runs on the watchdog's thread."""
+        self._lost = (f"the store hosted by rank 0 at {self.env.master_addr}:{self.env.master_port} gave "
+                      f"{why}; its host is gone or the link to it is cut")
+        for sock in self._store_sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def _socket_fds() -> set[int]:
+    found = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:  # the listing's own descriptor is closed by now, and others may close meanwhile
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                found.add(int(name))
+        except OSError:
+            continue
+    return found
+
+
+def _store_client_sockets(before: set[int], port: int) -> list[socket.socket]:
+    """Our new client connection(s) to the store (peer port == the store's port), as socket objects over
+    duplicated descriptors: shutting one down ends a call blocked on the connection. Empty where /proc is missing."""
+    found = []
+    for fd in sorted(_socket_fds() - before):
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            peer = sock.getpeername()
+        except OSError:
+            peer = None
+        if sock.type == socket.SOCK_STREAM and isinstance(peer, tuple) and len(peer) >= 2 and peer[1] == port:
+            found.append(sock)
+        else:
+            sock.close()  # our duplicate only
+    return found
+
+
+def _local_address(env: Environment) -> str:
+    """This host's address on the route to the store's host (for the liveness listener)."""
+    if env.rank == 0 and not env.agent_store:
+        try:
+            return socket.getaddrinfo(env.master_addr, None, type=socket.SOCK_STREAM)[0][4][0]
+        except OSError:
+            pass
+    try:
+        family = socket.AF_INET6 if ":" in env.master_addr else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((env.master_addr, env.master_port or 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
 
 
 def hostname() -> str:

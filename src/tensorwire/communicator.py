@@ -37,14 +37,16 @@ from .backends.shm import ShmBackend
 from .bootstrap import Rendezvous, resolve_environment
 from .descriptors import MemoryKind, TensorDesc
 from .memory_map import MemoryMap, PeerView, host_identity, typed_decoding
-from .errors import BackendUnavailableError, ClosedError, InvalidArgumentError, WaitTimeoutError
+from .errors import BackendUnavailableError, ClosedError, InvalidArgumentError, PeerLostError, WaitTimeoutError
 from .progress import Deadlines, Inbox, ProgressEngine, wait_until, warn_from_progress_thread
+from .revocation import CHANNEL as REVOCATION_CHANNEL, Revocations
 from .registration import LocalMemoryMap, Registration, as_tensor_list, segment_of
 from .blocks import BlockPool, BlockPoolDesc, BlockTransfer
 from .transfer import Transfer
 
 __all__ = ["Communicator", "init"]
 
+_EPOCH_SLACK = 1 << 16  # a descriptor this far ahead of its rank's published map is refused without waiting
 
 def init(
     *,
@@ -91,7 +93,8 @@ class Communicator:
         self.config = cfg
         self.timeout_s = timeout_s
         self.closed = False
-        self._rendezvous = Rendezvous(env, timeout_s, store, token=cfg.job_token)
+        self._rendezvous = Rendezvous(env, timeout_s, store, token=cfg.job_token, liveness_s=cfg.liveness_s)
+        self._liveness = self._rendezvous.liveness
         self._host = host_identity()
         self._local_map = LocalMemoryMap()
         self._nixl = NixlBackend(env.rank, progress_wakeup_ms=cfg.progress_wakeup_ms)
@@ -102,6 +105,9 @@ class Communicator:
 
             self._backends["cuda_ipc"] = CudaIpcBackend()
         self._inbox = Inbox(self._nixl.notifications)
+        self._revocations = Revocations(self)
+        self._inbox.open_channel(REVOCATION_CHANNEL, self._revocations.handle)
+        self._rendezvous.between_polls = self._revocations.pump  # a rank in a barrier answers revocations too
         self._engine = ProgressEngine(cfg)
         self._deadlines = Deadlines()  # the timeouts that release stream waits, apart from the progress thread
         self._warned: set[str] = set()
@@ -115,6 +121,7 @@ class Communicator:
         self._notification_lock = threading.Lock()  # arrivals (progress thread) vs. timeouts (deadline thread)
         self._stream_notification_errors: collections.deque = collections.deque()  # raised by wait_notification
         self._epoch = 0
+        self._closing = False
         self._peers: dict[int, PeerView] = {}
         self._registrations: weakref.WeakSet[Registration] = weakref.WeakSet()
         self._transfers: weakref.WeakSet[Transfer] = weakref.WeakSet()
@@ -169,8 +176,14 @@ class Communicator:
             self._local_map.remove(s)
         if self.closed:
             return  # the backends are gone and took the registrations with them
-        self._release_handles(handles)
-        self._publish_memory_map()
+        if not self._closing:
+            # First the map without these ranges (peers' prepares refuse them), then the peers' prepared transfers
+            # to them are revoked, then the backends let go (see tensorwire.revocation).
+            self._publish_memory_map()
+        tensors = registration._tensors  # kept alive by the release while peers may still post (quarantine)
+        epochs = sorted({d.epoch for d in registration.descs})
+        self._revocations.revoke(epochs, lambda: (self._release_handles(handles), tensors.clear()),
+                                 wait=not self._closing)
 
     def _release_handles(self, handles: list[dict]) -> None:
         for per_backend in handles:
@@ -193,12 +206,21 @@ class Communicator:
         One store round trip per ``prepare``: a descriptor of memory the peer has deregistered since must
         fail validation here instead of reaching freed memory through a stale view."""
 
+        what = f"prepare: loading the memory map of rank {rank}"
+        self._liveness.watch(rank)  # connect now (not later from the progress thread), so waits know if it dies
+
         def fetch() -> bool:
             # Verified by the rendezvous (AuthenticationError otherwise); the view below changes only after that.
-            blob = self._rendezvous.get(f"memmap/{rank}", timeout_s, f"prepare: loading the memory map of rank {rank}")
+            blob = self._rendezvous.get(f"memmap/{rank}", timeout_s, what, ranks=(rank,))
             source = f"prepare: the memory map of rank {rank} (store key 'memmap/{rank}')"
             epoch = MemoryMap.epoch_of(blob, source)
             if epoch < min_epoch:
+                # A rank publishes its map before the descriptors stamped with its epoch exist, so a descriptor
+                # ahead of the map is garbled or forged: far ahead, refuse it now; a little, within the bound.
+                if min_epoch - epoch > _EPOCH_SLACK or time.monotonic() > give_up_at:
+                    raise InvalidArgumentError(
+                        f"prepare: a descriptor of rank {rank} names epoch {min_epoch}, but rank {rank}'s memory map is "
+                        f"at epoch {epoch}; the descriptor is corrupt or was not made by that rank: look it up again")
                 return False
             view = self._peers.get(rank)
             # With a job token a newer view is authentic: an older map (a replayed value) never replaces it. Without
@@ -215,7 +237,9 @@ class Communicator:
             self._peers[rank] = PeerView(epoch, host, memory_map.regions)
             return True
 
-        wait_until(fetch, timeout_s, lambda: f"prepare: memory map of rank {rank} at epoch >= {min_epoch}", self.config)
+        give_up_at = time.monotonic() + min(timeout_s, self.config.liveness_s)
+        wait_until(fetch, timeout_s, lambda: f"prepare: memory map of rank {rank} at epoch >= {min_epoch}", self.config,
+                   self._alive(rank, what))
         return self._peers[rank]
 
     def peer_pointer(self, desc: TensorDesc) -> int:
@@ -258,7 +282,7 @@ class Communicator:
         self._check_key(key, "lookup")
         self._check_rank(rank, "lookup")
         blob = self._rendezvous.get(
-            f"user/{rank}/{key}", self._timeout(timeout), f"lookup: rank {rank} has not published {key!r}"
+            f"user/{rank}/{key}", self._timeout(timeout), f"lookup: rank {rank} has not published {key!r}", ranks=(rank,)
         )
         return TensorDesc.unpack(blob, source=f"lookup: what rank {rank} published under {key!r}")
 
@@ -320,6 +344,8 @@ class Communicator:
             pairs.append((s, Segment(d.addr, d.nbytes, d.kind, d.device_index)))
 
         backend, request, uses_cuda = None, None, False
+        if pairs and peer == self.rank:
+            _refuse_overlaps(pairs)
         if pairs:
             self._check_remote_ranges(peer, remote_descs)
             kinds = {(s.kind, r.kind) for s, r in pairs}
@@ -337,6 +363,7 @@ class Communicator:
                 self._touch_remote_allocations(peer, pairs)
             request = backend.prepare(op, [s for s, _ in pairs], [r for _, r in pairs], peer, notify)
         transfer = Transfer(self, op, peer, sum(s.nbytes for s, _ in pairs), backend, request, notify, uses_cuda)
+        transfer._remote_epochs = {d.epoch for d in remote_descs if d.nbytes}
         self._transfers.add(transfer)
         for registration in registrations:
             if registration is not None:
@@ -357,7 +384,8 @@ class Communicator:
                                        local.kind, local.device_index)
             try:
                 wait_until(lambda: self._nixl.status(request) is not Status.IN_PROGRESS, self.timeout_s,
-                           lambda: f"prepare: first contact with rank {peer}'s memory", self.config)
+                           lambda: f"prepare: first contact with rank {peer}'s memory", self.config,
+                           self._alive(peer, "prepare: first contact"))
             finally:
                 self._nixl.release(request)
             self._touched.add(key)
@@ -499,7 +527,8 @@ class Communicator:
                 message.append(m)
             return bool(message)
 
-        wait_until(arrived, self._timeout(timeout), lambda: f"wait_notification: nothing from rank {from_rank}", self.config)
+        wait_until(arrived, self._timeout(timeout), lambda: f"wait_notification: nothing from rank {from_rank}", self.config,
+                   self._alive(from_rank, f"wait_notification(from_rank={from_rank})"))
         return message[0]
 
     def _wait_notification_on_stream(self, from_rank: int, stream: "torch.cuda.Stream", timeout_s: float) -> None:
@@ -516,6 +545,13 @@ class Communicator:
         def deliver() -> bool:  # progress thread: count arrivals into the word the stream waits on
             while delivered[from_rank] < target:
                 if self._inbox.try_pop(from_rank) is None:
+                    reason = self._liveness.lost(from_rank)
+                    if reason is not None:  # it will not come: release the stream now, not at the timeout
+                        self._deadlines.disarm(key)
+                        release(PeerLostError(
+                            f"wait_notification(stream=): rank {from_rank} is gone ({reason}); the stream was released "
+                            "and what it read since is not valid"))
+                        return True
                     return False
                 with lock:
                     if delivered[from_rank] < target:  # else the deadline released it: this one came late
@@ -524,13 +560,16 @@ class Communicator:
             self._deadlines.disarm(key)
             return True
 
-        def release_late() -> None:  # deadline thread: a stuck or dead peer must not hold the GPU forever
+        def release(error: Exception) -> None:
             with lock:
                 if delivered[from_rank] >= target:
                     return
                 delivered[from_rank] = target  # what arrives late counts toward a later wait
                 words.values[from_rank] = target
-            self._keep_stream_notification_error(WaitTimeoutError(
+            self._keep_stream_notification_error(error)
+
+        def release_late() -> None:  # deadline thread: a stuck or dead peer must not hold the GPU forever
+            release(WaitTimeoutError(
                 f"wait_notification(stream=): nothing from rank {from_rank} within {timeout_s:.3g}s; the stream "
                 "was released and what it read since is not valid; check that rank"))
 
@@ -573,7 +612,7 @@ class Communicator:
         self._check_key(key, "lookup_blocks")
         self._check_rank(rank, "lookup_blocks")
         blob = self._rendezvous.get(f"blocks/{rank}/{key}", self._timeout(timeout),
-                                    f"lookup_blocks: rank {rank} has not published {key!r}")
+                                    f"lookup_blocks: rank {rank} has not published {key!r}", ranks=(rank,))
         try:
             desc = BlockPoolDesc.unpack(blob)
         except InvalidArgumentError as e:
@@ -616,6 +655,7 @@ class Communicator:
             self._touch_remote_allocations(peer, pairs)
         request = backend.prepare_blocks(op, pool.layout, remote.layout(), peer)
         core = Transfer(self, op, peer, 0, backend, request, None, uses_cuda)
+        core._remote_epochs = {region[3] for region in remote.regions}
         self._transfers.add(core)
         for registration in set(pool._holders):
             registration.transfers.add(core)
@@ -651,25 +691,46 @@ class Communicator:
 
     def close(self) -> None:
         """Release transfers, registrations and the backend agent. Not collective; rank 0 keeps the store
-        up until every rank has closed (at most the communicator's timeout). Idempotent."""
+        up until every rank has closed or is gone (at most the communicator's timeout; a dead rank is noticed
+        within ``TENSORWIRE_LIVENESS_S``). Idempotent.
+
+        Everything local is closed even when a step fails, and ``closed`` is True afterwards. A peer or store
+        that is gone does not make ``close`` fail (one ``RuntimeWarning`` says the departure was not recorded);
+        a local failure (a backend refusing to release) is raised once, after everything is closed."""
         if self.closed:
             return
+        self._closing = True  # registrations closed below do not republish the map one by one
+        failures: list[Exception] = []
+
+        def attempt(step: Callable[[], None]) -> None:
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - keep closing; report once at the end
+                failures.append(e)
+
         for dependent in list(self._dependents):  # first: they close their own transfers and registrations
-            dependent.close()
+            attempt(dependent.close)
         for transfer in list(self._transfers):
-            transfer.close()
+            attempt(transfer.close)
         for registration in list(self._registrations):
-            registration.close()
+            attempt(registration.close)
+        attempt(self._publish_memory_map)  # peers see every range gone (revocation) before the agent goes
         self.closed = True
-        self._release_stream_waits()
-        self._engine.close()
-        self._deadlines.close()
+        attempt(self._release_stream_waits)
+        attempt(self._engine.close)
+        attempt(self._deadlines.close)
         for backend in self._backends.values():
-            backend.close()
-        try:
-            self._rendezvous.depart(self.timeout_s)
-        except Exception:  # noqa: BLE001 - peers may be gone already; closing must not fail for that
-            pass
+            attempt(backend.close)
+        self._revocations.close()
+        attempt(lambda: self._rendezvous.depart(self.timeout_s))  # rank 0: until every rank departed or is gone
+        self._rendezvous.close()  # and its liveness sockets: peers watching this rank learn at once that it left
+        remote = [e for e in failures if isinstance(e, (PeerLostError, WaitTimeoutError))]
+        local = [e for e in failures if e not in remote]
+        if remote:
+            warnings.warn(f"tensorwire: close() of rank {self.rank}: closed locally, but the peers were not told "
+                          f"({remote[0]})", RuntimeWarning, stacklevel=2)
+        if local:
+            raise local[0]
 
     def _release_stream_waits(self) -> None:
         """Closing ends the progress thread: a GPU stream still waiting on a word it would have written
@@ -718,6 +779,29 @@ class Communicator:
         if not isinstance(key, str) or not key:
             raise InvalidArgumentError(f"{fn}: key must be a non-empty str, got {key!r}")
 
+    def _alive(self, rank: int, what: "str | Callable[[], str]") -> "Callable[[], None] | None":
+        """For ``wait_until``: raises ``PeerLostError`` once ``rank`` is gone (None for this rank)."""
+        if rank == self.rank:
+            return None
+        liveness, revocations = self._liveness, self._revocations
+
+        def alive() -> None:
+            liveness.check(rank, what)
+            revocations.pump()  # a sleeping wait also handles revocations that arrived
+
+        return alive
+
     def _forget_transfer(self, transfer: Transfer) -> None:
         self._transfers.discard(transfer)
 
+
+def _refuse_overlaps(pairs: list[tuple[Segment, Segment]]) -> None:
+    """A transfer within one rank whose source and destination bytes overlap cannot be one copy."""
+    for i, (a, _) in enumerate(pairs):
+        for j, (_, b) in enumerate(pairs):
+            if a.kind == b.kind and a.device_index == b.device_index and a.addr < b.addr + b.nbytes \
+                    and b.addr < a.addr + a.nbytes:
+                raise InvalidArgumentError(
+                    f"prepare: local item {i} [0x{a.addr:x}, +{a.nbytes}) overlaps remote item {j} [0x{b.addr:x}, "
+                    f"+{b.nbytes}) in this rank's own memory; copy through a separate buffer, or use "
+                    "non-overlapping views")

@@ -6,6 +6,8 @@
 | ``TENSORWIRE_PROGRESS_WAKEUP_MS`` | 10      | idle wake-up period of NIXL's event-driven progress  |
 | ``TENSORWIRE_SPIN_US``            | 50      | a waiter polls without sleeping this long first      |
 | ``TENSORWIRE_MAX_SLEEP_US``       | 1000    | longest sleep between two polls of a waiter          |
+| ``TENSORWIRE_LIVENESS_S``         | 5       | seconds within which a dead peer, a lost store or a  |
+|                                   |         | cut link ends every blocked call (``PeerLostError``) |
 | ``TENSORWIRE_JOB_TOKEN``          | unset   | the job's secret (>= 16 characters, the same on every|
 |                                   |         | rank): authenticates every value in the store        |
 
@@ -55,12 +57,22 @@ def _read_token() -> bytes | None:
     return raw.encode()
 
 
+def _liveness() -> float:
+    value = _read("TENSORWIRE_LIVENESS_S", 5.0)
+    if value < 1.0:
+        raise InvalidArgumentError(
+            f"config: TENSORWIRE_LIVENESS_S={value:g} is below 1 second: TCP keepalive counts in whole seconds and a "
+            "busy host would be declared dead; give a value >= 1")
+    return value
+
+
 @dataclass(frozen=True)
 class Config:
     timeout_s: float
     progress_wakeup_ms: float
     spin_us: float
     max_sleep_us: float
+    liveness_s: float = 5.0
     # The job's secret; never shown in a repr (configs end up in logs).
     job_token: bytes | None = field(default=None, repr=False)
 
@@ -72,6 +84,7 @@ def load() -> Config:
         progress_wakeup_ms=_read("TENSORWIRE_PROGRESS_WAKEUP_MS", 10.0),
         spin_us=_read("TENSORWIRE_SPIN_US", 50.0),
         max_sleep_us=_read("TENSORWIRE_MAX_SLEEP_US", 1000.0),
+        liveness_s=_liveness(),
         job_token=_read_token(),
     )
 

@@ -16,6 +16,7 @@ __all__ = [
     "PeerLostError",
     "ClosedError",
     "AuthenticationError",
+    "RevokedError",
 ]
 
 
@@ -29,6 +30,11 @@ class InvalidArgumentError(TensorwireError, ValueError):
 
 class ClosedError(InvalidArgumentError):
     """A closed communicator, registration or transfer was used."""
+
+
+class RevokedError(ClosedError):
+    """The peer deregistered the memory a prepared transfer reaches; the transfer is failed (close it, look the
+    descriptors up again and prepare a new one). See ``tensorwire.revocation``."""
 
 
 class BackendUnavailableError(TensorwireError, RuntimeError):

@@ -35,9 +35,11 @@ from .errors import WaitTimeoutError
 __all__ = ["wait_until", "Inbox", "Deadlines", "warn_from_progress_thread"]
 
 
-def wait_until(ready: Callable[[], bool], timeout_s: float, describe: Callable[[], str], config: Config) -> None:
+def wait_until(ready: Callable[[], bool], timeout_s: float, describe: Callable[[], str], config: Config,
+               alive: Callable[[], None] | None = None) -> None:
     """Returns once ``ready()`` is true; raises ``WaitTimeoutError`` after ``timeout_s``. Blocks the CPU
-    thread (sleeping), never the GPU."""
+    thread (sleeping), never the GPU. ``alive()``, called between sleeps (not while spinning), raises when
+    what is waited for can no longer come (a peer that is gone: ``PeerLostError``)."""
     if ready():
         return
     start = time.perf_counter()
@@ -60,6 +62,8 @@ def wait_until(ready: Callable[[], bool], timeout_s: float, describe: Callable[[
     with fine_timer_slack():  # only waits that got past the spin pay the two system calls
         while not ready():
             now = now_before_deadline()
+            if alive is not None:
+                alive()
             time.sleep(min(max_sleep, (now - start) / 32, deadline - now))
 
 
@@ -123,18 +127,28 @@ class Inbox:
             b"": collections.defaultdict(collections.deque)
         }
         self._lock = threading.Lock()
+        self._handlers: dict[bytes, Callable[[int, bytes], None]] = {}
 
-    def open_channel(self, prefix: bytes) -> None:
-        """Route messages that start with ``prefix`` to their own channel (idempotent)."""
+    def open_channel(self, prefix: bytes, handler: Callable[[int, bytes], None] | None = None) -> None:
+        """Route messages that start with ``prefix`` to their own channel (idempotent), or, with ``handler``, to
+        ``handler(sender, message)`` as they arrive (called by whichever thread pumps, outside the lock)."""
         with self._lock:
             self._channels.setdefault(prefix, collections.defaultdict(collections.deque))
+            if handler is not None:
+                self._handlers[prefix] = handler
 
     def pump(self) -> None:
         """Move newly arrived notifications into their channel's per-sender queues."""
+        handled = []
         with self._lock:
             for sender, message in self._poll():
                 channel = next((p for p in self._channels if p and message.startswith(p)), b"")
-                self._channels[channel][sender].append(message)
+                if channel in self._handlers:
+                    handled.append((self._handlers[channel], sender, message))
+                else:
+                    self._channels[channel][sender].append(message)
+        for handler, sender, message in handled:
+            handler(sender, message)
 
     def push(self, sender: int, message: bytes) -> None:
         with self._lock:

@@ -36,7 +36,7 @@ import torch
 
 from . import cuda
 from .backends.base import Backend, Op, Poster, Status
-from .errors import ClosedError, InvalidArgumentError, TransferError, WaitTimeoutError
+from .errors import ClosedError, InvalidArgumentError, PeerLostError, TransferError, WaitTimeoutError
 from .lifetime import Closeable
 from .progress import wait_until, warn_from_progress_thread
 
@@ -94,6 +94,8 @@ class Transfer(Closeable):
         self._doorbell_timeout_s = comm.timeout_s
         self._stuck: Exception | None = None  # a doorbell that timed out: raised by every later call
         self._ring_unwaited = False  # a CPU-driven post(stream=) whose wait(stream=) has not been enqueued yet
+        self._post_failure: Exception | None = None  # why the last CPU post failed (raised again by wait())
+        self._remote_epochs: set[int] = set()  # registration epochs of the peer's memory it reaches (revocation)
         self.closed = False
 
     @property
@@ -143,7 +145,12 @@ class Transfer(Closeable):
         except Exception as e:  # noqa: BLE001 - the backend says what its exceptions mean
             if self._publishing:  # no stream may wait for a post that never started
                 self._advance_done_seq(self._posts & 0xFFFFFFFF)
-            error = self._post_error(e)
+            if self._stuck is not None:  # revoked between the hot path's check and the call
+                raise self._stuck.with_traceback(None) from None
+            # A failed post is not done: a wait() after it must raise, not report the previous post's success.
+            self._state = Status.ERROR
+            error = self._peer_lost_or(self._post_error(e), "post")
+            self._post_failure = error
             if error is e:
                 raise
             raise error from e
@@ -177,6 +184,7 @@ class Transfer(Closeable):
         flight, also when it failed (the error reaches the next call on this handle). A wait that outlives its
         timeout is released by ``_release_late_wait`` instead."""
         backend, request = self._backend, self._request
+        liveness, rank = self._comm._liveness, self._comm.rank
 
         def publish() -> bool:
             if self._posts & 0xFFFFFFFF != sequence:  # a later CPU post exists, so this one completed (a CPU
@@ -184,11 +192,18 @@ class Transfer(Closeable):
                 return True  # now, and its state no longer says anything about this post
             state = backend.status(request)
             if state is Status.IN_PROGRESS:
-                return False
+                reason = liveness.lost(self.peer) if self.peer != rank else None
+                if reason is None:
+                    return False
+                self._advance_done_seq(sequence)  # it will not complete: release the stream now
+                raise PeerLostError(f"wait(stream=): the {self.op.value} to rank {self.peer} over {self.transport} "
+                                    f"did not complete: rank {self.peer} is gone ({reason}); the stream was released "
+                                    "and what it read since is not valid")
             self._advance_done_seq(sequence)
             if state is Status.ERROR:
-                raise TransferError(f"wait(stream=): the {self.op.value} to rank {self.peer} over {self.transport} "
-                                    "failed; the peer may have exited or deregistered the memory")
+                raise self._peer_lost_or(TransferError(
+                    f"wait(stream=): the {self.op.value} to rank {self.peer} over {self.transport} failed; the peer "
+                    "may have exited or deregistered the memory"), "wait(stream=)")
             return True
 
         return publish
@@ -271,6 +286,7 @@ class Transfer(Closeable):
         words = self._host_words()
         backend, request, notify = self._backend, self._request, self._notify
         deadlines, engine = self._comm._deadlines, self._comm._engine
+        liveness, rank = self._comm._liveness, self._comm.rank
         in_flight, rings_served = [False], [0]
         unpicked_at_last_check: list[int | None] = [None]  # rings_served then, if a ring was waiting unpicked
 
@@ -321,7 +337,13 @@ class Transfer(Closeable):
             else:
                 state = backend.status(request)
             if state is Status.IN_PROGRESS:
-                return False
+                reason = liveness.lost(self.peer) if self.peer != rank else None
+                if reason is None:
+                    return False
+                self._async_error = PeerLostError(  # it will not complete: release the stream now
+                    f"post(stream=): the {self.op.value} to rank {self.peer} over {self.transport} did not complete: "
+                    f"rank {self.peer} is gone ({reason}); the bytes that stream consumed are not valid")
+                state = Status.ERROR
             with self._publish_lock:
                 if self._stuck is not None:  # its deadline released the stream already: never release twice
                     return self._drained()
@@ -330,7 +352,7 @@ class Transfer(Closeable):
                 rings_served[0] += 1
                 words.values[_DONE_FLAG] = 1
             deadlines.disarm((self, "ring", ring))
-            if state is Status.ERROR:  # kept for the next CPU call on this transfer; the doorbell stays served
+            if state is Status.ERROR and self._async_error is None:  # kept for the next CPU call on this transfer
                 self._async_error = TransferError(
                     f"post(stream=): the {self.op.value} to rank {self.peer} over {self.transport} failed; the bytes "
                     "that stream consumed are not valid")
@@ -392,17 +414,30 @@ class Transfer(Closeable):
             raise InvalidArgumentError(
                 f"wait: the {self.op.value} to rank {self.peer} was posted on a stream; pass wait(stream=...)"
             )
-        wait_until(
-            lambda: self.status() is not Status.IN_PROGRESS,
-            self._comm._timeout(timeout),
-            lambda: f"wait: {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport}",
-            self._comm.config,
-        )
+        if self._state is Status.ERROR and self._post_failure is not None:
+            failure = self._post_failure
+            raise type(failure)(f"wait: the last post failed, nothing was transferred: {failure}")
+        def what() -> str:  # made only if needed: this is the path of every wait that is not done at once
+            return f"wait: {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport}"
+
+        wait_until(lambda: self.status() is not Status.IN_PROGRESS, self._comm._timeout(timeout), what,
+                   self._comm.config, self._comm._alive(self.peer, what))
         if self._state is Status.ERROR:
-            raise TransferError(
+            raise self._peer_lost_or(TransferError(
                 f"wait: the {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport} failed; "
                 "the peer may have exited or deregistered the memory"
-            )
+            ), "wait")
+
+    def _peer_lost_or(self, error: Exception, call: str) -> Exception:
+        """``PeerLostError`` instead of a backend's generic failure when the peer is gone (NIXL reports a dead
+        peer as ``NIXL_ERR_BACKEND``); ``error`` otherwise."""
+        if isinstance(error, PeerLostError) or self.peer == self._comm.rank or not isinstance(error, TransferError):
+            return error
+        reason = self._comm._liveness.lost(self.peer, fresh=True)
+        if reason is None:
+            return error
+        return PeerLostError(f"{call}: the {self.op.value} to rank {self.peer} over {self.transport} failed: rank "
+                             f"{self.peer} is gone ({reason}); backend said: {error}")
 
     def _wait_on_stream(self, stream: "torch.cuda.Stream", timeout: float | None) -> None:
         stream_timeout_s = self._comm._timeout(timeout)  # rejects a bad timeout on every transport
@@ -483,9 +518,17 @@ class Transfer(Closeable):
 
     # --- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Release the backend request (a transfer in flight is cancelled). Idempotent."""
+        """Release the backend request. Idempotent.
+
+        A CPU-posted transfer still in flight is waited for first (sleeping, bounded by the communicator's
+        timeout, and ended early when the peer is gone), so once ``close`` returns no byte of it lands: NIXL
+        cannot cancel a READ or WRITE that UCX has started. A peer that is gone moves no more bytes; one that is
+        alive but did not complete within the timeout is warned about (``RuntimeWarning``): its bytes may still
+        land. Never raises for the transfer's own failure."""
         if self.closed:
             return
+        if self._state is Status.IN_PROGRESS and not self._posted_on_stream and self._request is not None:
+            self._finish_in_flight()
         self.closed = True
         self._post_call, self._state = None, None
         request, self._request = self._request, None
@@ -514,6 +557,25 @@ class Transfer(Closeable):
             return True
 
         engine.watch(release_when_drained)
+
+    def _finish_in_flight(self) -> None:
+        backend, request, comm = self._backend, self._request, self._comm
+        what = f"close: the {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport} in flight"
+        try:
+            wait_until(lambda: backend.status(request) is not Status.IN_PROGRESS, comm.timeout_s, lambda: what,
+                       comm.config, comm._alive(self.peer, what))
+        except WaitTimeoutError:
+            warn_from_progress_thread(f"tensorwire: {what} did not complete within {comm.timeout_s:.3g}s; it was "
+                                      "released, and bytes may still land: close transfers after wait()")
+        except Exception:  # noqa: BLE001 - failed or the peer is gone: nothing more lands
+            pass
+
+    def _revoke(self, error: Exception) -> None:
+        """The peer deregistered the memory this transfer reaches: every later call raises ``error``; the CPU
+        post's bound call is cleared (the hot path then takes the slow path, which raises), and a stream post's
+        doorbell is released without posting (``_stuck``)."""
+        self._stuck = error
+        self._post_call = None
 
     def _drained(self) -> bool:
         """Closed, and the GPU work that could still ring this transfer's doorbell has run."""

@@ -21,13 +21,14 @@ SOURCE = Path(__file__).resolve().parents[2] / "src"
 LAYERS: list[tuple[str, list[str]]] = [
     ("errors", ["tensorwire.errors"]),
     ("values and the environment", ["tensorwire.config", "tensorwire.lifetime", "tensorwire.descriptors",
-                                    "tensorwire.cuda", "tensorwire.bootstrap"]),
+                                    "tensorwire.cuda", "tensorwire.liveness", "tensorwire.bootstrap"]),
     ("memory maps and waiting", ["tensorwire.memory_map", "tensorwire.progress"]),
     ("backends", ["tensorwire.backends", "tensorwire.backends.*"]),
     ("communicator", ["tensorwire.communicator", "tensorwire.registration", "tensorwire.transfer",
-                      "tensorwire.blocks"]),
+                      "tensorwire.blocks", "tensorwire.revocation"]),
     ("moe", ["tensorwire.moe", "tensorwire.moe.*"]),
-    ("launcher and test data", ["tensorwire.testing", "tensorwire.testing.launch", "tensorwire.testing.data"]),
+    ("launcher and test data", ["tensorwire.testing", "tensorwire.testing.launch", "tensorwire.testing.data",
+                                "tensorwire.testing.netns"]),
     ("public API", ["tensorwire"]),
     ("tool support", ["tensorwire.machine", "tensorwire.testing.suite", "tensorwire.testing.scenarios",
                       "tensorwire.testing.moe_reference"]),
@@ -47,7 +48,9 @@ KNOWN_CIRCLES: list[tuple[frozenset[str], str]] = []
 # Seen as ``<name>._attr`` where the name is comm, _comm, communicator or _communicator.
 KNOWN_PRIVATE_REACHES: dict[str, set[str]] = {
     "tensorwire.transfer": {"_engine", "_deadlines", "_timeout", "_notify_when", "_forget_transfer", "_check_open",
-                            "_transfer_words", "_stream_waiters"},
+                            "_transfer_words", "_stream_waiters", "_liveness", "_alive"},
+    # The revocation protocol runs on the communicator's transfers, inbox, NIXL agent and liveness view.
+    "tensorwire.revocation": {"_inbox", "_liveness", "_nixl", "_peer_view", "_transfers"},
     "tensorwire.registration": {"_deregister"},
     "tensorwire.blocks": {"_notify_when", "_timeout"},
     "tensorwire.moe.collectives": {"_rendezvous"},

@@ -63,11 +63,13 @@ def _exit_code(proc: Any) -> int | None:
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-           env: dict[str, str] | None = None) -> list[Any]:
+           env: dict[str, str] | None = None, may_die: "tuple[int, ...]" = ()) -> list[Any]:
     """Run ``fn(*args)`` on ranks ``0..world_size-1``; returns their results in rank order.
 
     ``fn`` must be importable (module level). A rank that exits with code 0 without returning (e.g. a test
-    simulating a crash with ``os._exit(0)``) yields ``None``. ``env`` adds to each rank's environment; the
+    simulating a crash with ``os._exit(0)``), or a rank in ``may_die`` that exits with any code (a test that
+    kills it with SIGKILL), yields ``None``.
+    ``env`` adds to each rank's environment; the
     ranks share a new random ``TENSORWIRE_JOB_TOKEN`` unless ``env`` names one (``""``: unauthenticated).
     Raises ``RankFailedError`` for the first failing rank and ``WaitTimeoutError`` after ``timeout`` seconds,
     killing every rank in both cases.
@@ -76,7 +78,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     """
     for attempt in range(3):
         try:
-            return _launch_once(fn, world_size, args, timeout, env)
+            return _launch_once(fn, world_size, args, timeout, env, may_die)
         except RankFailedError as e:
             if "EADDRINUSE" not in str(e) or attempt == 2:
                 raise
@@ -84,7 +86,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
 
 
 def _launch_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float,
-                 env: dict[str, str] | None) -> list[Any]:
+                 env: dict[str, str] | None, may_die: "tuple[int, ...]" = ()) -> list[Any]:
     ctx = mp.get_context("spawn")
     port = free_port()
     procs, conns = [], []
@@ -117,7 +119,7 @@ def _launch_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: 
                         pending.discard(rank)
                         continue
                 if _exit_code(proc) is not None:
-                    if proc.exitcode != 0:
+                    if proc.exitcode != 0 and rank not in may_die:
                         raise RankFailedError(f"rank {rank} of {world_size} exited with code {proc.exitcode}")
                     pending.discard(rank)
             if time.monotonic() > deadline:

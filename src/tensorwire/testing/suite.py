@@ -42,10 +42,10 @@ def drain(stream: Any, seconds: float = 30.0) -> None:
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = LAUNCH_TIMEOUT,
-           env: dict | None = None) -> list:
+           env: dict | None = None, may_die: tuple = ()) -> list:
     """``tensorwire.testing.launch`` with the suite's timeout; blocks until every rank returned (their
     results, by rank) or one failed (raised here, the others stopped)."""
-    return launch_ranks(fn, world_size, *args, timeout=timeout, env=env)
+    return launch_ranks(fn, world_size, *args, timeout=timeout, env=env, may_die=may_die)
 
 
 def ring_peers(comm: Communicator) -> tuple[int, int]:
