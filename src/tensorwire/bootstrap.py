@@ -29,8 +29,8 @@ import socket
 import struct
 import time
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch.distributed as dist
 
@@ -265,7 +265,7 @@ class Rendezvous:
             self.get("alive/0", timeout_s, "init: waiting for rank 0's liveness address")
             self.liveness.watch(0)
 
-    def _resolve(self, rank: int) -> "tuple[str, int] | None":
+    def _resolve(self, rank: int) -> tuple[str, int] | None:
         """``rank``'s liveness address from the store, or None while it has not published one."""
         key = f"alive/{rank}"
         if not self.check(key):
@@ -340,7 +340,7 @@ class Rendezvous:
             return False
         return True
 
-    def wait(self, keys: list[str], timeout_s: float, what: str, ranks: "Iterable[int]" = ()) -> None:
+    def wait(self, keys: list[str], timeout_s: float, what: str, ranks: Iterable[int] = ()) -> None:
         """Until every key exists: ``WaitTimeoutError`` after ``timeout_s``, ``PeerLostError`` once one of
         ``ranks`` (the ranks that would write them) or the store is gone.
 

@@ -21,27 +21,28 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from . import blocks as blocks_module
 from . import config as config_module
 from . import cuda
-from . import blocks as blocks_module
 from .backends import registry
 from .backends.base import Backend, Op, Segment, Status
 from .backends.local import LocalBackend
 from .backends.nixl import NixlBackend
 from .backends.shm import ShmBackend
+from .blocks import BlockPool, BlockPoolDesc, BlockTransfer
 from .bootstrap import Rendezvous, resolve_environment
 from .descriptors import MemoryKind, TensorDesc
-from .memory_map import MemoryMap, PeerView, host_identity, typed_decoding
 from .errors import BackendUnavailableError, ClosedError, InvalidArgumentError, PeerLostError, WaitTimeoutError
+from .memory_map import MemoryMap, PeerView, host_identity, typed_decoding
 from .progress import Deadlines, Inbox, ProgressEngine, wait_until, warn_from_progress_thread
-from .revocation import CHANNEL as REVOCATION_CHANNEL, Revocations
 from .registration import LocalMemoryMap, Registration, as_tensor_list, segment_of
-from .blocks import BlockPool, BlockPoolDesc, BlockTransfer
+from .revocation import CHANNEL as REVOCATION_CHANNEL
+from .revocation import Revocations
 from .transfer import Transfer
 
 __all__ = ["Communicator", "init"]
@@ -54,10 +55,10 @@ def init(
     world_size: int | None = None,
     master_addr: str | None = None,
     master_port: int | None = None,
-    device: "torch.device | str | None" = None,
+    device: torch.device | str | None = None,
     timeout: float | None = None,
     store: dist.Store | None = None,
-) -> "Communicator":
+) -> Communicator:
     """Join the job described by the launcher's environment (torchrun, mpirun, SLURM) or the keywords.
 
     Blocks until rank 0's store is reachable (at most ``timeout`` seconds). Not collective beyond that:
@@ -132,7 +133,7 @@ class Communicator:
         self._publish_memory_map()
 
     # --- memory ---------------------------------------------------------------------------------
-    def register(self, tensors: "torch.Tensor | Sequence[torch.Tensor]") -> Registration:
+    def register(self, tensors: torch.Tensor | Sequence[torch.Tensor]) -> Registration:
         """Register contiguous, non-empty CPU or CUDA tensors for one-sided access. Local, not collective;
         blocks while the backend pins the memory. Returns a ``Registration`` whose ``descs`` peers may use."""
         self._check_open("register")
@@ -270,7 +271,7 @@ class Communicator:
         return ipc.pointer(desc.rank, segment, self.device.index)
 
     # --- descriptors through the store ----------------------------------------------------------
-    def publish(self, key: str, descs: "Sequence[TensorDesc] | TensorDesc") -> None:
+    def publish(self, key: str, descs: Sequence[TensorDesc] | TensorDesc) -> None:
         """Make ``descs`` visible to every rank under ``(key, self.rank)``. Non-blocking, not collective."""
         self._check_open("publish")
         self._check_key(key, "publish")
@@ -287,8 +288,8 @@ class Communicator:
         return TensorDesc.unpack(blob, source=f"lookup: what rank {rank} published under {key!r}")
 
     # --- transfers ------------------------------------------------------------------------------
-    def prepare(self, op: Op, local: "torch.Tensor | Sequence[torch.Tensor]",
-                remote: "TensorDesc | Sequence[TensorDesc]", notify: bytes | None = None,
+    def prepare(self, op: Op, local: torch.Tensor | Sequence[torch.Tensor],
+                remote: TensorDesc | Sequence[TensorDesc], notify: bytes | None = None,
                 transport: str | None = None) -> Transfer:
         """Build a reusable transfer: item i of ``local`` (registered tensors or views inside them) pairs with
         item i of ``remote`` (descriptors of ONE rank, possibly this one). May block on first contact with a
@@ -448,7 +449,7 @@ class Communicator:
         self._stream_notification_errors.append(error)
         warn_from_progress_thread(f"tensorwire: {error}")
 
-    def _notify_when(self, peer: int, message: bytes, done: "Callable[[], bool]") -> None:
+    def _notify_when(self, peer: int, message: bytes, done: Callable[[], bool]) -> None:
         """Deliver ``message`` to ``peer``'s inbox once ``done()`` (its copy completed) and after every
         message queued to ``peer`` before it: a later copy may complete first, its message must not. Used
         by transports without a message channel. Never blocks; the progress thread drains the queue."""
@@ -503,7 +504,7 @@ class Communicator:
             transfer.wait(timeout)
 
     def wait_notification(self, from_rank: int, timeout: float | None = None,
-                          stream: "torch.cuda.Stream | None" = None) -> bytes | None:
+                          stream: torch.cuda.Stream | None = None) -> bytes | None:
         """The next message a WRITE's ``notify=`` from ``from_rank`` delivered, in order. Blocks (sleeping)
         until one arrives; ``WaitTimeoutError`` after ``timeout`` seconds.
 
@@ -531,7 +532,7 @@ class Communicator:
                    self._alive(from_rank, f"wait_notification(from_rank={from_rank})"))
         return message[0]
 
-    def _wait_notification_on_stream(self, from_rank: int, stream: "torch.cuda.Stream", timeout_s: float) -> None:
+    def _wait_notification_on_stream(self, from_rank: int, stream: torch.cuda.Stream, timeout_s: float) -> None:
         cuda.refuse_legacy_default_stream(stream, f"wait_notification(from_rank={from_rank}, stream=)")
         if self._notification_words is None:
             self._notification_words = cuda.HostWords(self.world_size)
@@ -579,7 +580,7 @@ class Communicator:
         return None
 
     # --- KV-cache blocks ---------------------------------------------------------------------------
-    def register_blocks(self, views: "torch.Tensor | Sequence[torch.Tensor]") -> BlockPool:
+    def register_blocks(self, views: torch.Tensor | Sequence[torch.Tensor]) -> BlockPool:
         """A ``BlockPool`` over ``views`` (each ``[num_blocks, ...]`` on one CPU or CUDA device, block i =
         ``view[i]``, one contiguous byte range). Views inside tensors registered with ``register`` use that
         registration; otherwise their spans are registered here (and deregistered by ``pool.close()``). Local,
@@ -749,7 +750,7 @@ class Communicator:
                 stacklevel=3,
             )
 
-    def __enter__(self) -> "Communicator":
+    def __enter__(self) -> Communicator:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -779,7 +780,7 @@ class Communicator:
         if not isinstance(key, str) or not key:
             raise InvalidArgumentError(f"{fn}: key must be a non-empty str, got {key!r}")
 
-    def _alive(self, rank: int, what: "str | Callable[[], str]") -> "Callable[[], None] | None":
+    def _alive(self, rank: int, what: str | Callable[[], str]) -> Callable[[], None] | None:
         """For ``wait_until``: raises ``PeerLostError`` once ``rank`` is gone (None for this rank)."""
         if rank == self.rank:
             return None

@@ -30,7 +30,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .errors import PeerLostError
 
@@ -65,7 +65,7 @@ class Liveness:
     """One rank's view of which peers are alive. Thread-safe (user threads and the progress thread check)."""
 
     def __init__(self, rank: int, world_size: int, liveness_s: float, host: str, token: bytes | None,
-                 resolve: Callable[[int], "tuple[str, int] | None"]) -> None:
+                 resolve: Callable[[int], tuple[str, int] | None]) -> None:
         self.rank, self.world_size, self.liveness_s = rank, world_size, liveness_s
         self._token, self._resolve = token, resolve
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -84,7 +84,7 @@ class Liveness:
         self.closed = False
 
     # --- the public checks ------------------------------------------------------------------------
-    def check(self, rank: int, what: "str | Callable[[], str]") -> None:
+    def check(self, rank: int, what: str | Callable[[], str]) -> None:
         """Raise ``PeerLostError`` (naming ``what``, a string or a callable that makes one) if ``rank`` is known to
         be gone; otherwise return at once. Rate-limited: a peer's sockets are looked at every ``_CHECK_PERIOD_S``
         at most."""

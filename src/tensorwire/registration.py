@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["Registration", "LocalMemoryMap", "as_tensor_list", "segment_of"]
 
 
-def as_tensor_list(tensors: "torch.Tensor | Sequence[torch.Tensor]", fn: str) -> list[torch.Tensor]:
+def as_tensor_list(tensors: torch.Tensor | Sequence[torch.Tensor], fn: str) -> list[torch.Tensor]:
     """One tensor or a non-empty list of tensors, else ``InvalidArgumentError`` naming ``fn``."""
     if isinstance(tensors, torch.Tensor):
         return [tensors]
@@ -57,7 +58,7 @@ def segment_of(tensor: torch.Tensor, index: int, fn: str) -> Segment:
 class Registration(Closeable):
     """Memory registered with a communicator's backend. Context manager; ``close()`` is idempotent."""
 
-    def __init__(self, comm: "Communicator", tensors: list[torch.Tensor], segments: list[Segment],
+    def __init__(self, comm: Communicator, tensors: list[torch.Tensor], segments: list[Segment],
                  handles: list[dict[str, Any]], descs: list[TensorDesc]) -> None:
         self._comm = comm
         self._tensors = tensors  # keeps the memory alive while registered

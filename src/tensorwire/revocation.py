@@ -57,7 +57,7 @@ def _parse(message: bytes) -> tuple[bytes, list[int]]:
 class Revocations:
     """One communicator's side of the protocol (both as owner and as holder of transfers)."""
 
-    def __init__(self, comm: "Communicator") -> None:
+    def __init__(self, comm: Communicator) -> None:
         self._comm = comm
         self._lock = threading.Lock()
         self._awaiting: dict[tuple[int, ...], set[int]] = {}  # epochs revoked by this rank -> ranks yet to answer

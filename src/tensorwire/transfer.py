@@ -58,7 +58,7 @@ class Transfer(Closeable):
     move).
     """
 
-    def __init__(self, comm: "Communicator", op: Op, peer: int, nbytes: int, backend: Backend | None,
+    def __init__(self, comm: Communicator, op: Op, peer: int, nbytes: int, backend: Backend | None,
                  request: Any, notify: bytes | None, uses_cuda: bool = False) -> None:
         self._comm = comm
         self.op = op
@@ -103,7 +103,7 @@ class Transfer(Closeable):
         return self._backend is not None and self._backend.capabilities.stream_ordered
 
     # --- posting --------------------------------------------------------------------------------
-    def post(self, stream: "torch.cuda.Stream | None" = None) -> None:
+    def post(self, stream: torch.cuda.Stream | None = None) -> None:
         """Start the transfer. Non-blocking (a small or same-host transfer may finish inside the call).
 
         With ``stream``, the transfer starts when ``stream`` reaches this point (after the kernels that
@@ -258,7 +258,7 @@ class Transfer(Closeable):
         backend, request = self._backend, self._request
         self._watch(lambda: backend.status(request) is not Status.IN_PROGRESS)
 
-    def _post_on_stream(self, stream: "torch.cuda.Stream") -> None:
+    def _post_on_stream(self, stream: torch.cuda.Stream) -> None:
         if self._request is not None and not self._stream_ordered:
             cuda.refuse_legacy_default_stream(stream, f"post(stream=) of the {self.op.value} over {self.transport}")
             if self._ring_unwaited:
@@ -386,7 +386,7 @@ class Transfer(Closeable):
             self._state = self._backend.status(self._request)
         return self._state
 
-    def wait(self, timeout: float | None = None, stream: "torch.cuda.Stream | None" = None) -> None:
+    def wait(self, timeout: float | None = None, stream: torch.cuda.Stream | None = None) -> None:
         """Complete the transfer.
 
         Without ``stream``: block the calling thread (sleeping, not spinning) until done; raises
@@ -439,7 +439,7 @@ class Transfer(Closeable):
         return PeerLostError(f"{call}: the {self.op.value} to rank {self.peer} over {self.transport} failed: rank "
                              f"{self.peer} is gone ({reason}); backend said: {error}")
 
-    def _wait_on_stream(self, stream: "torch.cuda.Stream", timeout: float | None) -> None:
+    def _wait_on_stream(self, stream: torch.cuda.Stream, timeout: float | None) -> None:
         stream_timeout_s = self._comm._timeout(timeout)  # rejects a bad timeout on every transport
         if self._request is None:
             return

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import tensorwire as tw
+from tensorwire.testing import netns
 from tensorwire.testing.data import assert_equal, rank_values, sentinel
 from tensorwire.testing.suite import launch
-from tensorwire.testing import netns
 
 LIVENESS_S = 2.0
 BOUND_S = LIVENESS_S + 10.0  # generous: a bounded exit, not a benchmark

@@ -63,7 +63,7 @@ def _exit_code(proc: Any) -> int | None:
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-           env: dict[str, str] | None = None, may_die: "tuple[int, ...]" = ()) -> list[Any]:
+           env: dict[str, str] | None = None, may_die: tuple[int, ...] = ()) -> list[Any]:
     """Run ``fn(*args)`` on ranks ``0..world_size-1``; returns their results in rank order.
 
     ``fn`` must be importable (module level). A rank that exits with code 0 without returning (e.g. a test
@@ -86,7 +86,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
 
 
 def _launch_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float,
-                 env: dict[str, str] | None, may_die: "tuple[int, ...]" = ()) -> list[Any]:
+                 env: dict[str, str] | None, may_die: tuple[int, ...] = ()) -> list[Any]:
     ctx = mp.get_context("spawn")
     port = free_port()
     procs, conns = [], []

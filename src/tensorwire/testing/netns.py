@@ -119,7 +119,7 @@ class TwoHosts:
     def close(self) -> None:
         self._remove()
 
-    def __enter__(self) -> "TwoHosts":
+    def __enter__(self) -> TwoHosts:
         return self
 
     def __exit__(self, *exc: object) -> None:
