@@ -42,7 +42,8 @@ __all__ = ["Environment", "resolve_environment", "Rendezvous"]
 # (rank, world size, local rank, local world size) variable names per launcher, most specific first.
 _LAUNCHERS = (
     ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
 )
 
@@ -320,9 +321,11 @@ class Rendezvous:
         self._call(lambda: self.store.set(key, value), f"writing {key!r}")
         if not self._call(lambda: self.store.check([key]), f"confirming {key!r}"):
             raise PeerLostError(f"writing {key!r}: the store at {self.env.master_addr}:{self.env.master_port} "
-                                "does not hold the value just written; another process deleted it or the store restarted")
+                                "does not hold the value just written; another process deleted it or the store "
+                                "restarted")
 
-    def get(self, key: str, timeout_s: float | None = None, what: str | None = None, ranks: tuple[int, ...] = ()) -> bytes:
+    def get(self, key: str, timeout_s: float | None = None, what: str | None = None,
+            ranks: tuple[int, ...] = ()) -> bytes:
         """Blocks until ``key`` exists (at most ``timeout_s``; ``PeerLostError`` as soon as one of ``ranks`` is
         gone), then returns its verified value (``AuthenticationError`` when it does not verify; nothing is
         cached, so a later valid value is read)."""
@@ -454,7 +457,8 @@ class Rendezvous:
             still = []
             for rank in pending:
                 key = f"departed/{rank}"
-                if self.check(key) and self._verifies(key, self._call(lambda: self.store.get(key), f"reading {key!r}")):
+                if self.check(key) and self._verifies(
+                        key, self._call(lambda k=key: self.store.get(k), f"reading {key!r}")):
                     continue  # a record that does not verify is not a departure: keep the store up for that rank
                 if self.liveness.lost(rank) is not None and not self.check(key):
                     continue  # gone without departing

@@ -220,8 +220,9 @@ class Communicator:
                 # ahead of the map is garbled or forged: far ahead, refuse it now; a little, within the bound.
                 if min_epoch - epoch > _EPOCH_SLACK or time.monotonic() > give_up_at:
                     raise InvalidArgumentError(
-                        f"prepare: a descriptor of rank {rank} names epoch {min_epoch}, but rank {rank}'s memory map is "
-                        f"at epoch {epoch}; the descriptor is corrupt or was not made by that rank: look it up again")
+                        f"prepare: a descriptor of rank {rank} names epoch {min_epoch}, but rank {rank}'s memory map "
+                        f"is at epoch {epoch}; the descriptor is corrupt or was not made by that rank: look it up "
+                        "again")
                 return False
             view = self._peers.get(rank)
             # With a job token a newer view is authentic: an older map (a replayed value) never replaces it. Without
@@ -283,8 +284,8 @@ class Communicator:
         self._check_key(key, "lookup")
         self._check_rank(rank, "lookup")
         blob = self._rendezvous.get(
-            f"user/{rank}/{key}", self._timeout(timeout), f"lookup: rank {rank} has not published {key!r}", ranks=(rank,)
-        )
+            f"user/{rank}/{key}", self._timeout(timeout), f"lookup: rank {rank} has not published {key!r}",
+            ranks=(rank,))
         return TensorDesc.unpack(blob, source=f"lookup: what rank {rank} published under {key!r}")
 
     # --- transfers ------------------------------------------------------------------------------
@@ -302,19 +303,27 @@ class Communicator:
         if not isinstance(op, Op):
             raise InvalidArgumentError(f"prepare: op={op!r}; pass tw.READ or tw.WRITE")
         local_tensors = as_tensor_list(local, "prepare")
-        remote_descs = [remote] if isinstance(remote, TensorDesc) else list(remote) if isinstance(remote, (list, tuple)) else None
+        if isinstance(remote, TensorDesc):
+            remote_descs = [remote]
+        else:
+            remote_descs = list(remote) if isinstance(remote, (list, tuple)) else None
         if not remote_descs:
-            raise InvalidArgumentError(f"prepare: remote must be a TensorDesc or a non-empty list of them, got {remote!r}")
+            raise InvalidArgumentError(
+                f"prepare: remote must be a TensorDesc or a non-empty list of them, got {remote!r}")
         for i, d in enumerate(remote_descs):
             if not isinstance(d, TensorDesc):
-                raise InvalidArgumentError(f"prepare: remote item {i} is a {type(d).__name__}; pass TensorDesc values from lookup()")
+                raise InvalidArgumentError(
+                    f"prepare: remote item {i} is a {type(d).__name__}; pass TensorDesc values from lookup()")
         if len(local_tensors) != len(remote_descs):
             raise InvalidArgumentError(
-                f"prepare: {len(local_tensors)} local tensors but {len(remote_descs)} remote descriptors; item i of each list pairs up"
+                f"prepare: {len(local_tensors)} local tensors but {len(remote_descs)} remote descriptors; item i of "
+                "each list pairs up"
             )
         peers = sorted({d.rank for d in remote_descs})
         if len(peers) > 1:
-            raise InvalidArgumentError(f"prepare: remote descriptors belong to ranks {peers}; one transfer reaches one rank, prepare one per rank")
+            raise InvalidArgumentError(
+                f"prepare: remote descriptors belong to ranks {peers}; one transfer reaches one rank, prepare one "
+                "per rank")
         peer = peers[0]
         self._check_rank(peer, "prepare")
         if transport is not None and transport not in registry.NAMES:
@@ -331,7 +340,8 @@ class Communicator:
             s = segment_of(t, i, "prepare")
             if s.nbytes != d.nbytes:
                 raise InvalidArgumentError(
-                    f"prepare: item {i}: local tensor has {s.nbytes} bytes, remote descriptor {d.nbytes}; sizes must match"
+                    f"prepare: item {i}: local tensor has {s.nbytes} bytes, remote descriptor {d.nbytes}; sizes "
+                    "must match"
                 )
             if s.nbytes == 0:
                 continue
@@ -384,7 +394,7 @@ class Communicator:
             request = self._nixl.touch(peer, Segment(region.addr, 1, region.kind, region.device_index),
                                        local.kind, local.device_index)
             try:
-                wait_until(lambda: self._nixl.status(request) is not Status.IN_PROGRESS, self.timeout_s,
+                wait_until(lambda request=request: self._nixl.status(request) is not Status.IN_PROGRESS, self.timeout_s,
                            lambda: f"prepare: first contact with rank {peer}'s memory", self.config,
                            self._alive(peer, "prepare: first contact"))
             finally:
@@ -528,8 +538,8 @@ class Communicator:
                 message.append(m)
             return bool(message)
 
-        wait_until(arrived, self._timeout(timeout), lambda: f"wait_notification: nothing from rank {from_rank}", self.config,
-                   self._alive(from_rank, f"wait_notification(from_rank={from_rank})"))
+        wait_until(arrived, self._timeout(timeout), lambda: f"wait_notification: nothing from rank {from_rank}",
+                   self.config, self._alive(from_rank, f"wait_notification(from_rank={from_rank})"))
         return message[0]
 
     def _wait_notification_on_stream(self, from_rank: int, stream: torch.cuda.Stream, timeout_s: float) -> None:
@@ -681,7 +691,8 @@ class Communicator:
 
     def _check_pool(self, pool: BlockPool, fn: str) -> None:
         if not isinstance(pool, BlockPool) or pool._comm is not self:
-            raise InvalidArgumentError(f"{fn}: pass a BlockPool from this communicator's register_blocks(), got {pool!r}")
+            raise InvalidArgumentError(
+                f"{fn}: pass a BlockPool from this communicator's register_blocks(), got {pool!r}")
         pool._check_open(fn)
 
     # --- collective helpers & lifetime ------------------------------------------------------------
@@ -757,14 +768,17 @@ class Communicator:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, backends={sorted(self._backends)})"
+        return (f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
+                f"backends={sorted(self._backends)})")
 
     # --- internals ------------------------------------------------------------------------------
     def _timeout(self, timeout: float | None) -> float:
         if timeout is None:
             return self.timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout < 0:
-            raise InvalidArgumentError(f"timeout={timeout!r}; give a finite number of seconds >= 0, or None for the default")
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout)
+                or timeout < 0):
+            raise InvalidArgumentError(
+                f"timeout={timeout!r}; give a finite number of seconds >= 0, or None for the default")
         return float(timeout)
 
     def _check_open(self, fn: str) -> None:

@@ -174,7 +174,8 @@ class Liveness:
             if hello is not None and len(hello) == _HELLO.size:
                 sock.recv(_HELLO.size)
                 magic, rank, mac = _HELLO.unpack(hello)
-                if magic == _MAGIC and 0 <= rank < self.world_size and hmac.compare_digest(mac, _mac(self._token, rank)):
+                if (magic == _MAGIC and 0 <= rank < self.world_size
+                        and hmac.compare_digest(mac, _mac(self._token, rank))):
                     self._sockets.setdefault(rank, []).append(sock)
                 else:
                     sock.close()  # not a rank of this job

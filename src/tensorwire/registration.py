@@ -51,7 +51,8 @@ def segment_of(tensor: torch.Tensor, index: int, fn: str) -> Segment:
     elif tensor.device.type == "cuda":
         kind, device_index = MemoryKind.CUDA, tensor.device.index
     else:
-        raise InvalidArgumentError(f"{fn}: tensor {index} is on {tensor.device}; only cpu and cuda tensors are supported")
+        raise InvalidArgumentError(
+            f"{fn}: tensor {index} is on {tensor.device}; only cpu and cuda tensors are supported")
     return Segment(tensor.data_ptr(), tensor.numel() * tensor.element_size(), kind, device_index)
 
 
@@ -108,7 +109,8 @@ class LocalMemoryMap:
         if i < 0:
             return None
         seg, reg, _ = self._entries[i]
-        if seg.kind == s.kind and seg.device_index == s.device_index and seg.addr <= s.addr and s.addr + s.nbytes <= seg.addr + seg.nbytes:
+        if (seg.kind == s.kind and seg.device_index == s.device_index and seg.addr <= s.addr
+                and s.addr + s.nbytes <= seg.addr + seg.nbytes):
             return reg
         return None
 
@@ -124,7 +126,8 @@ class LocalMemoryMap:
         if i < 0:
             return None
         seg, _, _ = self._entries[i]
-        if seg.kind == s.kind and seg.device_index == s.device_index and seg.addr < s.addr + s.nbytes and s.addr < seg.addr + seg.nbytes:
+        if (seg.kind == s.kind and seg.device_index == s.device_index and seg.addr < s.addr + s.nbytes
+                and s.addr < seg.addr + seg.nbytes):
             return seg
         return None
 

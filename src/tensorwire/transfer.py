@@ -560,7 +560,8 @@ class Transfer(Closeable):
 
     def _finish_in_flight(self) -> None:
         backend, request, comm = self._backend, self._request, self._comm
-        what = f"close: the {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport} in flight"
+        what = (f"close: the {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport} "
+                "in flight")
         try:
             wait_until(lambda: backend.status(request) is not Status.IN_PROGRESS, comm.timeout_s, lambda: what,
                        comm.config, comm._alive(self.peer, what))
@@ -597,4 +598,5 @@ class Transfer(Closeable):
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else (self._state.name if self._state else "prepared")
-        return f"Transfer({self.op.value}, peer={self.peer}, nbytes={self.nbytes}, transport={self.transport!r}, {state})"
+        return (f"Transfer({self.op.value}, peer={self.peer}, nbytes={self.nbytes}, transport={self.transport!r}, "
+                f"{state})")

@@ -317,7 +317,7 @@ def _shm_and_garbled_epochs(directory: str):
     timings = {}
     for name, epoch in (("far", 2**31), ("near", remote.epoch + 3)):
         garbled = dataclasses.replace(remote, epoch=epoch)
-        timings[name] = _timed(lambda: comm.prepare(tw.READ, dst, garbled), tw.InvalidArgumentError)[1]
+        timings[name] = _timed(lambda garbled=garbled: comm.prepare(tw.READ, dst, garbled), tw.InvalidArgumentError)[1]
     comm.barrier(timeout=WAIT)
     comm.close()
     os.unlink(path)
