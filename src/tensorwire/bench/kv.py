@@ -11,11 +11,10 @@ block, 512 blocks (an 8k-token prompt at 16 tokens per block).
 Paths per case (rank 0 drives every one):
 
 - ``tensorwire``: ``prepare_blocks`` once, then per request ``post(ids)`` + ``wait``; on GPU ``post(stream=)``
-  + ``wait(stream=)`` with the ids in device tensors, timed with CUDA events with the calls queued ahead of
-  the GPU (``CudaEventClock(queue_ahead=True)``: the GPU's time for the request, as a fed serving loop sees
-  it; the GPU references are timed the same way). ``post`` is also timed alone on the host (p50/p99) with
-  host (numpy) ids: checking and translating them included; on host memory, where ``shm`` and NIXL copy
-  inside ``post``, that time includes the copy.
+  + ``wait(stream=)`` with the ids in device tensors, timed with CUDA events around each call (the GPU
+  references likewise), so a request shorter than its CPU launch reads as the launch. ``post`` is also timed
+  alone on the host (p50/p99) with host (numpy) ids: checking and translating them included; on host memory,
+  where ``shm`` and NIXL copy inside ``post``, that time includes the copy.
 - ``tensorwire (nixl)``: the same with ``transport="nixl"`` (host memory; the default there is ``shm``).
 - ``raw nixl descs``: a bare NIXL agent builds an Nx3 descriptor array per request and calls
   ``initialize_xfer``; ``raw nixl prepped``: per-block descriptor lists prepped once, ``make_prepped_xfer``
@@ -241,7 +240,7 @@ def _bench_case(comm: Any, raw: Any, config: KvBenchConfig, case: Case, pools: _
                     x.wait(stream=stream)
 
                 with torch.cuda.stream(stream):
-                    timing = measure(on_stream, CudaEventClock(queue_ahead=True), budget)
+                    timing = measure(on_stream, CudaEventClock(), budget)
             else:
                 timing = measure(lambda x=x: (x.post(local_ids, remote_ids), x.wait(timeout=60)), HostClock(), budget)
             _verify(comm, x, case, pools, local_ids, remote_ids, local_pool, remote)
@@ -352,7 +351,7 @@ def _bench_local_references(case: Case, pools: _Pools, local_ids: np.ndarray, re
     words = case.nbytes // 4  # the views of a pool are one allocation (see _values)
     source = pools.source[0].as_strided((words,), (1,))
     landing = pools.target[0].as_strided((words,), (1,))
-    clock = CudaEventClock(queue_ahead=True) if on_gpu else HostClock()
+    clock = CudaEventClock() if on_gpu else HostClock()
 
     def contiguous() -> None:
         landing.copy_(source)
