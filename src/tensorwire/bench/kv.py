@@ -165,19 +165,19 @@ def _rank_main(config: KvBenchConfig) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     api, bindings = _import_nixl()
     raw = _make_agent(api, bindings, f"bench-kv-raw{comm.rank}", comm.config.progress_wakeup_ms) if config.raw else None
-    try:
-        for memory in config.memory:
-            device = comm.device if memory == "cuda" else torch.device("cpu")
-            if memory == "cuda":
-                torch.cuda.set_device(device)
-            by_shape: dict[tuple[int, int, int], list[Case]] = {}
-            for case in cases(config, memory):
-                by_shape.setdefault((case.views, case.blocks, case.block_bytes), []).append(case)
-            for shape, shape_cases in by_shape.items():
-                records += _bench_shape(comm, raw, config, shape, shape_cases, device)
-        comm.barrier(timeout=config.timeout_s)
-    finally:
-        comm.close()
+    # No cleanup on failure: a failing rank reports at once and the launcher stops both (closing first would
+    # wait, bounded but long, for a peer that sits in a barrier waiting for this rank).
+    for memory in config.memory:
+        device = comm.device if memory == "cuda" else torch.device("cpu")
+        if memory == "cuda":
+            torch.cuda.set_device(device)
+        by_shape: dict[tuple[int, int, int], list[Case]] = {}
+        for case in cases(config, memory):
+            by_shape.setdefault((case.views, case.blocks, case.block_bytes), []).append(case)
+        for shape, shape_cases in by_shape.items():
+            records += _bench_shape(comm, raw, config, shape, shape_cases, device)
+    comm.barrier(timeout=config.timeout_s)
+    comm.close()
     return records
 
 
@@ -191,19 +191,17 @@ def _bench_shape(comm: Any, raw: Any, config: KvBenchConfig, shape: tuple[int, i
         comm._rendezvous.set(f"bench-kv-raw/{tag}/{comm.rank}", raw.get_agent_metadata())
         raw.add_remote_agent(comm._rendezvous.get(f"bench-kv-raw/{tag}/{1 - comm.rank}", 60, "bench kv: raw metadata"))
     records = []
-    try:
-        comm.barrier(timeout=120)
-        if comm.rank == 0:
-            remote_source = comm.lookup_blocks(f"kv-source-{tag}", 1, timeout=60)
-            remote_target = comm.lookup_blocks(f"kv-target-{tag}", 1, timeout=60)
-            peer_tensors = _remote_tensors(remote_source), _remote_tensors(remote_target)
-            for case in shape_cases:
-                records += _bench_case(comm, raw, config, case, pools, (remote_source, remote_target), peer_tensors)
-        comm.barrier(timeout=config.timeout_s)
-    finally:
-        pools.close(raw)
-        if raw is not None:
-            raw.remove_remote_agent(f"bench-kv-raw{1 - comm.rank}")
+    comm.barrier(timeout=120)
+    if comm.rank == 0:
+        remote_source = comm.lookup_blocks(f"kv-source-{tag}", 1, timeout=60)
+        remote_target = comm.lookup_blocks(f"kv-target-{tag}", 1, timeout=60)
+        peer_tensors = _remote_tensors(remote_source), _remote_tensors(remote_target)
+        for case in shape_cases:
+            records += _bench_case(comm, raw, config, case, pools, (remote_source, remote_target), peer_tensors)
+    comm.barrier(timeout=config.timeout_s)
+    pools.close(raw)  # on success only, as in _rank_main
+    if raw is not None:
+        raw.remove_remote_agent(f"bench-kv-raw{1 - comm.rank}")
     return records
 
 
