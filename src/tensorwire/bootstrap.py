@@ -34,8 +34,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from .deadlines import Deadlines
 from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, WaitTimeoutError
-from .liveness import Liveness, Watchdog
+from .liveness import Liveness
 
 __all__ = ["Environment", "resolve_environment", "Rendezvous"]
 
@@ -246,7 +247,7 @@ class Rendezvous:
         self._lost: str | None = None  # why the store connection is gone; every later call raises PeerLostError
         self.between_polls: Callable[[], None] | None = None  # run while a wait sleeps (the inbox's pump)
         self._store_sockets: list[socket.socket] = []  # our client connection(s) to the store, to cut a stuck call
-        self._watchdog = Watchdog()  # cuts a store call that outlives its bound (torch's own timeout does not)
+        self._watchdog = Deadlines()  # cuts a store call that outlives its bound (torch's own timeout does not)
         if token is None and env.world_size > 1:
             _warn_once("unauthenticated", (
                 "tensorwire: this job is unauthenticated (TENSORWIRE_JOB_TOKEN is not set): any process that reaches "

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 from .errors import PeerLostError
 
-__all__ = ["Liveness", "Watchdog", "tune"]
+__all__ = ["Liveness", "tune"]
 
 _HELLO = struct.Struct("<3sI16s")  # magic, rank, MAC of the rank under the job token (zeros without one)
 _MAGIC = b"TWL"
@@ -197,58 +197,6 @@ class Liveness:
                     pass
             self._sockets.clear()
             self._hellos.clear()
-
-
-class Watchdog:
-    """Runs an action at a deadline unless disarmed first, on one thread that sleeps until the earliest
-    deadline (indefinitely while none is armed: no cost when idle). For bounding calls that cannot bound
-    themselves; the action must not block."""
-
-    def __init__(self) -> None:
-        self._due: dict[object, tuple[float, Callable[[], None]]] = {}
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stopped = False
-
-    def arm(self, key: object, deadline: float, action: Callable[[], None]) -> None:
-        with self._cond:
-            if self._stopped:
-                return
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tensorwire-watchdog", daemon=True)
-                self._thread.start()
-            earliest = min((d for d, _ in self._due.values()), default=math.inf)
-            self._due[key] = (deadline, action)
-            if deadline < earliest:
-                self._cond.notify()
-
-    def disarm(self, key: object) -> None:
-        with self._cond:
-            self._due.pop(key, None)
-
-    def close(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._due.clear()
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if self._stopped:
-                    return
-                now = time.monotonic()
-                due = [key for key, (deadline, _) in self._due.items() if deadline <= now]
-                actions = [self._due.pop(key)[1] for key in due]
-                if not actions:
-                    earliest = min((d for d, _ in self._due.values()), default=None)
-                    self._cond.wait(None if earliest is None else min(earliest - now, 86400.0))
-                    continue
-            for action in actions:
-                try:
-                    action()
-                except Exception:  # noqa: BLE001 - one failed action must not stop the others
-                    pass
 
 
 def _broken(sock: socket.socket) -> str | None:

@@ -22,14 +22,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
-import math
 import sys
 import threading
 import time
-import warnings
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 
 from .config import Config
+from .deadlines import Deadlines, warn_from_progress_thread
 from .errors import WaitTimeoutError
 
 __all__ = ["wait_until", "Inbox", "Deadlines", "warn_from_progress_thread"]
@@ -101,16 +100,6 @@ def fine_timer_slack() -> Iterator[None]:
     finally:
         if previous > 0:
             _PRCTL(_PR_SET_TIMERSLACK, previous, 0, 0, 0)
-
-
-def warn_from_progress_thread(message: str) -> None:
-    """``warnings.warn(message, RuntimeWarning)`` for work the progress thread did. Never raises: a filter that
-    turns warnings into errors must not stop the thread or the work after the warning (the error it reports
-    also reaches its owner's next call)."""
-    try:
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-    except Exception:  # noqa: BLE001 - an "error" filter raised the warning
-        pass
 
 
 class Inbox:
@@ -272,87 +261,3 @@ class ProgressEngine:
                 continue
             time.sleep(min(self._max_sleep, max(2e-5, (now - idle_since) / 32)))
 
-
-class Deadlines:
-    """Actions that run at a time, on their own thread: the timeouts that release GPU stream waits.
-
-    An action only stores host memory and records an error: no CUDA call, no backend call, never blocking,
-    so it runs on time even while the progress thread is stuck in a backend call. Each outstanding wait has
-    its own key, disarmed when the wait completes, so the table holds only waits in flight; arming a key
-    that is armed already keeps the earlier deadline (two stream waits for one completion: the shorter
-    timeout bounds both). The thread sleeps until the earliest deadline, and indefinitely while none is
-    armed, so an idle communicator costs nothing; arming a later deadline does not wake it. Entries are
-    dropped outside the lock: a dropped action may hold the last reference to a transfer, whose finalizer
-    must not run under it.
-    """
-
-    _LONGEST_SLEEP_S = 86400.0  # below threading.TIMEOUT_MAX: a huge timeout must not end the thread
-
-    def __init__(self) -> None:
-        self._due: dict[Hashable, tuple[float, Callable[[], None]]] = {}
-        self._cond = threading.Condition()
-        self._wakes_at = math.inf  # when the sleeping thread wakes by itself (inf: only when notified)
-        self._thread: threading.Thread | None = None
-        self._stopped = False
-        self.wakeups = 0  # times the thread woke up (it should only when something is due)
-
-    def start(self) -> None:
-        """Start the thread now, so that a latency-sensitive first ``arm`` does not pay ``Thread.start``."""
-        with self._cond:
-            if self._thread is None and not self._stopped:
-                self._thread = threading.Thread(target=self._run, name="tensorwire-deadlines", daemon=True)
-                self._thread.start()
-
-    def arm(self, key: Hashable, deadline: float, action: Callable[[], None]) -> None:
-        """Run ``action()`` at ``deadline`` (``time.monotonic()`` seconds) unless ``key`` is disarmed first
-        (if ``key`` is armed already, the earlier of the two deadlines and its action stay). Never blocks (one
-        lock); does nothing once closed."""
-        if self._thread is None:
-            self.start()
-        with self._cond:
-            if self._stopped:
-                return
-            armed = self._due.get(key)
-            if armed is not None and armed[0] <= deadline:
-                return
-            self._due[key] = (deadline, action)
-            if deadline < self._wakes_at:
-                self._cond.notify()
-        del armed  # outside the lock (see the class docstring)
-
-    def disarm(self, key: Hashable) -> None:
-        """Forget ``key``'s action. Not woken for it: a thread sleeping until that deadline wakes then, finds
-        nothing due and sleeps on."""
-        with self._cond:
-            dropped = self._due.pop(key, None)
-        del dropped
-
-    def close(self) -> None:
-        with self._cond:
-            self._stopped = True
-            dropped, self._due = self._due, {}
-            self._cond.notify()
-        del dropped
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if self._stopped:
-                    return
-                now = time.monotonic()
-                actions = [self._due.pop(key)[1] for key, (deadline, _) in list(self._due.items()) if deadline <= now]
-                if not actions:
-                    self._wakes_at = min((deadline for deadline, _ in self._due.values()), default=math.inf)
-                    self._cond.wait(min(self._wakes_at - now, self._LONGEST_SLEEP_S)
-                                    if self._wakes_at != math.inf else None)
-                    self._wakes_at = math.inf
-                    self.wakeups += 1
-                    continue
-            for action in actions:
-                try:
-                    action()
-                except Exception as e:  # noqa: BLE001 - one failed action must not stop the others
-                    warn_from_progress_thread(f"tensorwire: a timeout action failed: {type(e).__name__}: {e}")
-            del actions, action  # outside the lock

@@ -21,7 +21,8 @@ SOURCE = Path(__file__).resolve().parents[2] / "src"
 LAYERS: list[tuple[str, list[str]]] = [
     ("errors", ["tensorwire.errors"]),
     ("values and the environment", ["tensorwire.config", "tensorwire.lifetime", "tensorwire.descriptors",
-                                    "tensorwire.cuda", "tensorwire.liveness", "tensorwire.bootstrap"]),
+                                    "tensorwire.cuda", "tensorwire.deadlines", "tensorwire.liveness",
+                                    "tensorwire.bootstrap"]),
     ("memory maps and waiting", ["tensorwire.memory_map", "tensorwire.progress"]),
     ("backends", ["tensorwire.backends", "tensorwire.backends.*"]),
     ("communicator", ["tensorwire.communicator", "tensorwire.registration", "tensorwire.transfer",
