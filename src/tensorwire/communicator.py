@@ -300,6 +300,38 @@ class Communicator:
         ``"nixl"``) where it reaches the peer; by default the first that does is chosen (see the module docstring)
         and ``Transfer.transport`` says which."""
         self._check_open("prepare")
+        local_tensors, remote_descs, peer = self._prepare_arguments(op, local, remote, notify, transport)
+        pairs, registrations = self._segment_pairs(local_tensors, remote_descs)
+        backend, request, uses_cuda = None, None, False
+        if pairs and peer == self.rank:
+            _refuse_overlaps(pairs)
+        if pairs:
+            self._check_remote_ranges(peer, remote_descs)
+            kinds = {(s.kind, r.kind) for s, r in pairs}
+            if len(kinds) > 1:
+                raise InvalidArgumentError(
+                    f"prepare: items mix memory kinds {sorted((a.name, b.name) for a, b in kinds)}; "
+                    "prepare one transfer per (local, remote) memory kind"
+                )
+            backend = self._backends[self._choose_transport(peer, pairs, transport)]
+            uses_cuda = MemoryKind.CUDA in next(iter(kinds))
+            channel_less = backend is not self._nixl and peer != self.rank
+            if (backend is self._nixl and uses_cuda) or (notify is not None and channel_less):
+                # Also for a transport whose notifications travel through NIXL: a first NIXL contact made
+                # later, while the peer's stream waits for that very notification, can wait forever.
+                self._touch_remote_allocations(peer, pairs)
+            request = backend.prepare(op, [s for s, _ in pairs], [r for _, r in pairs], peer, notify)
+        transfer = Transfer(self, op, peer, sum(s.nbytes for s, _ in pairs), backend, request, notify, uses_cuda)
+        transfer._remote_epochs = {d.epoch for d in remote_descs if d.nbytes}
+        self._transfers.add(transfer)
+        for registration in registrations:
+            if registration is not None:
+                registration.transfers.add(transfer)
+        return transfer
+
+    def _prepare_arguments(self, op: Op, local, remote, notify: bytes | None,
+                           transport: str | None) -> tuple[list[torch.Tensor], list[TensorDesc], int]:
+        """``prepare``'s arguments checked: the local tensors, the remote descriptors (of one rank) and that rank."""
         if not isinstance(op, Op):
             raise InvalidArgumentError(f"prepare: op={op!r}; pass tw.READ or tw.WRITE")
         local_tensors = as_tensor_list(local, "prepare")
@@ -333,7 +365,11 @@ class Communicator:
                 f"prepare: notify must be non-empty bytes (NIXL does not deliver empty messages), got {notify!r}; "
                 "pass e.g. notify=b'done'"
             )
+        return local_tensors, remote_descs, peer
 
+    def _segment_pairs(self, local_tensors: list[torch.Tensor], remote_descs: list[TensorDesc]
+                       ) -> tuple[list[tuple[Segment, Segment]], list[Registration | None]]:
+        """(local, remote) segments of the non-empty items, and the registration holding each local one."""
         pairs: list[tuple[Segment, Segment]] = []
         registrations: list[Registration | None] = []
         for i, (t, d) in enumerate(zip(local_tensors, remote_descs)):
@@ -353,33 +389,7 @@ class Communicator:
                     "registered tensor; call comm.register(...) on it (or on the tensor it views) first"
                 )
             pairs.append((s, Segment(d.addr, d.nbytes, d.kind, d.device_index)))
-
-        backend, request, uses_cuda = None, None, False
-        if pairs and peer == self.rank:
-            _refuse_overlaps(pairs)
-        if pairs:
-            self._check_remote_ranges(peer, remote_descs)
-            kinds = {(s.kind, r.kind) for s, r in pairs}
-            if len(kinds) > 1:
-                raise InvalidArgumentError(
-                    f"prepare: items mix memory kinds {sorted((a.name, b.name) for a, b in kinds)}; "
-                    "prepare one transfer per (local, remote) memory kind"
-                )
-            backend = self._backends[self._choose_transport(peer, pairs, transport)]
-            uses_cuda = MemoryKind.CUDA in next(iter(kinds))
-            channel_less = backend is not self._nixl and peer != self.rank
-            if (backend is self._nixl and uses_cuda) or (notify is not None and channel_less):
-                # Also for a transport whose notifications travel through NIXL: a first NIXL contact made
-                # later, while the peer's stream waits for that very notification, can wait forever.
-                self._touch_remote_allocations(peer, pairs)
-            request = backend.prepare(op, [s for s, _ in pairs], [r for _, r in pairs], peer, notify)
-        transfer = Transfer(self, op, peer, sum(s.nbytes for s, _ in pairs), backend, request, notify, uses_cuda)
-        transfer._remote_epochs = {d.epoch for d in remote_descs if d.nbytes}
-        self._transfers.add(transfer)
-        for registration in registrations:
-            if registration is not None:
-                registration.transfers.add(transfer)
-        return transfer
+        return pairs, registrations
 
     def _touch_remote_allocations(self, peer: int, pairs: list[tuple[Segment, Segment]]) -> None:
         """Let NIXL map each remote registered range once, before any stream can wait on a transfer to it
