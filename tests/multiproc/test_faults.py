@@ -25,21 +25,13 @@ import tensorwire as tw
 from tensorwire.backends.base import Status
 from tensorwire.bootstrap import Environment, Rendezvous
 from tensorwire.testing.data import assert_equal, rank_values, sentinel
-from tensorwire.testing.suite import WAIT, launch
+from tensorwire.testing.suite import WAIT, launch, raises_after
 
 LIVENESS_S = 2.0
 BOUND_S = LIVENESS_S + 10.0
 ENV = {"TENSORWIRE_LIVENESS_S": str(LIVENESS_S)}
 
 
-def _timed(call, expected):
-    """(error type name, seconds) of ``call()``, which must raise ``expected``."""
-    t0 = time.monotonic()
-    try:
-        call()
-    except expected as e:
-        return type(e).__name__, time.monotonic() - t0
-    raise AssertionError(f"{call} returned instead of raising {expected}")
 
 
 def _die_soon(seconds: float) -> None:
@@ -71,7 +63,7 @@ def _peer_killed_while_blocked(call: str):
     if comm.rank == 1:
         _die_soon(1.0)
         time.sleep(60)
-    error, seconds = _timed(_blocked_call(comm, call, 1), tw.PeerLostError)
+    error, seconds = raises_after(_blocked_call(comm, call, 1), tw.PeerLostError)
     t0 = time.monotonic()
     comm.close()
     return error, seconds, time.monotonic() - t0, comm.closed
@@ -92,9 +84,9 @@ def _store_host_killed(call: str):
     if comm.rank == 0:
         _die_soon(1.0)
         time.sleep(60)
-    results = {"blocked": _timed(_blocked_call(comm, call, 0), tw.PeerLostError)}
+    results = {"blocked": raises_after(_blocked_call(comm, call, 0), tw.PeerLostError)}
     # A write to a store that is gone must not "succeed" and lose the value.
-    results["publish"] = _timed(lambda: comm.publish("after", comm.register(sentinel(8)).descs), tw.PeerLostError)
+    results["publish"] = raises_after(lambda: comm.publish("after", comm.register(sentinel(8)).descs), tw.PeerLostError)
     t0 = time.monotonic()
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
@@ -256,11 +248,11 @@ def test_every_store_call_is_bounded_when_the_store_stops_answering(call):
         rendezvous = Rendezvous(env, 30.0, liveness_s=1.0)
     threads_before = threading.active_count()
     proxy.silent.set()
-    name, seconds = _timed(lambda: STORE_CALLS[call](rendezvous), tw.PeerLostError)
+    name, seconds = raises_after(lambda: STORE_CALLS[call](rendezvous), tw.PeerLostError)
     print(f"\n{call}: {name} after {seconds:.2f}s")
     assert seconds < 1.0 + 10.0
     assert threading.active_count() <= threads_before, "a thread was left blocked in the store call"
-    _timed(lambda: rendezvous.check("key"), tw.PeerLostError)  # at once from now on
+    raises_after(lambda: rendezvous.check("key"), tw.PeerLostError)  # at once from now on
     rendezvous.close()
     rank0_alive.close()
 
@@ -317,7 +309,8 @@ def _shm_and_garbled_epochs(directory: str):
     timings = {}
     for name, epoch in (("far", 2**31), ("near", remote.epoch + 3)):
         garbled = dataclasses.replace(remote, epoch=epoch)
-        timings[name] = _timed(lambda garbled=garbled: comm.prepare(tw.READ, dst, garbled), tw.InvalidArgumentError)[1]
+        timings[name] = raises_after(lambda garbled=garbled: comm.prepare(tw.READ, dst, garbled),
+                                     tw.InvalidArgumentError)[1]
     comm.barrier(timeout=WAIT)
     comm.close()
     os.unlink(path)

@@ -16,7 +16,7 @@ import torch
 import tensorwire as tw
 from tensorwire.testing import netns
 from tensorwire.testing.data import assert_equal, rank_values, sentinel
-from tensorwire.testing.suite import launch
+from tensorwire.testing.suite import launch, raises_after
 
 LIVENESS_S = 2.0
 BOUND_S = LIVENESS_S + 10.0  # generous: a bounded exit, not a benchmark
@@ -30,13 +30,6 @@ def _wait_for_file(path: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def _elapsed_error(call, expected) -> tuple[str, float]:
-    t0 = time.monotonic()
-    try:
-        call()
-    except expected as e:
-        return type(e).__name__, time.monotonic() - t0
-    raise AssertionError(f"{call} returned although the link is cut")
 
 
 def _rank_on_its_host(hosts: netns.TwoHosts, signals: str):
@@ -89,13 +82,13 @@ def _rank_on_its_host(hosts: netns.TwoHosts, signals: str):
     results = {}
     if rank == 0:
         pending.post()
-        results["transfer_wait"] = _elapsed_error(lambda: pending.wait(timeout=60),
+        results["transfer_wait"] = raises_after(lambda: pending.wait(timeout=60),
                                                   (tw.PeerLostError, tw.TransferError))
-        results["wait_notification"] = _elapsed_error(lambda: comm.wait_notification(1, timeout=60), tw.PeerLostError)
+        results["wait_notification"] = raises_after(lambda: comm.wait_notification(1, timeout=60), tw.PeerLostError)
     else:
-        results["wait_notification"] = _elapsed_error(lambda: comm.wait_notification(0, timeout=60), tw.PeerLostError)
-        results["barrier"] = _elapsed_error(lambda: comm.barrier(timeout=60), tw.PeerLostError)
-        results["lookup"] = _elapsed_error(lambda: comm.lookup("never", 0, timeout=60), tw.PeerLostError)
+        results["wait_notification"] = raises_after(lambda: comm.wait_notification(0, timeout=60), tw.PeerLostError)
+        results["barrier"] = raises_after(lambda: comm.barrier(timeout=60), tw.PeerLostError)
+        results["lookup"] = raises_after(lambda: comm.lookup("never", 0, timeout=60), tw.PeerLostError)
     t0 = time.monotonic()
     comm.close()
     results["close"] = ("ok", time.monotonic() - t0)

@@ -17,13 +17,25 @@ from .launch import launch as launch_ranks
 if TYPE_CHECKING:
     from ..communicator import Communicator
 
-__all__ = ["INIT_TIMEOUT", "WAIT", "LAUNCH_TIMEOUT", "GPU_ENV", "launch", "drain", "ring_peers", "rss_bytes",
-           "cpu_seconds", "cores_used_while"]
+__all__ = ["INIT_TIMEOUT", "WAIT", "LAUNCH_TIMEOUT", "GPU_ENV", "launch", "drain", "raises_after", "ring_peers",
+           "rss_bytes", "cpu_seconds", "cores_used_while"]
 
 INIT_TIMEOUT = 30.0  # tw.init(timeout=...) in every rank
 WAIT = 10.0  # lookups, barriers and transfer waits that must succeed
 LAUNCH_TIMEOUT = 90.0  # the whole launched job
 GPU_ENV = {"CUDA_MODULE_LOADING": "EAGER"}  # GPU ranks: lazy module loading can deadlock against a blocked stream
+
+
+def raises_after(call: Callable[[], Any], expected: Any) -> tuple[str, float]:
+    """``(error type name, seconds)`` of ``call()``, which must raise ``expected`` (an exception type or a tuple
+    of them); ``AssertionError`` naming the call if it returns instead: for asserting that a failure comes, and
+    how soon."""
+    start = time.monotonic()
+    try:
+        call()
+    except expected as e:
+        return type(e).__name__, time.monotonic() - start
+    raise AssertionError(f"{call} returned instead of raising {expected}")
 
 
 def drain(stream: Any, seconds: float = 30.0) -> None:
