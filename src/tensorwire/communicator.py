@@ -31,6 +31,7 @@ from . import config as config_module
 from . import cuda
 from .backends import registry
 from .backends.base import Backend, Op, Segment, Status
+from .backends.fake import FakeBackend
 from .backends.local import LocalBackend
 from .backends.nixl import NixlBackend
 from .backends.shm import ShmBackend
@@ -100,7 +101,8 @@ class Communicator:
         self._local_map = LocalMemoryMap()
         self._nixl = NixlBackend(env.rank, progress_wakeup_ms=cfg.progress_wakeup_ms)
         self._backends: dict[str, Backend] = {"nixl": self._nixl, "local": LocalBackend(self._local_map.view),
-                                              "shm": ShmBackend(authenticated=cfg.job_token is not None)}
+                                              "shm": ShmBackend(authenticated=cfg.job_token is not None),
+                                              "fake": FakeBackend()}
         if cuda.availability()[0]:
             from .backends.cuda_ipc import CudaIpcBackend
 
@@ -296,9 +298,9 @@ class Communicator:
         item i of ``remote`` (descriptors of ONE rank, possibly this one). May block on first contact with a
         peer while its memory map is fetched (bounded by the timeout). Zero-byte items are skipped.
 
-        ``transport`` forces one of ``backends.registry.NAMES`` (``"local"``, ``"cuda_ipc"``, ``"shm"``,
-        ``"nixl"``) where it reaches the peer; by default the first that does is chosen (see the module docstring)
-        and ``Transfer.transport`` says which."""
+        ``transport`` forces one of ``backends.registry.FORCEABLE`` (``"local"``, ``"cuda_ipc"``, ``"shm"``,
+        ``"nixl"``, and the tests' ``"fake"``) where it reaches the peer; by default the first that does is chosen
+        (see the module docstring) and ``Transfer.transport`` says which."""
         self._check_open("prepare")
         local_tensors, remote_descs, peer = self._prepare_arguments(op, local, remote, notify, transport)
         pairs, registrations = self._segment_pairs(local_tensors, remote_descs)
@@ -358,8 +360,8 @@ class Communicator:
                 "per rank")
         peer = peers[0]
         self._check_rank(peer, "prepare")
-        if transport is not None and transport not in registry.NAMES:
-            raise InvalidArgumentError(f"prepare: transport={transport!r}; pass one of {registry.NAMES} or None")
+        if transport is not None and transport not in registry.FORCEABLE:
+            raise InvalidArgumentError(f"prepare: transport={transport!r}; pass one of {registry.FORCEABLE} or None")
         if notify is not None and (not isinstance(notify, (bytes, bytearray)) or len(notify) == 0):
             raise InvalidArgumentError(
                 f"prepare: notify must be non-empty bytes (NIXL does not deliver empty messages), got {notify!r}; "
@@ -668,8 +670,9 @@ class Communicator:
                                        "(index_select / index_copy_)")
         self._check_remote_ranges(peer, remote.spans(), "prepare_blocks")
         pairs = list(zip(pool.layout.spans(), remote.layout().spans()))
-        if transport is not None and transport not in registry.NAMES:
-            raise InvalidArgumentError(f"prepare_blocks: transport={transport!r}; pass one of {registry.NAMES} or None")
+        if transport is not None and transport not in registry.FORCEABLE:
+            raise InvalidArgumentError(
+                f"prepare_blocks: transport={transport!r}; pass one of {registry.FORCEABLE} or None")
         backend = self._backends[self._choose_transport(peer, pairs, transport)]
         uses_cuda = MemoryKind.CUDA in (pool.layout.kind, remote.kind)
         if backend is self._nixl and uses_cuda:

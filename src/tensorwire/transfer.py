@@ -543,10 +543,7 @@ class Transfer(Closeable):
             return
         # A stream may still be waiting on this transfer (wait(stream=), a doorbell a graph rings): let the
         # progress thread finish what the GPU waits for, then release the request there. Never blocks.
-        events = []
-        for stream in self._streams_used:
-            events.append(torch.cuda.Event())
-            events[-1].record(stream)
+        events = [cuda.record_event(stream) for stream in self._streams_used]
         self._closing = events  # only once recorded: an unrecorded event would read as "done"
         backend = self._backend
 
