@@ -41,7 +41,7 @@ from .lifetime import Closeable
 from .progress import wait_until, warn_from_progress_thread
 
 if TYPE_CHECKING:
-    from .communicator import Communicator
+    from .runtime import Runtime
 
 __all__ = ["Transfer"]
 
@@ -58,9 +58,9 @@ class Transfer(Closeable):
     move).
     """
 
-    def __init__(self, comm: Communicator, op: Op, peer: int, nbytes: int, backend: Backend | None,
+    def __init__(self, runtime: Runtime, op: Op, peer: int, nbytes: int, backend: Backend | None,
                  request: Any, notify: bytes | None, uses_cuda: bool = False) -> None:
-        self._comm = comm
+        self._runtime = runtime
         self.op = op
         self.peer = peer
         self.nbytes = nbytes
@@ -80,8 +80,8 @@ class Transfer(Closeable):
         self._words = None
         if uses_cuda and self._request is not None and not self._stream_ordered:
             self._host_words()
-            comm._engine.start()  # wait(stream=) hands completion to it: have it running before the first
-            comm._deadlines.start()  # and arms its timeout there
+            runtime.start_threads()  # wait(stream=) hands completion to the progress thread and arms its
+            # timeout on the deadline thread: have them running before the first
         self._doorbell_watch = None
         self._check_unpicked_ring = None  # the doorbell's check for rings the progress thread never picked up
         self._watches: list = []  # progress-thread watches on this transfer's request, drained on close
@@ -91,7 +91,7 @@ class Transfer(Closeable):
         self._publishing = False  # set by the first wait(stream=) of a CPU post: every CPU post publishes done_seq
         self._publish_lock = threading.Lock()  # done_seq is advanced from this thread and the progress thread
         # The seconds that bound a doorbell's post: the last wait(stream=, timeout=) after a stream post.
-        self._doorbell_timeout_s = comm.timeout_s
+        self._doorbell_timeout_s = runtime.timeout_s
         self._stuck: Exception | None = None  # a doorbell that timed out: raised by every later call
         self._ring_unwaited = False  # a CPU-driven post(stream=) whose wait(stream=) has not been enqueued yet
         self._post_failure: Exception | None = None  # why the last CPU post failed (raised again by wait())
@@ -177,14 +177,13 @@ class Transfer(Closeable):
         with self._publish_lock:
             if not self._published(sequence):
                 self._words.values[_DONE_SEQ] = sequence
-        self._comm._deadlines.disarm((self, "wait", sequence))
+        self._runtime.deadlines.disarm((self, "wait", sequence))
 
     def _completion_publisher(self, sequence: int):
         """A progress-thread poll that stores ``sequence`` into ``done_seq`` when the request is no longer in
         flight, also when it failed (the error reaches the next call on this handle). A wait that outlives its
         timeout is released by ``_release_late_wait`` instead."""
-        backend, request = self._backend, self._request
-        liveness, rank = self._comm._liveness, self._comm.rank
+        backend, request, peer_lost = self._backend, self._request, self._runtime.peer_lost
 
         def publish() -> bool:
             if self._posts & 0xFFFFFFFF != sequence:  # a later CPU post exists, so this one completed (a CPU
@@ -192,7 +191,7 @@ class Transfer(Closeable):
                 return True  # now, and its state no longer says anything about this post
             state = backend.status(request)
             if state is Status.IN_PROGRESS:
-                reason = liveness.lost(self.peer) if self.peer != rank else None
+                reason = peer_lost(self.peer)
                 if reason is None:
                     return False
                 self._advance_done_seq(sequence)  # it will not complete: release the stream now
@@ -214,9 +213,9 @@ class Transfer(Closeable):
         just before it was armed): only waits in flight stay in the table."""
         key = (self, "wait", sequence)
         release = functools.partial(self._release_late_wait, sequence, timeout_s)
-        self._comm._deadlines.arm(key, time.monotonic() + timeout_s, release)
+        self._runtime.deadlines.arm(key, time.monotonic() + timeout_s, release)
         if self._published(sequence):
-            self._comm._deadlines.disarm(key)
+            self._runtime.deadlines.disarm(key)
 
     def _published(self, sequence: int) -> bool:
         """``done_seq`` has reached ``sequence`` (cyclically)."""
@@ -285,8 +284,7 @@ class Transfer(Closeable):
             return
         words = self._host_words()
         backend, request, notify = self._backend, self._request, self._notify
-        deadlines, engine = self._comm._deadlines, self._comm._engine
-        liveness, rank = self._comm._liveness, self._comm.rank
+        deadlines, engine, peer_lost = self._runtime.deadlines, self._runtime.engine, self._runtime.peer_lost
         in_flight, rings_served = [False], [0]
         unpicked_at_last_check: list[int | None] = [None]  # rings_served then, if a ring was waiting unpicked
 
@@ -337,7 +335,7 @@ class Transfer(Closeable):
             else:
                 state = backend.status(request)
             if state is Status.IN_PROGRESS:
-                reason = liveness.lost(self.peer) if self.peer != rank else None
+                reason = peer_lost(self.peer)
                 if reason is None:
                     return False
                 self._async_error = PeerLostError(  # it will not complete: release the stream now
@@ -373,7 +371,7 @@ class Transfer(Closeable):
         ``_RING_CHECK_MIN_S`` (a tiny timeout must not turn the check into a spin that takes the GIL from the
         threads it checks on); an earlier check already armed stays."""
         period = max(self._doorbell_timeout_s / 2, _RING_CHECK_MIN_S)
-        self._comm._deadlines.arm((self, "ring check"), time.monotonic() + period, self._check_unpicked_ring)
+        self._runtime.deadlines.arm((self, "ring check"), time.monotonic() + period, self._check_unpicked_ring)
 
     # --- completion -----------------------------------------------------------------------------
     def status(self) -> Status:
@@ -403,7 +401,7 @@ class Transfer(Closeable):
         """
         if self._state is _DONE and stream is None:  # close() clears _state
             if timeout is not None:
-                self._comm._timeout(timeout)  # still reject a bad timeout
+                self._runtime.timeout(timeout)  # still reject a bad timeout
             return  # fast path: small and same-host transfers often complete inside post()
         self._check_open("wait")
         if self._state is None:
@@ -420,8 +418,8 @@ class Transfer(Closeable):
         def what() -> str:  # made only if needed: this is the path of every wait that is not done at once
             return f"wait: {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport}"
 
-        wait_until(lambda: self.status() is not Status.IN_PROGRESS, self._comm._timeout(timeout), what,
-                   self._comm.config, self._comm._alive(self.peer, what))
+        wait_until(lambda: self.status() is not Status.IN_PROGRESS, self._runtime.timeout(timeout), what,
+                   self._runtime.config, self._runtime.alive(self.peer, what))
         if self._state is Status.ERROR:
             raise self._peer_lost_or(TransferError(
                 f"wait: the {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport} failed; "
@@ -431,16 +429,16 @@ class Transfer(Closeable):
     def _peer_lost_or(self, error: Exception, call: str) -> Exception:
         """``PeerLostError`` instead of a backend's generic failure when the peer is gone (NIXL reports a dead
         peer as ``NIXL_ERR_BACKEND``); ``error`` otherwise."""
-        if isinstance(error, PeerLostError) or self.peer == self._comm.rank or not isinstance(error, TransferError):
+        if isinstance(error, PeerLostError) or self.peer == self._runtime.rank or not isinstance(error, TransferError):
             return error
-        reason = self._comm._liveness.lost(self.peer, fresh=True)
+        reason = self._runtime.peer_lost(self.peer, fresh=True)
         if reason is None:
             return error
         return PeerLostError(f"{call}: the {self.op.value} to rank {self.peer} over {self.transport} failed: rank "
                              f"{self.peer} is gone ({reason}); backend said: {error}")
 
     def _wait_on_stream(self, stream: torch.cuda.Stream, timeout: float | None) -> None:
-        stream_timeout_s = self._comm._timeout(timeout)  # rejects a bad timeout on every transport
+        stream_timeout_s = self._runtime.timeout(timeout)  # rejects a bad timeout on every transport
         if self._request is None:
             return
         if self._stream_ordered:
@@ -475,7 +473,7 @@ class Transfer(Closeable):
 
     def _watch(self, poll) -> None:
         """Have the progress thread poll ``poll`` (until it returns True or this transfer closes)."""
-        engine = self._comm._engine
+        engine = self._runtime.engine
         self._watches = engine.still_watched(self._watches) + [poll]  # forget finished ones
         engine.watch(poll, on_error=self._keep_error)
 
@@ -485,8 +483,8 @@ class Transfer(Closeable):
 
     def _host_words(self):
         if self._words is None:
-            self._words = self._comm._transfer_words.take()
-            self._comm._stream_waiters.add(self)
+            self._words = self._runtime.transfer_words.take()
+            self._runtime.stream_waiters.add(self)
         return self._words
 
     def _release_stream_waits(self) -> bool:
@@ -514,7 +512,7 @@ class Transfer(Closeable):
             )
         # Not tied to this handle's lifetime: the copy's event outlives close(), and so does the message.
         backend, request = self._backend, self._request
-        self._comm._notify_when(self.peer, self._notify, lambda: backend.status(request) is Status.DONE)
+        self._runtime.outbox.send_after(self.peer, self._notify, lambda: backend.status(request) is Status.DONE)
 
     # --- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -532,13 +530,13 @@ class Transfer(Closeable):
         self.closed = True
         self._post_call, self._state = None, None
         request, self._request = self._request, None
-        self._comm._forget_transfer(self)
+        self._runtime.transfers.discard(self)
         if request is None:
             return
-        engine = self._comm._engine
+        engine = self._runtime.engine
         watches = engine.still_watched(self._watches)
         if not watches:
-            self._comm._deadlines.disarm((self, "ring check"))  # nothing in flight, no ring to serve
+            self._runtime.deadlines.disarm((self, "ring check"))  # nothing in flight, no ring to serve
             self._backend.release(request)
             return
         # A stream may still be waiting on this transfer (wait(stream=), a doorbell a graph rings): let the
@@ -556,14 +554,14 @@ class Transfer(Closeable):
         engine.watch(release_when_drained)
 
     def _finish_in_flight(self) -> None:
-        backend, request, comm = self._backend, self._request, self._comm
+        backend, request, runtime = self._backend, self._request, self._runtime
         what = (f"close: the {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport} "
                 "in flight")
         try:
-            wait_until(lambda: backend.status(request) is not Status.IN_PROGRESS, comm.timeout_s, lambda: what,
-                       comm.config, comm._alive(self.peer, what))
+            wait_until(lambda: backend.status(request) is not Status.IN_PROGRESS, runtime.timeout_s, lambda: what,
+                       runtime.config, runtime.alive(self.peer, what))
         except WaitTimeoutError:
-            warn_from_progress_thread(f"tensorwire: {what} did not complete within {comm.timeout_s:.3g}s; it was "
+            warn_from_progress_thread(f"tensorwire: {what} did not complete within {runtime.timeout_s:.3g}s; it was "
                                       "released, and bytes may still land: close transfers after wait()")
         except Exception:  # noqa: BLE001 - failed or the peer is gone: nothing more lands
             pass
@@ -582,7 +580,7 @@ class Transfer(Closeable):
     def _check_open(self, fn: str) -> None:
         if self.closed:
             raise ClosedError(f"{fn}: the transfer is closed; prepare a new one with comm.prepare(...)")
-        self._comm._check_open(fn)
+        self._runtime.check_open(fn)
         if self._stuck is not None:
             raise self._stuck.with_traceback(None)  # the same error each time: do not let its traceback grow
         if self._async_error is not None:

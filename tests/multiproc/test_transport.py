@@ -246,7 +246,7 @@ def _stream_completions_published_per_post(rounds: int):
                             assert time.monotonic() < deadline, f"round {round_}: done_seq never reached it"
                             time.sleep(1e-4)
                         seen.append(int(buffer[n:].sum(dtype=torch.int64)))  # what a consumer would read
-                    while comm._engine.still_watched(x._watches):  # close() would record CUDA events otherwise
+                    while comm._runtime.engine.still_watched(x._watches):  # close() would record CUDA events otherwise
                         time.sleep(1e-3)
             comm.barrier(WAIT)
     return seen, waits
@@ -345,7 +345,7 @@ def _stream_waits_are_bounded():
                     x.post()  # no stream waits for this one: round 4's short timeout must not cut it short
                     x.wait(WAIT)
                     seen["cpu_wait_after_timeout"] = landed()
-                    _until(lambda: not comm._engine.still_watched(x._watches), "watches outlived the READ")
+                    _until(lambda: not comm._runtime.engine.still_watched(x._watches), "watches outlived the READ")
 
                 with comm.prepare(tw.READ, local, remote, transport="nixl") as z:  # one wait per stream post
                     z._words = stores["words"] = words = _HostWords()
@@ -449,7 +449,7 @@ def _stream_waits_released_while_progress_is_stuck():
                     # The progress thread is still held: a CPU post's stream wait, then a ring it never picks up.
                     seen["wait_released_while_stuck"] = released_while_stuck(post_on_stream=False)
                     seen["unpicked_ring_released_while_stuck"] = released_while_stuck(post_on_stream=True)
-                    comm._notification_words = stores["words"] = words = _HostWords()
+                    comm._notifications._words = stores["words"] = words = _HostWords()
                     comm.wait_notification(1, stream=_SideStream(), timeout=0.2)
                     comm.wait_notification(1, stream=_SideStream(), timeout=60)  # must not stretch the first
                     _until(lambda: words.values[1] == 1, "a notification's stream wait was never released")
