@@ -42,7 +42,7 @@ class Runtime:
         self.liveness = liveness
         self.engine = ProgressEngine(config)
         self.deadlines = Deadlines()
-        self.transfer_words = cuda.HostWordSlabs(4)
+        self.transfer_words = cuda.HostWordSlabs(4)  # stream_completion's three words and a spare
         self.stream_waiters: weakref.WeakSet = weakref.WeakSet()
         self.transfers: weakref.WeakSet = weakref.WeakSet()
         self.outbox = Outbox(self.engine, send)
