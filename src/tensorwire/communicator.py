@@ -101,6 +101,7 @@ class Communicator:
         self._peers = Peers(self._runtime, self._rendezvous, self._backends, self._nixl, host_identity(),
                             lambda: (self._local_map.descs(), self._epoch))
         self._notifications = Notifications(self._runtime, self._inbox, self.world_size)
+        self._runtime.stream_waiters.add(self._notifications)
         self._revocations = Revocations(self._runtime, self._inbox, self._nixl, self._peers)
         self._inbox.open_channel(REVOCATION_CHANNEL, self._revocations.handle)
         self._rendezvous.between_polls = self._revocations.pump  # a rank in a barrier answers revocations too
@@ -396,7 +397,7 @@ class Communicator:
             attempt(registration.close)
         attempt(self._publish_memory_map)  # peers see every range gone (revocation) before the agent goes
         self._runtime.closed = True
-        attempt(self._release_stream_waits)
+        attempt(self._runtime.release_stream_waits)
         self._runtime.close(attempt)
         for backend in self._backends.values():
             attempt(backend.close)
@@ -411,21 +412,16 @@ class Communicator:
         if local:
             raise local[0]
 
-    def _release_stream_waits(self) -> None:
-        """Closing ends the progress thread: a GPU stream still waiting on a word it would have written
-        must not wait forever. Release every such word (and warn: the bytes those streams read are not
-        guaranteed)."""
-        pending = [t for t in self._runtime.stream_waiters if t._release_stream_waits()]
-        pending += self._notifications.release_stream_waits()
-        if pending:
-            warnings.warn(
-                f"tensorwire: close() released {len(pending)} stream wait(s) that were not complete; close the "
-                "communicator only after the GPU work that waits on its transfers has run", RuntimeWarning,
-                stacklevel=3,
-            )
-
     def __enter__(self) -> Communicator:
         return self
+
+    def __del__(self) -> None:
+        # Only a warning: closing is a departure the other ranks (and rank 0's store) wait for, which a
+        # finalizer must not block on; the process's exit releases what is left.
+        runtime = getattr(self, "_runtime", None)
+        if runtime is not None and not runtime.closed:
+            warnings.warn(f"tensorwire: rank {self.rank}'s Communicator was garbage-collected without close(); "
+                          "call comm.close() or use 'with tw.init() as comm'", ResourceWarning, stacklevel=2)
 
     def __exit__(self, *exc: object) -> None:
         self.close()
