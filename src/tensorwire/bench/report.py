@@ -25,6 +25,7 @@ from .p2p_records import (
     Record,
     format_size,
 )
+from .record import records_to_json
 
 __all__ = ["header", "comparisons", "summary", "format_report", "to_json"]
 
@@ -35,23 +36,23 @@ _ROW_ORDER = (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_GRAPH, TENSORWIRE_IN_PRO
 def _cases(records: list[Record]) -> dict[tuple[str, str, int], dict[str, Record]]:
     cases: dict[tuple[str, str, int], dict[str, Record]] = {}
     for r in records:
-        cases.setdefault((r.memory, r.op, r.size), {})[r.path] = r
+        cases.setdefault((r.memory, r.op, r.nbytes), {})[r.path] = r
     return cases
 
 
 def comparisons(records: list[Record]) -> list[dict[str, Any]]:
-    """Per (memory, op, size) and tensorwire row: its bandwidth over the copy's (higher is better) and its
-    time over raw NIXL's (lower is better)."""
+    """Per (memory, op, size) and tensorwire row: its bandwidth over the copy's (higher is better: the
+    record's ``ratio``, its reference being the copy) and its time over raw NIXL's (lower is better)."""
     out = []
     for (memory, op, size), paths in _cases(records).items():
-        raw, copy = paths.get(RAW), paths.get(COPY)
+        raw = paths.get(RAW)
         for name in TENSORWIRE_PATHS:
             tw = paths.get(name)
             if tw is None:
                 continue
             out.append({
                 "memory": memory, "op": op, "size": size, "path": name, "transport": tw.transport,
-                "bw_vs_copy": tw.gbps / copy.gbps if copy else None,
+                "bw_vs_copy": tw.ratio if tw.reference == COPY else None,
                 "time_vs_raw": tw.median_us / raw.median_us if raw else None,
             })
     return out
@@ -215,7 +216,7 @@ def to_json(result: BenchResult, head: dict[str, Any], config: BenchConfig) -> d
             "ucx_version": result.ucx_version,
             "during_run": result.others,
         },
-        "records": [asdict(r) for r in result.records],
+        "records": records_to_json(result.records),
         "comparisons": comparisons(result.records),
         "idle": result.idle,
         "wait_returns": result.wait_returns,
