@@ -133,6 +133,22 @@ def _gpu_latency_lines(cases: dict[tuple[str, str, int], dict[str, Record]]) -> 
 
 def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig) -> str:
     """The aligned table, the idle line and, last, the summary lines."""
+    out = _setup_lines(result, head, config) + [""] + _table_lines(result.records)
+    out += [
+        "",
+        "  BW/copy = tensorwire GB/s / copy GB/s (higher is better); time/raw = tensorwire µs / raw nixl µs",
+        "  (lower is better); GB/s = 1e9 bytes/s at the median; via = the transport that moved the bytes",
+    ]
+    out += _conditions_lines(result)
+    out.append("")
+    for line in summary(result):
+        tag = {True: "[ok]  ", False: "[MISS]", None: "[n/a] "}[line["ok"]]
+        out.append(f"{tag} {line['text']}")
+    return "\n".join(out)
+
+
+def _setup_lines(result: BenchResult, head: dict[str, Any], config: BenchConfig) -> list[str]:
+    """What ran where: the machine, the software, how each path and the timing were done (wrapped)."""
     v = head["versions"]
     budget = config.budget
     timing = (f"{budget.iters} calls" if budget.iters else f">= {budget.min_reps} calls and >= {budget.time_s:g} s")
@@ -150,11 +166,15 @@ def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig
          "threads in the JSON as copy-mt); GPU: CUDA events, each chunk of calls queued before the GPU starts it"),
         f"  timing      {budget.warmup_s:g} s warm-up, then {timing}; each call timed alone; median, p10, p90",
     ]
-    out = [textwrap.fill(line, 116, subsequent_indent=" " * 14) for line in out] + [""]
+    return [textwrap.fill(line, 116, subsequent_indent=" " * 14) for line in out]
+
+
+def _table_lines(records: list[Record]) -> list[str]:
+    """One row per path, grouped by (memory, op, size) with a blank line between groups; columns aligned."""
     columns = ["memory", "op", "size", "path", "via", "median µs", "p10 µs", "p90 µs", "GB/s", "BW/copy", "time/raw"]
     rows = [columns]
-    ratios = {(c["memory"], c["op"], c["size"], c["path"]): c for c in comparisons(result.records)}
-    for (memory, op, size), paths in _cases(result.records).items():
+    ratios = {(c["memory"], c["op"], c["size"], c["path"]): c for c in comparisons(records)}
+    for (memory, op, size), paths in _cases(records).items():
         first = True
         for path in _ROW_ORDER:
             r = paths.get(path)
@@ -169,16 +189,18 @@ def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig
             ])
             first = False
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    out = []
     for n, row in enumerate(rows):
         if n > 1 and row[0]:
             out.append("")  # a blank line between (memory, op, size) groups
         out.append("  ".join(cell.ljust(w) if i < 5 else cell.rjust(w)
                              for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
-    out += [
-        "",
-        "  BW/copy = tensorwire GB/s / copy GB/s (higher is better); time/raw = tensorwire µs / raw nixl µs",
-        "  (lower is better); GB/s = 1e9 bytes/s at the median; via = the transport that moved the bytes",
-    ]
+    return out
+
+
+def _conditions_lines(result: BenchResult) -> list[str]:
+    """What else used the machine meanwhile, and the idle communicator's CPU per rank."""
+    out = []
     other, steal = result.others.get("other_cores"), result.others.get("steal_cores")
     if other is not None:
         disturbed = other >= 0.1 or steal >= 0.1
@@ -189,11 +211,7 @@ def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig
         per_rank = ", ".join(f"rank {i['rank']} {i['cores']:.3f}" for i in result.idle)
         out.append(f"  idle CPU: {per_rank} cores over {result.idle[0]['wall_s']:.1f} s "
                    f"(connected communicator, {format_size(IDLE_BYTES)} registered)")
-    out.append("")
-    for line in summary(result):
-        tag = {True: "[ok]  ", False: "[MISS]", None: "[n/a] "}[line["ok"]]
-        out.append(f"{tag} {line['text']}")
-    return "\n".join(out)
+    return out
 
 
 def _revision_text(source: dict[str, Any] | None) -> str:
