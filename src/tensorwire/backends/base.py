@@ -18,7 +18,7 @@ import torch
 from ..descriptors import MemoryKind
 
 __all__ = ["Op", "Status", "Segment", "Capabilities", "BackendInfo", "Backend", "Poster", "StreamOrderedRequest",
-           "StreamOrderedCompletion"]
+           "StreamOrderedCompletion", "SameProcessMemory"]
 
 
 class Op(enum.Enum):
@@ -92,6 +92,26 @@ class StreamOrderedCompletion:
 
     def notifications(self) -> list[tuple[int, bytes]]:
         return []
+
+
+class SameProcessMemory:
+    """The registration half of a backend that reaches ranges of this very process only: nothing to register
+    or publish, and every range the communicator checked against this process's own map is reachable."""
+
+    def register(self, segment: Segment) -> None:
+        return None
+
+    def deregister(self, handle: None) -> None:
+        pass
+
+    def metadata(self) -> bytes:
+        return b""
+
+    def load_peer(self, rank: int, metadata: bytes) -> None:
+        pass
+
+    def reaches(self, peer: int, remote: list[Segment]) -> bool:
+        return True
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from .. import cuda
 from ..descriptors import MemoryKind
 from ..errors import WaitTimeoutError
-from .base import BackendInfo, Capabilities, Op, Segment, Status
+from .base import BackendInfo, Capabilities, Op, SameProcessMemory, Segment, Status
 from .block_copy import BlockLayout, HostBlockRequest, copy_request
 
 __all__ = ["FakeBackend", "HostStream", "HostGraph", "HostEvent", "hold", "fail", "info"]
@@ -78,27 +78,12 @@ class _Request:
         return self.blocks.bindings
 
 
-class FakeBackend:
+class FakeBackend(SameProcessMemory):
     """The ``Backend`` protocol over host ranges of this process, completed at the first poll after a post."""
 
     name = "fake"
     capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.CPU}), remote=False, stream_ordered=False,
                                 same_process=True)
-
-    def register(self, segment: Segment) -> None:
-        return None  # the communicator's memory map is all it needs
-
-    def deregister(self, handle: None) -> None:
-        pass
-
-    def metadata(self) -> bytes:
-        return b""
-
-    def load_peer(self, rank: int, metadata: bytes) -> None:
-        pass
-
-    def reaches(self, peer: int, remote: list[Segment]) -> bool:
-        return True  # the communicator checked the ranges against this process's own map
 
     def prepare(self, op: Op, local: list[Segment], remote: list[Segment], peer: int, notify: bytes | None) -> _Request:
         pairs = zip(remote, local) if op is Op.READ else zip(local, remote)  # (source, destination)

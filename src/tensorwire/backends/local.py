@@ -18,7 +18,16 @@ import torch
 
 from .. import cuda
 from ..descriptors import MemoryKind
-from .base import BackendInfo, Capabilities, Op, Segment, Status, StreamOrderedCompletion, StreamOrderedRequest
+from .base import (
+    BackendInfo,
+    Capabilities,
+    Op,
+    SameProcessMemory,
+    Segment,
+    Status,
+    StreamOrderedCompletion,
+    StreamOrderedRequest,
+)
 from .block_copy import BLOCK_COPY_REQUESTS, BlockLayout, copy_request
 
 __all__ = ["LocalBackend", "info"]
@@ -35,7 +44,7 @@ class _Request(StreamOrderedRequest):
     copies: list[tuple[int, int, int]] | None = None  # the pairs as cuMemcpyAsync pieces, when cuda-python is there
 
 
-class LocalBackend(StreamOrderedCompletion):
+class LocalBackend(SameProcessMemory, StreamOrderedCompletion):
     """The ``Backend`` protocol for ranges of this very process."""
 
     name = "local"
@@ -44,21 +53,6 @@ class LocalBackend(StreamOrderedCompletion):
 
     def __init__(self, view: Callable[[Segment], torch.Tensor]) -> None:
         self._view = view  # resolves a registered segment of this process to a uint8 tensor
-
-    def register(self, segment: Segment) -> None:
-        return None  # the communicator's memory map is all this backend needs
-
-    def deregister(self, handle: None) -> None:
-        pass
-
-    def metadata(self) -> bytes:
-        return b""
-
-    def load_peer(self, rank: int, metadata: bytes) -> None:
-        pass
-
-    def reaches(self, peer: int, remote: list[Segment]) -> bool:
-        return True  # the communicator checked the ranges against this process's own map
 
     def prepare(self, op: Op, local: list[Segment], remote: list[Segment], peer: int, notify: bytes | None) -> _Request:
         sources, destinations = (remote, local) if op is Op.READ else (local, remote)
