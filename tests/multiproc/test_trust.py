@@ -26,9 +26,10 @@ import tensorwire as tw
 from tensorwire import config
 from tensorwire.backends.base import Op, Segment
 from tensorwire.backends.shm import _EXPORT, ShmBackend
-from tensorwire.bootstrap import _listen_socket, seal, unseal
 from tensorwire.descriptors import MemoryKind, TensorDesc
 from tensorwire.memory_map import MemoryMap, host_identity, typed_decoding
+from tensorwire.sealing import seal, unseal
+from tensorwire.store_sockets import listen_socket
 from tensorwire.testing.data import assert_equal, rank_values, sentinel
 from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch
 
@@ -310,11 +311,11 @@ def test_a_malformed_shm_path_is_refused_at_load():
 
 # --- the store's socket ----------------------------------------------------------------------------
 def test_the_store_socket_is_bound_to_master_addr():
-    listener, why_not = _listen_socket("127.0.0.1", 0)
+    listener, why_not = listen_socket("127.0.0.1", 0)
     try:
         assert why_not == "" and listener.getsockname()[0] == "127.0.0.1"
         with pytest.raises(tw.InvalidArgumentError, match="EADDRINUSE"):
-            _listen_socket("127.0.0.1", listener.getsockname()[1])
+            listen_socket("127.0.0.1", listener.getsockname()[1])
     finally:
         listener.close()
 
