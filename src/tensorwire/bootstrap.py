@@ -25,10 +25,11 @@ import socket
 import time
 import warnings
 from collections.abc import Callable, Iterable
+from typing import NoReturn
 
 import torch.distributed as dist
 
-from .deadlines import Deadlines
+from .deadlines import CallThread, Deadlines
 
 # resolve_environment is imported from here by communicator.py and bench/p2p_rank.py.
 from .environment import Environment, hostname, resolve_environment
@@ -71,6 +72,7 @@ class Rendezvous:
         self.between_polls: Callable[[], None] | None = None  # run while a wait sleeps (the inbox's pump)
         self._store_sockets: list[socket.socket] = []  # our client connection(s) to the store, to cut a stuck call
         self._watchdog = Deadlines()  # cuts a store call that outlives its bound (torch's own timeout does not)
+        self._calls: CallThread | None = None  # the store calls, where no socket of ours can be cut (see _call)
         if token is None and env.world_size > 1:
             _warn_once("unauthenticated", (
                 "tensorwire: this job is unauthenticated (TENSORWIRE_JOB_TOKEN is not set): any process that reaches "
@@ -80,6 +82,8 @@ class Rendezvous:
             before = socket_fds()
             store = self._connect()
             self._store_sockets = store_client_sockets(before, store.port)
+        if not self._store_sockets:  # a store passed to init, or no /proc here
+            self._calls = CallThread("tensorwire-store-calls")
         self._raw = store
         self.store = dist.PrefixStore("tensorwire/", store)
         self._barrier_generation = 0
@@ -199,6 +203,8 @@ class Rendezvous:
         """Local: stop watching peers (they learn at once that this rank is gone) and the call watchdog."""
         self.liveness.close()
         self._watchdog.close()
+        if self._calls is not None:
+            self._calls.close()
 
     # --- ranks ----------------------------------------------------------------------------------
     def _claim_rank(self) -> None:
@@ -293,43 +299,65 @@ class Rendezvous:
 
     def _call(self, fn, what: str, timeout_s: float | None = None):
         """Run one store call, bounded: torch's client blocks forever in ``add``/``check``/``compare_set`` (and
-        after the timeout of ``get``/``wait``) when the store's host stops answering. A watchdog shuts our
-        connection down once the call outlives ``liveness_s`` (``timeout_s + liveness_s`` for a wait), which
-        makes the blocked call return; the store then counts as lost."""
+        after the timeout of ``get``/``wait``) when the store's host stops answering. Past ``liveness_s``
+        (``timeout_s + liveness_s`` for a wait) the store counts as lost and the call raises ``PeerLostError``,
+        as does every later one.
+
+        On our own ``TCPStore`` a watchdog shuts our connection down, which makes the blocked call return. A
+        store passed to ``init`` has no connection we can find (nor one we may shut: the user's own calls use
+        it), so its calls run on a thread of their own (``CallThread``) that the caller stops waiting for. The
+        trade-off: a call past its bound is abandoned, not ended: that thread stays blocked in it (a daemon), the
+        store object is left to its owner in whatever state that call leaves it, and a late answer is never read
+        (which is why the store then counts as lost); each call pays a hand-off between two threads (tens of
+        microseconds, on ``prepare``'s store round trip, not on ``post``/``wait``)."""
         if self._lost is not None:
             raise PeerLostError(f"{what}: {self._lost}")
-        key = None
-        if self._store_sockets:
-            key = object()
-            bound = self.liveness_s + (timeout_s or 0.0)
-            self._watchdog.arm(key, time.monotonic() + bound, lambda: self._cut(f"no answer within {bound:.3g}s"))
+        bound = self.liveness_s + (timeout_s or 0.0)
+        if self._calls is not None:
+            try:
+                return self._calls.run(fn, bound)
+            except TimeoutError as e:
+                if self._lost is None:
+                    self._lost = f"{self._store_name()} gave no answer within {bound:.3g}s; it is stuck or gone"
+                raise PeerLostError(f"{what}: {self._lost}") from e
+            except Exception as e:  # noqa: BLE001 - torch's store raises DistStoreError/DistNetworkError/RuntimeError
+                self._raise_typed(e, what, timeout_s)
+        key = object()
+        self._watchdog.arm(key, time.monotonic() + bound, lambda: self._cut(f"no answer within {bound:.3g}s"))
         try:
             return fn()
-        except Exception as e:  # noqa: BLE001 - torch's store raises DistStoreError/DistNetworkError/RuntimeError
-            text = str(e)
-            if self._lost is not None:
-                raise PeerLostError(f"{what}: {self._lost}") from e
-            if isinstance(e, getattr(dist, "DistNetworkError", ())) or "Connection" in text or "Broken pipe" in text \
-                    or "connection" in text:
-                self._lost = (f"lost the store hosted by rank 0 at {self.env.master_addr}:{self.env.master_port} "
-                              f"({text.splitlines()[0] if text else type(e).__name__})")
-                raise PeerLostError(f"{what}: {self._lost}") from e
-            if "imeout" in text or "timed out" in text:
-                seconds = self.timeout_s if timeout_s is None else timeout_s
-                raise WaitTimeoutError(
-                    f"{what}: not done after {seconds:.3g}s; a peer may be slow, stuck or dead. "
-                    "Pass a larger timeout= or check the other ranks"
-                ) from e
-            raise
+        except Exception as e:  # noqa: BLE001 - as above
+            self._raise_typed(e, what, timeout_s)
         finally:
-            if key is not None:
-                self._watchdog.disarm(key)
+            self._watchdog.disarm(key)
+
+    def _raise_typed(self, e: Exception, what: str, timeout_s: float | None) -> NoReturn:
+        """Raise what a failed store call means: ``PeerLostError`` once the connection is gone (cut by the
+        watchdog, or broken), ``WaitTimeoutError`` for the store's own timeout, else ``e`` itself."""
+        text = str(e)
+        if self._lost is not None:
+            raise PeerLostError(f"{what}: {self._lost}") from e
+        if isinstance(e, getattr(dist, "DistNetworkError", ())) or "Connection" in text or "Broken pipe" in text \
+                or "connection" in text:
+            self._lost = f"lost {self._store_name()} ({text.splitlines()[0] if text else type(e).__name__})"
+            raise PeerLostError(f"{what}: {self._lost}") from e
+        if "imeout" in text or "timed out" in text:
+            seconds = self.timeout_s if timeout_s is None else timeout_s
+            raise WaitTimeoutError(
+                f"{what}: not done after {seconds:.3g}s; a peer may be slow, stuck or dead. "
+                "Pass a larger timeout= or check the other ranks"
+            ) from e
+        raise e
+
+    def _store_name(self) -> str:
+        if self._owns_store:
+            return f"the store hosted by rank 0 at {self.env.master_addr}:{self.env.master_port}"
+        return "the store passed to init (store=)"
 
     def _cut(self, why: str) -> None:
         """The watchdog: the store did not answer in time. Shut our connection down (the blocked call returns
         with an error) and remember why; runs on the watchdog's thread."""
-        self._lost = (f"the store hosted by rank 0 at {self.env.master_addr}:{self.env.master_port} gave "
-                      f"{why}; its host is gone or the link to it is cut")
+        self._lost = f"{self._store_name()} gave {why}; its host is gone or the link to it is cut"
         for sock in self._store_sockets:
             try:
                 sock.shutdown(socket.SHUT_RDWR)

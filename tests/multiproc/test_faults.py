@@ -233,23 +233,28 @@ STORE_CALLS = {
 }
 
 
+@pytest.mark.parametrize("whose", ["own", "user"])
 @pytest.mark.parametrize("call", sorted(STORE_CALLS))
-def test_every_store_call_is_bounded_when_the_store_stops_answering(call):
+def test_every_store_call_is_bounded_when_the_store_stops_answering(call, whose):
     """torch's client blocks forever in add/check/compare_set (and after the timeout of get/wait) when the
-    store's host goes silent; tensorwire's calls end with PeerLostError within the liveness bound, and leave
-    no thread blocked behind."""
+    store's host goes silent; tensorwire's calls end with PeerLostError within the liveness bound, on its own
+    TCPStore and on a store passed to init (``store=``) alike. On its own store no thread is left blocked behind;
+    a user's store keeps its one call thread blocked in the abandoned call (started before: not counted)."""
     server = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
     rank0_alive = socket.create_server(("127.0.0.1", 0))  # rank 0's liveness listener, for rank 1 to watch
     server.set("tensorwire//alive/0", f"127.0.0.1 {rank0_alive.getsockname()[1]}".encode())
     proxy = _SilentProxy(("127.0.0.1", server.port))
     env = Environment(1, 2, 1, 2, "127.0.0.1", proxy.port, "none")
+    user_store = None
+    if whose == "user":
+        user_store = dist.TCPStore("127.0.0.1", proxy.port, 2, False, timeout=datetime.timedelta(seconds=30))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # unauthenticated
-        rendezvous = Rendezvous(env, 30.0, liveness_s=1.0)
+        rendezvous = Rendezvous(env, 30.0, user_store, liveness_s=1.0)
     threads_before = threading.active_count()
     proxy.silent.set()
     name, seconds = raises_after(lambda: STORE_CALLS[call](rendezvous), tw.PeerLostError)
-    print(f"\n{call}: {name} after {seconds:.2f}s")
+    print(f"\n{call} on the {whose} store: {name} after {seconds:.2f}s")
     assert seconds < 1.0 + 10.0
     assert threading.active_count() <= threads_before, "a thread was left blocked in the store call"
     raises_after(lambda: rendezvous.check("key"), tw.PeerLostError)  # at once from now on
