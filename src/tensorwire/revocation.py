@@ -5,8 +5,8 @@ Protocol (notifications on the channel ``b"twrev"``; the owner is the rank that 
 
 1. The owner publishes its memory map without the ranges (a new ``prepare`` of them fails).
 2. It sends ``R <epochs>`` to every rank that may hold a transfer to them: every rank it has a liveness
-   connection with (each rank that prepared a transfer to this one connected to it) or whose NIXL metadata it
-   loaded.
+   connection with, or that opened one (each rank that prepared a transfer to this one connected to it first;
+   ``Liveness.peers``), or whose NIXL metadata it loaded.
 3. A rank handles ``R`` when it next pumps its notifications (any wait that sleeps: transfer waits,
    ``wait_notification``, ``prepare``; the progress thread's notification watches). Every transfer of it to
    those epochs is failed (``RevokedError`` from every later call: its CPU post never reaches the backend, and
