@@ -384,3 +384,78 @@ def test_deregistering_memory_revokes_the_peers_prepared_transfers():
     assert untouched, "the peer's WRITE landed in memory its owner had deregistered"
     assert released, "the owner still holds the memory although the peer answered the revocation"
     assert close_s < BOUND_S
+
+
+# --- revocation: a holder that does not call into tensorwire ---------------------------------------------
+def _wait_for_file(path: str) -> None:
+    """Sleep, outside tensorwire, until ``path`` exists: a rank busy elsewhere."""
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.02)
+
+
+def _pumping_wait(comm, seconds: float) -> None:
+    """A wait of the owner that sleeps (so it pumps its notifications) and involves no other rank."""
+    try:
+        comm.lookup("never-published", comm.rank, timeout=seconds)
+    except tw.WaitTimeoutError:
+        pass
+
+
+def _silent_holder(directory: str, then: str):
+    """Rank 1 prepares a WRITE to rank 0's memory and then stops calling into tensorwire; rank 0 deregisters the
+    memory. Rank 1 later comes back (``then="returns"``: a wait of it handles the revocation) or is killed."""
+    comm = tw.init(timeout=60)
+    owner, n = 0, 1 << 12
+    if comm.rank != owner:
+        src = rank_values(1, n, torch.int64)
+        comm.register(src)
+        x = comm.prepare(tw.WRITE, src, comm.lookup("target", owner, timeout=WAIT))
+        x.post()
+        x.wait(timeout=WAIT)
+        comm.barrier(timeout=WAIT)
+        _wait_for_file(os.path.join(directory, "come-back"))
+        if then == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        _pumping_wait(comm, 1.0)  # handles the revocation, answers
+        error = raises_after(lambda: (x.post(), x.wait(timeout=WAIT)), tw.RevokedError)[0]
+        comm.barrier(timeout=WAIT)
+        comm.close()
+        return error
+    target = torch.full((n,), -7, dtype=torch.int64)
+    reg = comm.register(target)
+    comm.publish("target", reg.descs)
+    comm.barrier(timeout=WAIT)  # rank 1 has prepared and posted once; from now on it is silent
+    t0 = time.monotonic()
+    reg.close()
+    close_s = time.monotonic() - t0
+    _pumping_wait(comm, 2 * LIVENESS_S)
+    kept_while_silent = comm._revocations.quarantined() == 1
+    with open(os.path.join(directory, "come-back"), "w"):
+        pass
+    t0 = time.monotonic()
+    while comm._revocations.quarantined() and time.monotonic() - t0 < BOUND_S:
+        _pumping_wait(comm, 0.2)
+    released_s = time.monotonic() - t0 if not comm._revocations.quarantined() else None
+    if then == "returns":
+        comm.barrier(timeout=WAIT)
+    comm.close()
+    return close_s, kept_while_silent, released_s
+
+
+@pytest.mark.parametrize("then", ["returns", "killed"])
+def test_a_silent_holder_keeps_deregistered_memory_quarantined_until_it_answers_or_dies(tmp_path, then):
+    """The owner's deregistration never blocks on a holder that does not call into tensorwire; the memory stays
+    quarantined (not freed: the holder's prepared WRITE could still land) while the holder is alive and silent,
+    and is released by the owner's own waits once the holder answers or is gone, without another deregistration
+    (a dead holder is noticed within the liveness bound)."""
+    results = launch(_silent_holder, 2, str(tmp_path), then, env=ENV, may_die=(1,) if then == "killed" else ())
+    (close_s, kept_while_silent, released_s), holder = results
+    print(f"\nowner's close {close_s:.3f}s; released {released_s}s after the holder {then}; holder: {holder}")
+    assert close_s < BOUND_S
+    assert kept_while_silent, "the owner released memory a silent holder still had a prepared WRITE to"
+    assert released_s is not None, f"the quarantine outlived the holder's {then} by {BOUND_S}s"
+    if then == "returns":
+        assert holder == "RevokedError", holder
