@@ -112,12 +112,6 @@ def transfer_rows(rows: list[ProtoRow]) -> list[ProtoRow]:
 
 
 # --- the 2-process probe ----------------------------------------------------------------------------
-def _record(workdir: str, rank: int, step: str, ok: bool, detail: str) -> None:
-    """Append one step to this rank's log; written at once so a crash still leaves what came before."""
-    with open(os.path.join(workdir, f"steps.{rank}.jsonl"), "a") as log:
-        log.write(json.dumps({"step": step, "ok": ok, "detail": detail}) + "\n")
-
-
 def _flush_c_stdio() -> None:
     """UCX writes its log with C stdio; ``launch`` ends ranks with ``os._exit``, which would drop the buffer."""
     try:
@@ -134,20 +128,26 @@ def _move(comm, op, local, remote, transport: str | None) -> str:
         return transfer.transport
 
 
-class _Steps:
-    """The probe's step in progress on one rank, so that a failure is recorded under the step it happened in."""
+class _StepLog:
+    """One rank's log of the probe's steps (``steps.<rank>.jsonl`` in ``workdir``), appended at once so that a
+    crash still leaves what came before; ``current`` is the step in progress, under which a failure is logged."""
 
     def __init__(self, workdir: str, rank: int) -> None:
-        self.workdir, self.rank, self.current = workdir, rank, "init"
+        self.path, self.current = os.path.join(workdir, f"steps.{rank}.jsonl"), "init"
 
-    def begin(self, name: str) -> None:
-        self.current = name
+    def record(self, ok: bool, detail: str, step: str | None = None) -> None:
+        with open(self.path, "a") as log:
+            log.write(json.dumps({"step": step or self.current, "ok": ok, "detail": detail}) + "\n")
 
-    def done(self, detail: str) -> None:
-        _record(self.workdir, self.rank, self.current, True, detail)
+    def check_bytes(self, step: str, got, expected, sender: int) -> None:
+        from .testing.data import first_mismatch
 
-    def failed(self, error: BaseException) -> None:
-        _record(self.workdir, self.rank, self.current, False, f"{type(error).__name__}: {error}")
+        index = first_mismatch(got, expected)
+        if index is None:
+            self.record(True, f"all {got.numel()} bytes from rank {sender} are right", step)
+        else:
+            self.record(False, f"byte {index} of {got.numel()} differs (got {int(got[index])}, rank {sender} holds "
+                        f"{int(expected[index])}): the transfer reported success but moved the wrong bytes", step)
 
 
 def _probe_rank(memory: str, workdir: str, quiet: bool, timeout_s: float) -> None:
@@ -162,30 +162,30 @@ def _probe_rank(memory: str, workdir: str, quiet: bool, timeout_s: float) -> Non
 
     if quiet:
         quiet_nixl_logging()
-    steps = _Steps(workdir, int(os.environ.get("RANK", "0")))
+    steps = _StepLog(workdir, int(os.environ.get("RANK", "0")))
     try:
         comm = tw.init(timeout=timeout_s)
-        steps.done(f"{comm!r}")
+        steps.record(True, f"{comm!r}")
         registration, buffer, remote = _probe_buffer(comm, memory, steps)
         if comm.rank == 0:
             _probe_transfers(comm, memory, buffer, remote, steps)
-        steps.begin("barrier")
+        steps.current = "barrier"
         comm.barrier()
         if comm.rank == 1:
             n, peer = _PROBE_BYTES, 1 - comm.rank
-            _check_bytes(workdir, comm.rank, "WRITE bytes", buffer[n:], rank_pattern(n, peer, buffer.device), peer)
+            steps.check_bytes("WRITE bytes", buffer[n:], rank_pattern(n, peer, buffer.device), peer)
         comm.barrier()
-        steps.begin("close")
+        steps.current = "close"
         registration.close()
         comm.close()
     except BaseException as e:  # recorded for the report, then re-raised so launch stops all ranks
-        steps.failed(e)
+        steps.record(False, f"{type(e).__name__}: {e}")
         raise
     finally:
         _flush_c_stdio()
 
 
-def _probe_buffer(comm, memory: str, steps: _Steps):
+def _probe_buffer(comm, memory: str, steps: _StepLog):
     """Register ``[outbox | inbox]`` (the outbox holds this rank's pattern), publish it and look up the peer's;
     returns (registration, buffer, the peer's descriptor). Blocks until the peer has published."""
     import torch
@@ -198,9 +198,9 @@ def _probe_buffer(comm, memory: str, steps: _Steps):
     n = _PROBE_BYTES
     buffer = torch.zeros(2 * n, dtype=torch.uint8, device=device)  # [outbox | inbox]
     buffer[:n].copy_(rank_pattern(n, comm.rank, device))
-    steps.begin("register")
+    steps.current = "register"
     registration = comm.register(buffer)
-    steps.done(f"{2 * n} bytes on {device} as {'VRAM' if memory == 'cuda' else 'DRAM'}")
+    steps.record(True, f"{2 * n} bytes on {device} as {'VRAM' if memory == 'cuda' else 'DRAM'}")
     comm.publish("doctor", registration.descs)
     remote = comm.lookup("doctor", 1 - comm.rank)[0]
     if device.type == "cuda":
@@ -208,7 +208,7 @@ def _probe_buffer(comm, memory: str, steps: _Steps):
     return registration, buffer, remote
 
 
-def _probe_transfers(comm, memory: str, buffer, remote, steps: _Steps) -> None:
+def _probe_transfers(comm, memory: str, buffer, remote, steps: _StepLog) -> None:
     """Rank 0's transfers: READ the peer's outbox and WRITE this outbox into the peer's inbox over NIXL, and for
     CUDA memory READ again over tensorwire's choice of transport; checks the bytes READ. Blocking."""
     import torch
@@ -217,35 +217,23 @@ def _probe_transfers(comm, memory: str, buffer, remote, steps: _Steps) -> None:
 
     from .testing.data import rank_pattern
 
-    n, peer, device, workdir = _PROBE_BYTES, 1 - comm.rank, buffer.device, steps.workdir
-    steps.begin("READ")
+    n, peer, device = _PROBE_BYTES, 1 - comm.rank, buffer.device
+    steps.current = "READ"
     _move(comm, tw.READ, buffer[n:], remote.narrow(0, n), "nixl")
-    steps.done(f"{n} bytes from rank {peer} over nixl")
-    _check_bytes(workdir, comm.rank, "READ bytes", buffer[n:], rank_pattern(n, peer, device), peer)
-    steps.begin("WRITE")
+    steps.record(True, f"{n} bytes from rank {peer} over nixl")
+    steps.check_bytes("READ bytes", buffer[n:], rank_pattern(n, peer, device), peer)
+    steps.current = "WRITE"
     _move(comm, tw.WRITE, buffer[:n], remote.narrow(n, n), "nixl")
-    steps.done(f"{n} bytes to rank {peer} over nixl")
+    steps.record(True, f"{n} bytes to rank {peer} over nixl")
     if memory == "cuda":
-        steps.begin("default READ")
+        steps.current = "default READ"
         buffer[n:].zero_()
         torch.cuda.synchronize(device)
         chosen = _move(comm, tw.READ, buffer[n:], remote.narrow(0, n), None)
         torch.cuda.synchronize(device)  # a stream-ordered transport's copy is on the current stream
-        steps.done(chosen)
-        _check_bytes(workdir, comm.rank, f"READ over {chosen} (tensorwire's choice) bytes", buffer[n:],
-                     rank_pattern(n, peer, device), peer)
-
-
-def _check_bytes(workdir: str, rank: int, step: str, got, expected, sender: int) -> None:
-    from .testing.data import first_mismatch
-
-    index = first_mismatch(got, expected)
-    if index is None:
-        _record(workdir, rank, step, True, f"all {got.numel()} bytes from rank {sender} are right")
-    else:
-        _record(workdir, rank, step, False,
-                f"byte {index} of {got.numel()} differs (got {int(got[index])}, rank {sender} holds "
-                f"{int(expected[index])}): the transfer reported success but moved the wrong bytes")
+        steps.record(True, chosen)
+        steps.check_bytes(f"READ over {chosen} (tensorwire's choice) bytes", buffer[n:],
+                          rank_pattern(n, peer, device), peer)
 
 
 @dataclass
