@@ -349,4 +349,4 @@ def _broken(sock: socket.socket) -> str | None:
         return f"its connection failed: {errno.errorcode.get(e.errno, e.errno)}"
     if data == b"":
         return "its process closed the connection"
-    return None  # a peer never sends after the hello; stray bytes do not mean it is gone
+    return None  # a peer never sends after the handshake; stray bytes do not mean it is gone
