@@ -299,7 +299,7 @@ class BlockTransfer(Closeable):
         if len(local) == 0:
             self._empty = True
             if notify is not None:
-                self._pool._comm._notify_when(self.peer, bytes(notify), lambda: True)
+                self._core._runtime.outbox.send_after(self.peer, bytes(notify), lambda: True)
             return
         if stream is not None and not isinstance(local, torch.Tensor) and self._on_device:
             with torch.cuda.stream(stream):
@@ -326,7 +326,7 @@ class BlockTransfer(Closeable):
         stream wait. ``WaitTimeoutError`` after ``timeout`` seconds (default: the communicator's)."""
         self._check_open("wait")
         if self._empty:
-            self._pool._comm._timeout(timeout)  # still reject a bad timeout
+            self._core._runtime.timeout(timeout)  # still reject a bad timeout
             return
         self._core.wait(timeout, stream)
 

@@ -1,24 +1,15 @@
 """``init()`` and the ``Communicator``: the public surface of point-to-point tensorwire.
 
-A communicator owns its backends (NIXL always; CUDA IPC where CUDA and cuda-python are present; the
-same-process copy), the local memory map, this process's view of each peer's memory map, the
-notification inbox and the progress thread. Memory maps travel through the store lazily: a rank
-publishes its map (host identity, every backend's metadata, registered ranges, stamped with an epoch)
-whenever it registers or deregisters, and a rank loads a peer's map the first time it addresses a
-descriptor newer than the view it holds. No collective is needed to add a peer.
-
-Transport selection, per transfer (``Transfer.transport`` tells, ``prepare(transport=)`` overrides): the
-first transport of ``backends.registry.TRANSPORTS`` that reaches the peer: the peer is this rank -> ``local``;
-same host and GPU memory on both sides, exported through IPC -> ``cuda_ipc``; same host and host memory the
-peer keeps in a shared file -> ``shm``; otherwise -> ``nixl``.
+A communicator owns its backends (NIXL always; CUDA IPC where CUDA and cuda-python are present; shm;
+the same-process copy), the local memory map, its ``Peers`` (peers' memory maps, the transport choice: see
+``tensorwire.peers``), its ``Notifications`` and the ``Runtime`` every handle shares (progress and deadline
+threads, pinned words, timeouts). ``Transfer.transport`` tells which transport carries a transfer,
+``prepare(transport=)`` overrides the choice.
 """
 
 from __future__ import annotations
 
-import collections
 import math
-import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -30,24 +21,27 @@ from . import blocks as blocks_module
 from . import config as config_module
 from . import cuda
 from .backends import registry
-from .backends.base import Backend, Op, Segment, Status
+from .backends.base import Backend, Op, Segment
+from .backends.fake import FakeBackend
 from .backends.local import LocalBackend
 from .backends.nixl import NixlBackend
 from .backends.shm import ShmBackend
 from .blocks import BlockPool, BlockPoolDesc, BlockTransfer
 from .bootstrap import Rendezvous, resolve_environment
 from .descriptors import MemoryKind, TensorDesc
-from .errors import BackendUnavailableError, ClosedError, InvalidArgumentError, PeerLostError, WaitTimeoutError
-from .memory_map import MemoryMap, PeerView, host_identity, typed_decoding
-from .progress import Deadlines, Inbox, ProgressEngine, wait_until, warn_from_progress_thread
+from .errors import BackendUnavailableError, InvalidArgumentError, PeerLostError, WaitTimeoutError
+from .memory_map import host_identity
+from .notifications import Notifications
+from .peers import Peers
+from .progress import Inbox
 from .registration import LocalMemoryMap, Registration, as_tensor_list, segment_of
 from .revocation import CHANNEL as REVOCATION_CHANNEL
 from .revocation import Revocations
+from .runtime import Runtime
 from .transfer import Transfer
 
 __all__ = ["Communicator", "init"]
 
-_EPOCH_SLACK = 1 << 16  # a descriptor this far ahead of its rank's published map is refused without waiting
 
 def init(
     *,
@@ -98,44 +92,34 @@ class Communicator:
         self.device = device
         self.config = cfg
         self.timeout_s = timeout_s
-        self.closed = False
         self._rendezvous = Rendezvous(env, timeout_s, store, token=cfg.job_token, liveness_s=cfg.liveness_s)
-        self._liveness = self._rendezvous.liveness
-        self._host = host_identity()
         self._local_map = LocalMemoryMap()
         self._nixl = NixlBackend(env.rank, progress_wakeup_ms=cfg.progress_wakeup_ms)
         self._backends: dict[str, Backend] = {"nixl": self._nixl, "local": LocalBackend(self._local_map.view),
-                                              "shm": ShmBackend(authenticated=cfg.job_token is not None)}
+                                              "shm": ShmBackend(authenticated=cfg.job_token is not None),
+                                              "fake": FakeBackend()}
         if cuda.availability()[0]:
             from .backends.cuda_ipc import CudaIpcBackend
 
             self._backends["cuda_ipc"] = CudaIpcBackend()
         self._inbox = Inbox(self._nixl.notifications)
-        self._revocations = Revocations(self)
+        self._runtime = Runtime(env.rank, cfg, timeout_s, self._rendezvous.liveness, self._send_notification)
+        self._peers = Peers(self._runtime, self._rendezvous, self._backends, self._nixl, host_identity(),
+                            lambda: (self._local_map.descs(), self._epoch))
+        self._notifications = Notifications(self._runtime, self._inbox, self.world_size)
+        self._revocations = Revocations(self._runtime, self._inbox, self._nixl, self._peers)
         self._inbox.open_channel(REVOCATION_CHANNEL, self._revocations.handle)
         self._rendezvous.between_polls = self._revocations.pump  # a rank in a barrier answers revocations too
-        self._engine = ProgressEngine(cfg)
-        self._deadlines = Deadlines()  # the timeouts that release stream waits, apart from the progress thread
-        self._warned: set[str] = set()
-        self._touched: set[tuple] = set()  # remote ranges NIXL has mapped (see _touch_remote_allocations)
-        self._outbox: dict[int, collections.deque] = {}  # per peer: (done, message) in posting order
-        self._outbox_lock = threading.Lock()
-        self._notification_words = None  # per-sender arrival counters the GPU can wait on
-        self._transfer_words = cuda.HostWordSlabs(4)  # each stream-completed CPU-driven transfer's words
-        self._notifications_awaited = [0] * self.world_size
-        self._notifications_delivered = [0] * self.world_size
-        self._notification_lock = threading.Lock()  # arrivals (progress thread) vs. timeouts (deadline thread)
-        self._stream_notification_errors: collections.deque = collections.deque()  # raised by wait_notification
+        self._runtime.between_polls = self._revocations.pump  # and so does every sleeping wait
         self._epoch = 0
         self._closing = False
-        self._peers: dict[int, PeerView] = {}
         self._registrations: weakref.WeakSet[Registration] = weakref.WeakSet()
-        self._transfers: weakref.WeakSet[Transfer] = weakref.WeakSet()
-        # Whatever GPU streams may wait on (transfers' pinned words): each has
-        # _release_stream_waits(), which close() calls before the progress thread stops.
-        self._stream_waiters: weakref.WeakSet = weakref.WeakSet()
         self._dependents: weakref.WeakSet = weakref.WeakSet()  # objects with close() (MoE engines): closed first
         self._publish_memory_map()
+
+    @property
+    def closed(self) -> bool:
+        return self._runtime.closed
 
     # --- memory ---------------------------------------------------------------------------------
     def register(self, tensors: torch.Tensor | Sequence[torch.Tensor]) -> Registration:
@@ -170,7 +154,7 @@ class Communicator:
             raise
         epoch = self._epoch + 1
         descs = [TensorDesc(self.rank, s.addr, s.nbytes, s.kind, s.device_index, epoch) for s in segments]
-        registration = Registration(self, tensors, segments, handles, descs)
+        registration = Registration(self._deregister, tensors, segments, handles, descs)
         for s, t in zip(segments, tensors):
             self._local_map.add(s, registration, t)
         self._registrations.add(registration)
@@ -198,56 +182,7 @@ class Communicator:
 
     def _publish_memory_map(self) -> None:
         self._epoch += 1
-        # Each range keeps the epoch of the registration that made it: a descriptor is valid only while
-        # that very registration is, even if the same addresses are registered again later.
-        regions = self._local_map.descs()
-        sections = {"host": self._host.encode()}
-        sections.update({name: backend.metadata() for name, backend in self._backends.items() if name != "local"})
-
-        self._rendezvous.set(f"memmap/{self.rank}", MemoryMap(self._epoch, sections, regions).pack())
-
-    def _peer_view(self, rank: int, min_epoch: int, timeout_s: float) -> PeerView:
-        """``rank``'s current memory map (at least ``min_epoch``), read from the store on every call.
-
-        One store round trip per ``prepare``: a descriptor of memory the peer has deregistered since must
-        fail validation here instead of reaching freed memory through a stale view."""
-
-        what = f"prepare: loading the memory map of rank {rank}"
-        self._liveness.watch(rank)  # connect now (not later from the progress thread), so waits know if it dies
-
-        def fetch() -> bool:
-            # Verified by the rendezvous (AuthenticationError otherwise); the view below changes only after that.
-            blob = self._rendezvous.get(f"memmap/{rank}", timeout_s, what, ranks=(rank,))
-            source = f"prepare: the memory map of rank {rank} (store key 'memmap/{rank}')"
-            epoch = MemoryMap.epoch_of(blob, source)
-            if epoch < min_epoch:
-                # A rank publishes its map before the descriptors stamped with its epoch exist, so a descriptor
-                # ahead of the map is garbled or forged: far ahead, refuse it now; a little, within the bound.
-                if min_epoch - epoch > _EPOCH_SLACK or time.monotonic() > give_up_at:
-                    raise InvalidArgumentError(
-                        f"prepare: a descriptor of rank {rank} names epoch {min_epoch}, but rank {rank}'s memory map "
-                        f"is at epoch {epoch}; the descriptor is corrupt or was not made by that rank: look it up "
-                        "again")
-                return False
-            view = self._peers.get(rank)
-            # With a job token a newer view is authentic: an older map (a replayed value) never replaces it. Without
-            # one, a forged map with a far-off epoch must not shadow the real one for good.
-            if view is not None and (view.epoch == epoch or (view.epoch > epoch and self.config.job_token)):
-                return True
-            memory_map = MemoryMap.unpack(blob, source)
-            host = memory_map.sections.pop("host").decode()
-            for name, metadata in memory_map.sections.items():
-                if name in self._backends and (not self._backends[name].capabilities.same_host_only
-                                               or host == self._host):
-                    with typed_decoding(f"{source}, section {name!r}"):
-                        self._backends[name].load_peer(rank, metadata)
-            self._peers[rank] = PeerView(epoch, host, memory_map.regions)
-            return True
-
-        give_up_at = time.monotonic() + min(timeout_s, self.config.liveness_s)
-        wait_until(fetch, timeout_s, lambda: f"prepare: memory map of rank {rank} at epoch >= {min_epoch}", self.config,
-                   self._alive(rank, what))
-        return self._peers[rank]
+        self._peers.publish(self.rank, self._epoch, self._local_map.descs())
 
     def peer_pointer(self, desc: TensorDesc) -> int:
         """A device pointer, valid in this process on ``self.device``, to ``desc``'s bytes in a same-host
@@ -258,13 +193,13 @@ class Communicator:
         if not isinstance(desc, TensorDesc) or desc.kind is not MemoryKind.CUDA:
             raise InvalidArgumentError(f"peer_pointer: needs a TensorDesc of CUDA memory, got {desc!r}")
         self._check_rank(desc.rank, "peer_pointer")
-        self._check_remote_ranges(desc.rank, [desc])
+        self._peers.check_remote_ranges(desc.rank, [desc], "peer_pointer")
         if desc.rank == self.rank:
             return desc.addr
         ipc = self._backends.get("cuda_ipc")
         if ipc is None:
             raise BackendUnavailableError(f"peer_pointer: no CUDA IPC here: {cuda.availability()[1]}")
-        if self._peers[desc.rank].host != self._host:
+        if self._peers.host_of(desc.rank) != self._peers.host:
             raise BackendUnavailableError(
                 f"peer_pointer: rank {desc.rank} runs on another host; its memory is reachable with prepare() only"
             )
@@ -301,9 +236,9 @@ class Communicator:
         item i of ``remote`` (descriptors of ONE rank, possibly this one). May block on first contact with a
         peer while its memory map is fetched (bounded by the timeout). Zero-byte items are skipped.
 
-        ``transport`` forces one of ``backends.registry.NAMES`` (``"local"``, ``"cuda_ipc"``, ``"shm"``,
-        ``"nixl"``) where it reaches the peer; by default the first that does is chosen (see the module docstring)
-        and ``Transfer.transport`` says which."""
+        ``transport`` forces one of ``backends.registry.FORCEABLE`` (``"local"``, ``"cuda_ipc"``, ``"shm"``,
+        ``"nixl"``, and the tests' ``"fake"``) where it reaches the peer; by default the first that does is chosen
+        (see the module docstring) and ``Transfer.transport`` says which."""
         self._check_open("prepare")
         local_tensors, remote_descs, peer = self._prepare_arguments(op, local, remote, notify, transport)
         pairs, registrations = self._segment_pairs(local_tensors, remote_descs)
@@ -311,24 +246,25 @@ class Communicator:
         if pairs and peer == self.rank:
             _refuse_overlaps(pairs)
         if pairs:
-            self._check_remote_ranges(peer, remote_descs)
+            self._peers.check_remote_ranges(peer, remote_descs)
             kinds = {(s.kind, r.kind) for s, r in pairs}
             if len(kinds) > 1:
                 raise InvalidArgumentError(
                     f"prepare: items mix memory kinds {sorted((a.name, b.name) for a, b in kinds)}; "
                     "prepare one transfer per (local, remote) memory kind"
                 )
-            backend = self._backends[self._choose_transport(peer, pairs, transport)]
+            backend = self._backends[self._peers.choose_transport(peer, pairs, transport)]
             uses_cuda = MemoryKind.CUDA in next(iter(kinds))
             channel_less = backend is not self._nixl and peer != self.rank
             if (backend is self._nixl and uses_cuda) or (notify is not None and channel_less):
                 # Also for a transport whose notifications travel through NIXL: a first NIXL contact made
                 # later, while the peer's stream waits for that very notification, can wait forever.
-                self._touch_remote_allocations(peer, pairs)
+                self._peers.touch_remote_allocations(peer, pairs)
             request = backend.prepare(op, [s for s, _ in pairs], [r for _, r in pairs], peer, notify)
-        transfer = Transfer(self, op, peer, sum(s.nbytes for s, _ in pairs), backend, request, notify, uses_cuda)
+        nbytes = sum(s.nbytes for s, _ in pairs)
+        transfer = Transfer(self._runtime, op, peer, nbytes, backend, request, notify, uses_cuda)
         transfer._remote_epochs = {d.epoch for d in remote_descs if d.nbytes}
-        self._transfers.add(transfer)
+        self._runtime.transfers.add(transfer)
         for registration in registrations:
             if registration is not None:
                 registration.transfers.add(transfer)
@@ -363,8 +299,8 @@ class Communicator:
                 "per rank")
         peer = peers[0]
         self._check_rank(peer, "prepare")
-        if transport is not None and transport not in registry.NAMES:
-            raise InvalidArgumentError(f"prepare: transport={transport!r}; pass one of {registry.NAMES} or None")
+        if transport is not None and transport not in registry.FORCEABLE:
+            raise InvalidArgumentError(f"prepare: transport={transport!r}; pass one of {registry.FORCEABLE} or None")
         if notify is not None and (not isinstance(notify, (bytes, bytearray)) or len(notify) == 0):
             raise InvalidArgumentError(
                 f"prepare: notify must be non-empty bytes (NIXL does not deliver empty messages), got {notify!r}; "
@@ -396,126 +332,6 @@ class Communicator:
             pairs.append((s, Segment(d.addr, d.nbytes, d.kind, d.device_index)))
         return pairs, registrations
 
-    def _touch_remote_allocations(self, peer: int, pairs: list[tuple[Segment, Segment]]) -> None:
-        """Let NIXL map each remote registered range once, before any stream can wait on a transfer to it
-        (see ``NixlBackend.touch``). Blocks for one tiny READ per range, on first contact only."""
-        local = pairs[0][0]
-        regions = self._peers[peer].regions
-        for _, remote in pairs:
-            region = next(r for r in regions if r.addr <= remote.addr and remote.addr + remote.nbytes <= r.end)
-            key = (peer, region.addr, region.nbytes, local.kind, local.device_index)
-            if key in self._touched:
-                continue
-            request = self._nixl.touch(peer, Segment(region.addr, 1, region.kind, region.device_index),
-                                       local.kind, local.device_index)
-            try:
-                wait_until(lambda request=request: self._nixl.status(request) is not Status.IN_PROGRESS, self.timeout_s,
-                           lambda: f"prepare: first contact with rank {peer}'s memory", self.config,
-                           self._alive(peer, "prepare: first contact"))
-            finally:
-                self._nixl.release(request)
-            self._touched.add(key)
-
-    def _check_remote_ranges(self, peer: int, remote_descs: list[TensorDesc], fn: str = "prepare") -> None:
-        """Every non-empty remote range must lie inside memory ``peer`` registered (refreshing our view)."""
-        if peer == self.rank:
-            regions, epoch = self._local_map.descs(), self._epoch
-        else:
-            view = self._peer_view(peer, max(d.epoch for d in remote_descs), self.timeout_s)
-            regions, epoch = view.regions, view.epoch
-        for i, d in enumerate(remote_descs):
-            if not d.nbytes:
-                continue
-            holders = [region for region in regions if region.contains(d)]
-            if not holders:
-                raise InvalidArgumentError(
-                    f"{fn}: remote item {i} [0x{d.addr:x}, +{d.nbytes}) on {d.device} is outside what rank {peer} "
-                    f"has registered (epoch {epoch}); use descriptors from lookup() or narrow() inside them"
-                )
-            if all(region.epoch != d.epoch for region in holders):
-                raise InvalidArgumentError(
-                    f"{fn}: remote item {i} [0x{d.addr:x}, +{d.nbytes}) comes from a registration of rank {peer} "
-                    f"that was closed (descriptor epoch {d.epoch}; those bytes now belong to registration epoch "
-                    f"{holders[0].epoch}); look the descriptor up again"
-                )
-
-    def _choose_transport(self, peer: int, pairs: list[tuple[Segment, Segment]], requested: str | None) -> str:
-        """The first transport of the registry that reaches ``peer`` for these segments (or the requested one,
-        checked)."""
-        local_kind, remote_kind = pairs[0][0].kind, pairs[0][1].kind
-        same_host = peer == self.rank or self._peers[peer].host == self._host
-        usable = registry.reachable(self._backends, peer == self.rank, same_host, local_kind, remote_kind, peer,
-                                    [r for _, r in pairs])
-        if requested is None and usable:
-            if usable[0] == "nixl" and local_kind is remote_kind is MemoryKind.CUDA and same_host:
-                self._warn_once(
-                    f"cuda_ipc-unavailable-{peer}",
-                    f"tensorwire: GPU transfers with rank {peer} on this host take NIXL, not CUDA IPC "
-                    f"({self._ipc_reason(peer, pairs)}); expect lower bandwidth",
-                )
-            return usable[0]
-        if requested not in usable:
-            raise InvalidArgumentError(
-                f"prepare: transport={requested!r} cannot reach rank {peer} for {local_kind.name}->"
-                f"{remote_kind.name} memory here; usable: {usable}")
-        return requested
-
-    def _ipc_reason(self, peer: int, pairs: list[tuple[Segment, Segment]]) -> str:
-        if "cuda_ipc" not in self._backends:
-            return cuda.availability()[1]
-        return "the peer's memory could not be exported through cudaIpc (expandable_segments/VMM memory?)"
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-    def _keep_stream_notification_error(self, error: Exception) -> None:
-        self._stream_notification_errors.append(error)
-        warn_from_progress_thread(f"tensorwire: {error}")
-
-    def _notify_when(self, peer: int, message: bytes, done: Callable[[], bool]) -> None:
-        """Deliver ``message`` to ``peer``'s inbox once ``done()`` (its copy completed) and after every
-        message queued to ``peer`` before it: a later copy may complete first, its message must not. Used
-        by transports without a message channel. Never blocks; the progress thread drains the queue."""
-        with self._outbox_lock:
-            queue = self._outbox.setdefault(peer, collections.deque())
-            if not queue and done():
-                self._send_notification(peer, message)
-                return
-            queue.append((done, message))
-            if len(queue) > 1:
-                return  # the watch started for the first queued message drains this one too
-        self._engine.watch(lambda: self._drain_outbox(peer))
-
-    def _notification_failed(self, error: Exception) -> None:
-        """A queued notification could not be sent: say so now (the peer's wait for it will time out)."""
-        warn_from_progress_thread(f"tensorwire: a notification could not be sent and was dropped ({error}); the "
-                                  "peer's wait_notification for it will time out: check that the peer is alive and "
-                                  "reachable ('tensorwire doctor')")
-
-    def _drain_outbox(self, peer: int) -> bool:
-        with self._outbox_lock:
-            queue = self._outbox[peer]
-            while queue:
-                done, message = queue[0]
-                try:
-                    if not done():
-                        break
-                    queue.popleft()
-                    self._send_notification(peer, message)
-                except Exception as e:  # noqa: BLE001 - one lost message must not strand the ones behind it
-                    if queue and queue[0][1] is message:
-                        queue.popleft()
-                    self._notification_failed(e)
-            return not queue
-
-    def _send_notification(self, peer: int, message: bytes) -> None:
-        if peer == self.rank:
-            self._inbox.push(self.rank, message)
-        else:
-            self._nixl.send_notification(peer, message)
-
     def read(self, local, remote, timeout: float | None = None) -> None:
         """READ remote -> local and wait for it (prepare + post + wait + close). Blocks."""
         with self.prepare(Op.READ, local, remote) as transfer:
@@ -541,68 +357,16 @@ class Communicator:
         valid) and the next ``wait_notification`` raises ``WaitTimeoutError``."""
         self._check_open("wait_notification")
         self._check_rank(from_rank, "wait_notification")
-        if self._stream_notification_errors:
-            raise self._stream_notification_errors.popleft()
+        self._notifications.raise_kept_error()
         if stream is not None:
-            return self._wait_notification_on_stream(from_rank, stream, self._timeout(timeout))
-        message: list[bytes] = []
+            return self._notifications.wait_on_stream(from_rank, stream, self._timeout(timeout))
+        return self._notifications.wait(from_rank, self._timeout(timeout))
 
-        def arrived() -> bool:
-            m = self._inbox.try_pop(from_rank)
-            if m is not None:
-                message.append(m)
-            return bool(message)
-
-        wait_until(arrived, self._timeout(timeout), lambda: f"wait_notification: nothing from rank {from_rank}",
-                   self.config, self._alive(from_rank, f"wait_notification(from_rank={from_rank})"))
-        return message[0]
-
-    def _wait_notification_on_stream(self, from_rank: int, stream: torch.cuda.Stream, timeout_s: float) -> None:
-        cuda.refuse_legacy_default_stream(stream, f"wait_notification(from_rank={from_rank}, stream=)")
-        if self._notification_words is None:
-            self._notification_words = cuda.HostWords(self.world_size)
-        words = self._notification_words
-        self._notifications_awaited[from_rank] += 1
-        target = self._notifications_awaited[from_rank]
-        delivered, lock = self._notifications_delivered, self._notification_lock
-
-        key = ("notification", from_rank, target)
-
-        def deliver() -> bool:  # progress thread: count arrivals into the word the stream waits on
-            while delivered[from_rank] < target:
-                if self._inbox.try_pop(from_rank) is None:
-                    reason = self._liveness.lost(from_rank)
-                    if reason is not None:  # it will not come: release the stream now, not at the timeout
-                        self._deadlines.disarm(key)
-                        release(PeerLostError(
-                            f"wait_notification(stream=): rank {from_rank} is gone ({reason}); the stream was released "
-                            "and what it read since is not valid"))
-                        return True
-                    return False
-                with lock:
-                    if delivered[from_rank] < target:  # else the deadline released it: this one came late
-                        delivered[from_rank] += 1
-                        words.values[from_rank] = delivered[from_rank]
-            self._deadlines.disarm(key)
-            return True
-
-        def release(error: Exception) -> None:
-            with lock:
-                if delivered[from_rank] >= target:
-                    return
-                delivered[from_rank] = target  # what arrives late counts toward a later wait
-                words.values[from_rank] = target
-            self._keep_stream_notification_error(error)
-
-        def release_late() -> None:  # deadline thread: a stuck or dead peer must not hold the GPU forever
-            release(WaitTimeoutError(
-                f"wait_notification(stream=): nothing from rank {from_rank} within {timeout_s:.3g}s; the stream "
-                "was released and what it read since is not valid; check that rank"))
-
-        self._deadlines.arm(key, time.monotonic() + timeout_s, release_late)
-        cuda.stream_wait_value(stream, words.addr(from_rank), target)  # before waking the progress thread
-        self._engine.watch(deliver, on_error=self._keep_stream_notification_error)
-        return None
+    def _send_notification(self, peer: int, message: bytes) -> None:
+        if peer == self.rank:
+            self._inbox.push(self.rank, message)
+        else:
+            self._nixl.send_notification(peer, message)
 
     # --- KV-cache blocks ---------------------------------------------------------------------------
     def register_blocks(self, views: torch.Tensor | Sequence[torch.Tensor]) -> BlockPool:
@@ -671,18 +435,19 @@ class Communicator:
         if peer == self.rank and pool.layout.kind is not remote.kind:
             raise InvalidArgumentError("prepare_blocks: host and GPU pools of one rank; copy between them with torch "
                                        "(index_select / index_copy_)")
-        self._check_remote_ranges(peer, remote.spans(), "prepare_blocks")
+        self._peers.check_remote_ranges(peer, remote.spans(), "prepare_blocks")
         pairs = list(zip(pool.layout.spans(), remote.layout().spans()))
-        if transport is not None and transport not in registry.NAMES:
-            raise InvalidArgumentError(f"prepare_blocks: transport={transport!r}; pass one of {registry.NAMES} or None")
-        backend = self._backends[self._choose_transport(peer, pairs, transport)]
+        if transport is not None and transport not in registry.FORCEABLE:
+            raise InvalidArgumentError(
+                f"prepare_blocks: transport={transport!r}; pass one of {registry.FORCEABLE} or None")
+        backend = self._backends[self._peers.choose_transport(peer, pairs, transport, "prepare_blocks")]
         uses_cuda = MemoryKind.CUDA in (pool.layout.kind, remote.kind)
         if backend is self._nixl and uses_cuda:
-            self._touch_remote_allocations(peer, pairs)
+            self._peers.touch_remote_allocations(peer, pairs)
         request = backend.prepare_blocks(op, pool.layout, remote.layout(), peer)
-        core = Transfer(self, op, peer, 0, backend, request, None, uses_cuda)
+        core = Transfer(self._runtime, op, peer, 0, backend, request, None, uses_cuda)
         core._remote_epochs = {region[3] for region in remote.regions}
-        self._transfers.add(core)
+        self._runtime.transfers.add(core)
         for registration in set(pool._holders):
             registration.transfers.add(core)
         transfer = BlockTransfer(core, pool, remote)
@@ -737,15 +502,14 @@ class Communicator:
 
         for dependent in list(self._dependents):  # first: they close their own transfers and registrations
             attempt(dependent.close)
-        for transfer in list(self._transfers):
+        for transfer in list(self._runtime.transfers):
             attempt(transfer.close)
         for registration in list(self._registrations):
             attempt(registration.close)
         attempt(self._publish_memory_map)  # peers see every range gone (revocation) before the agent goes
-        self.closed = True
+        self._runtime.closed = True
         attempt(self._release_stream_waits)
-        attempt(self._engine.close)
-        attempt(self._deadlines.close)
+        self._runtime.close(attempt)
         for backend in self._backends.values():
             attempt(backend.close)
         self._revocations.close()
@@ -763,12 +527,8 @@ class Communicator:
         """Closing ends the progress thread: a GPU stream still waiting on a word it would have written
         must not wait forever. Release every such word (and warn: the bytes those streams read are not
         guaranteed)."""
-        pending = [t for t in self._stream_waiters if t._release_stream_waits()]
-        if self._notification_words is not None:
-            for rank, awaited in enumerate(self._notifications_awaited):
-                if self._notification_words.values[rank] != awaited:
-                    pending.append(rank)
-                    self._notification_words.values[rank] = awaited
+        pending = [t for t in self._runtime.stream_waiters if t._release_stream_waits()]
+        pending += self._notifications.release_stream_waits()
         if pending:
             warnings.warn(
                 f"tensorwire: close() released {len(pending)} stream wait(s) that were not complete; close the "
@@ -788,17 +548,10 @@ class Communicator:
 
     # --- internals ------------------------------------------------------------------------------
     def _timeout(self, timeout: float | None) -> float:
-        if timeout is None:
-            return self.timeout_s
-        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout)
-                or timeout < 0):
-            raise InvalidArgumentError(
-                f"timeout={timeout!r}; give a finite number of seconds >= 0, or None for the default")
-        return float(timeout)
+        return self._runtime.timeout(timeout)
 
     def _check_open(self, fn: str) -> None:
-        if self.closed:
-            raise ClosedError(f"{fn}: the communicator is closed; create a new one with tw.init()")
+        self._runtime.check_open(fn)
 
     def _check_rank(self, rank: int, fn: str) -> None:
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
@@ -808,21 +561,6 @@ class Communicator:
     def _check_key(key: str, fn: str) -> None:
         if not isinstance(key, str) or not key:
             raise InvalidArgumentError(f"{fn}: key must be a non-empty str, got {key!r}")
-
-    def _alive(self, rank: int, what: str | Callable[[], str]) -> Callable[[], None] | None:
-        """For ``wait_until``: raises ``PeerLostError`` once ``rank`` is gone (None for this rank)."""
-        if rank == self.rank:
-            return None
-        liveness, revocations = self._liveness, self._revocations
-
-        def alive() -> None:
-            liveness.check(rank, what)
-            revocations.pump()  # a sleeping wait also handles revocations that arrived
-
-        return alive
-
-    def _forget_transfer(self, transfer: Transfer) -> None:
-        self._transfers.discard(transfer)
 
 
 def _refuse_overlaps(pairs: list[tuple[Segment, Segment]]) -> None:

@@ -14,7 +14,8 @@ from typing import Any
 from .errors import BackendUnavailableError, InvalidArgumentError, TransferError
 
 __all__ = ["driver", "check", "availability", "HostWords", "HostWordSlabs", "refuse_legacy_default_stream",
-           "COPY_PIECE_BYTES", "copy_pieces", "enqueue_copies"]
+           "COPY_PIECE_BYTES", "copy_pieces", "enqueue_copies", "StandInStream", "stream_wait_value",
+           "stream_write_value", "record_event"]
 
 # Copies are issued in pieces of at most this many bytes. Measured on an H200: a CUDA graph replays a single
 # 1 GiB memcpy node at 0.64x the speed of the same copy issued on a stream, while 256 MiB nodes replay at
@@ -62,6 +63,14 @@ def availability() -> tuple[bool, str]:
     return True, f"{torch.cuda.device_count()} CUDA device(s), cuda-python driver bindings loaded"
 
 
+def _word_tensor(count: int) -> Any:
+    """``count`` zeroed int32 words of pinned host memory; of ordinary memory where there is no CUDA (only a
+    ``StandInStream`` can wait on them there)."""
+    import torch
+
+    return torch.zeros(count, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+
+
 class HostWords:
     """A few 32-bit words of pinned host memory that both the CPU and the GPU address.
 
@@ -71,9 +80,7 @@ class HostWords:
     """
 
     def __init__(self, count: int, tensor: Any = None) -> None:
-        import torch
-
-        self._tensor = torch.zeros(count, dtype=torch.int32, pin_memory=True) if tensor is None else tensor
+        self._tensor = _word_tensor(count) if tensor is None else tensor
         self.values = self._tensor.numpy().view("uint32")  # counters wrap at 2**32, as the GPU compares
         self._base = self._tensor.data_ptr()
 
@@ -96,15 +103,41 @@ class HostWordSlabs:
         self._lock = threading.Lock()  # transfers may be prepared from several threads
 
     def take(self) -> HostWords:
-        import torch
-
         with self._lock:
             if self._next == self._per_slab:
-                self._slab = torch.zeros(self._per_slab * self._count, dtype=torch.int32, pin_memory=True)
+                self._slab = _word_tensor(self._per_slab * self._count)
                 self._next = 0
             start = self._next * self._count
             self._next += 1
             return HostWords(self._count, self._slab[start:start + self._count])
+
+
+class StandInStream:
+    """A stream that is not CUDA's (``backends.fake.HostStream``): the stream operations below hand their
+    work to it, so the code that serves streams runs the same on a machine without a GPU. Its
+    ``cuda_stream`` is an integer other than the legacy default stream's handles."""
+
+    cuda_stream: int
+
+    def wait_value(self, addr: int, value: int) -> None:
+        raise NotImplementedError
+
+    def write_value(self, addr: int, value: int) -> None:
+        raise NotImplementedError
+
+    def record_event(self) -> Any:
+        raise NotImplementedError
+
+
+def record_event(stream: Any) -> Any:
+    """An event recorded on ``stream`` now (``query()`` tells whether the stream got there)."""
+    if isinstance(stream, StandInStream):
+        return stream.record_event()
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 def stream_wait_value(stream: Any, addr: int, value: int) -> None:
@@ -117,6 +150,8 @@ def stream_wait_value(stream: Any, addr: int, value: int) -> None:
     it yields its time slice to other processes sharing the GPU (a spinning kernel would hold the GPU for a
     whole time slice, milliseconds). CUDA does not see the dependency it expresses, so the work that
     releases it must not be enqueued behind it in this process (see docs/architecture.md)."""
+    if isinstance(stream, StandInStream):
+        return stream.wait_value(addr, value)
     cu = driver()
     check(cu.cuStreamWaitValue32(cu.CUstream(stream.cuda_stream), addr, value,
                                  cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
@@ -169,6 +204,8 @@ def refuse_legacy_default_stream(stream: Any, what: str) -> None:
 
 def stream_write_value(stream: Any, addr: int, value: int) -> None:
     """Store ``value`` into the 32-bit word at ``addr`` when ``stream`` reaches this point. Graph-capturable."""
+    if isinstance(stream, StandInStream):
+        return stream.write_value(addr, value)
     cu = driver()
     check(cu.cuStreamWriteValue32(cu.CUstream(stream.cuda_stream), addr, value,
                                   cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -18,9 +18,6 @@ from .backends.base import Segment
 from .descriptors import MemoryKind, TensorDesc
 from .errors import InvalidArgumentError
 from .lifetime import Closeable
-
-if TYPE_CHECKING:
-    from .communicator import Communicator
 
 __all__ = ["Registration", "LocalMemoryMap", "as_tensor_list", "segment_of"]
 
@@ -59,9 +56,9 @@ def segment_of(tensor: torch.Tensor, index: int, fn: str) -> Segment:
 class Registration(Closeable):
     """Memory registered with a communicator's backend. Context manager; ``close()`` is idempotent."""
 
-    def __init__(self, comm: Communicator, tensors: list[torch.Tensor], segments: list[Segment],
-                 handles: list[dict[str, Any]], descs: list[TensorDesc]) -> None:
-        self._comm = comm
+    def __init__(self, deregister: Callable[[Registration, list[dict[str, Any]]], None], tensors: list[torch.Tensor],
+                 segments: list[Segment], handles: list[dict[str, Any]], descs: list[TensorDesc]) -> None:
+        self._deregister = deregister  # the communicator's: unmap, republish, revoke peers' transfers, release
         self._tensors = tensors  # keeps the memory alive while registered
         self.segments = segments
         self._handles = handles
@@ -81,7 +78,7 @@ class Registration(Closeable):
         self.closed = True
         for transfer in list(self.transfers):  # no post may touch memory the backend no longer holds
             transfer.close()
-        self._comm._deregister(self, self._handles)
+        self._deregister(self, self._handles)
         self._tensors = []
 
     def _leak_message(self) -> str:

@@ -45,7 +45,10 @@ from .backends.base import Status
 from .errors import RevokedError
 
 if TYPE_CHECKING:
-    from .communicator import Communicator
+    from .backends.nixl import NixlBackend
+    from .peers import Peers
+    from .progress import Inbox
+    from .runtime import Runtime
 
 __all__ = ["Revocations", "CHANNEL"]
 
@@ -64,10 +67,11 @@ def _parse(message: bytes) -> tuple[bytes, list[int]]:
 
 
 class Revocations:
-    """One communicator's side of the protocol (both as owner and as holder of transfers)."""
+    """One communicator's side of the protocol (both as owner and as holder of transfers): its transfers
+    (``runtime.transfers``), notifications (``inbox``, sent through ``nixl``) and peers' maps (``peers``)."""
 
-    def __init__(self, comm: Communicator) -> None:
-        self._comm = comm
+    def __init__(self, runtime: Runtime, inbox: Inbox, nixl: NixlBackend, peers: Peers) -> None:
+        self._runtime, self._inbox, self._nixl, self._peers = runtime, inbox, nixl, peers
         self._lock = threading.Lock()
         self._awaiting: dict[tuple[int, ...], set[int]] = {}  # epochs revoked by this rank -> ranks yet to answer
         self._quarantine: dict[tuple[int, ...], Any] = {}  # epochs -> what to release once every rank answered
@@ -80,19 +84,18 @@ class Revocations:
         kind, epochs = _parse(message)
         if kind == _REVOKE:
             self._revoke_transfers(sender, set(epochs))
-            comm = self._comm
             try:
-                if sender not in comm._nixl._loaded_peers:  # holds nothing of it, but the owner waits: load it once
-                    comm._peer_view(sender, 0, comm.config.liveness_s)
-                comm._nixl.send_notification(sender, _message(_ACK, epochs))
+                self._reach(sender)  # holds nothing of it maybe, but the owner waits for the answer
+                self._nixl.send_notification(sender, _message(_ACK, epochs))
             except Exception:  # noqa: BLE001 - the owner is gone or unreachable: nothing to tell
                 pass
         elif kind == _ACK:
             self._answered(sender, tuple(epochs))
 
     def _revoke_transfers(self, owner: int, epochs: set[int]) -> None:
-        comm, bound = self._comm, self._comm.config.liveness_s
-        revoked = [t for t in list(comm._transfers) if t.peer == owner and t._remote_epochs & epochs and not t.closed]
+        bound = self._runtime.config.liveness_s
+        revoked = [t for t in list(self._runtime.transfers)
+                   if t.peer == owner and t._remote_epochs & epochs and not t.closed]
         for transfer in revoked:
             transfer._revoke(RevokedError(
                 f"post: rank {owner} deregistered the memory this {transfer.op.value} reaches (registration "
@@ -114,11 +117,11 @@ class Revocations:
         releases what waited only for ranks that are gone since (a dead rank never answers, and the owner may
         never deregister again)."""
         now = time.monotonic()
-        if now >= self._next_pump and not self._comm.closed and not self._pumping:
+        if now >= self._next_pump and not self._runtime.closed and not self._pumping:
             self._next_pump = now + 0.01
             self._pumping = True  # a handler's store wait polls this again: do not nest
             try:
-                self._comm._inbox.pump()
+                self._inbox.pump()
                 if self._awaiting:
                     self._sweep()
             finally:
@@ -130,21 +133,20 @@ class Revocations:
         dropping the tensors) once all of them have answered or are gone: at once when none may hold any, else
         from the pump that handles the last answer. Never blocks on a peer. ``wait=False`` (the communicator
         closes): release now; the backends go with the communicator."""
-        comm = self._comm
+        rank = self._runtime.rank
         key = tuple(sorted(epochs))
-        self._revoke_transfers(comm.rank, set(epochs))  # this rank's own transfers to them
-        comm._inbox.pump()  # answers to earlier revocations: release what they held
+        self._revoke_transfers(rank, set(epochs))  # this rank's own transfers to them
+        self._inbox.pump()  # answers to earlier revocations: release what they held
         self._sweep()
-        targets = (set(comm._liveness.peers()) | set(comm._nixl._loaded_peers)) - {comm.rank}
+        targets = (set(self._runtime.liveness.peers()) | set(self._nixl.loaded_peers())) - {rank}
         pending = set()
-        for rank in sorted(targets):
+        for target in sorted(targets):
             try:
-                if rank not in comm._nixl._loaded_peers:
-                    if not wait:
-                        continue  # closing: no store round trips for ranks this one never talked to
-                    comm._peer_view(rank, 0, comm.config.liveness_s)
-                comm._nixl.send_notification(rank, _message(_REVOKE, list(key)))
-                pending.add(rank)
+                if not wait and target not in self._nixl.loaded_peers():
+                    continue  # closing: no store round trips for ranks this one never talked to
+                self._reach(target)
+                self._nixl.send_notification(target, _message(_REVOKE, list(key)))
+                pending.add(target)
             except Exception:  # noqa: BLE001 - gone or unreachable: it posts nothing more
                 continue
         if not wait or not pending:
@@ -154,9 +156,15 @@ class Revocations:
             self._awaiting[key] = pending
             self._quarantine[key] = release
 
+    def _reach(self, rank: int) -> None:
+        """Load ``rank``'s NIXL metadata once if it is not loaded (a store round trip, bounded by the liveness
+        period), so a notification can be sent to it."""
+        if rank not in self._nixl.loaded_peers():
+            self._peers.view(rank, 0, self._runtime.config.liveness_s)
+
     def _sweep(self) -> None:
         """Ranks that are gone answer no more: release what waited only for them."""
-        liveness, released = self._comm._liveness, []
+        liveness, released = self._runtime.liveness, []
         with self._lock:
             for key, left in list(self._awaiting.items()):
                 left -= {rank for rank in left if liveness.lost(rank) is not None}

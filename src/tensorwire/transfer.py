@@ -10,26 +10,17 @@ when ``s`` reaches that point. How depends on the transport:
 
 * stream-ordered transports (``local``, ``cuda_ipc``) enqueue their copies on the stream and record an
   event: plain stream order, CUDA-graph capturable.
-* ``nixl`` and ``shm`` are driven by the CPU, so the stream and the progress thread meet in pinned host words:
-  - CPU post, stream wait: the progress thread stores the post's sequence number into ``done_seq`` when
-    the transfer completes; the stream waits for ``done_seq >= k`` (``cuStreamWaitValue32``). Once a
-    transfer has been waited on a stream, each CPU post hands its completion to the progress thread
-    itself, so a later ``wait(stream=)`` only enqueues the wait (no thread to wake on that call).
-  - stream post (the "doorbell"): the stream stores 1 into ``doorbell``; the progress thread sees it,
-    clears it, posts, and stores 1 into ``done_flag`` on completion; ``wait(stream=)`` waits for
-    ``done_flag >= 1`` and stores 0 back. The values never change between calls, so the sequence can be
-    captured in a CUDA graph and replayed; every replay moves the bytes that are in the buffers then.
-  - a stream is not left waiting past the timeout: the progress thread releases it, warns, and keeps the
-    error for the next call on the handle (as long as the backend's status call itself returns: see
-    docs/architecture.md, Known limits); and the stream may not be CUDA's legacy default stream (see
-    ``cuda.refuse_legacy_default_stream``).
+* ``nixl`` and ``shm`` are driven by the CPU, so the stream and the progress thread meet in pinned host words
+  (``tensorwire.stream_completion``): a CPU post's completion is published as a sequence number the stream
+  waits for; a stream post rings a doorbell the progress thread serves, and raises a done flag the stream
+  waits for. Capturable in a CUDA graph and replayable; a stream is not left waiting past the timeout (the
+  next call on the handle raises ``WaitTimeoutError``), and it may not be CUDA's legacy default stream (see
+  ``cuda.refuse_legacy_default_stream``).
 """
 
 from __future__ import annotations
 
-import functools
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,15 +30,14 @@ from .backends.base import Backend, Op, Poster, Status
 from .errors import ClosedError, InvalidArgumentError, PeerLostError, TransferError, WaitTimeoutError
 from .lifetime import Closeable
 from .progress import wait_until, warn_from_progress_thread
+from .stream_completion import DONE_FLAG, DONE_SEQ, DOORBELL, DoneSeq, Doorbell
 
 if TYPE_CHECKING:
-    from .communicator import Communicator
+    from .runtime import Runtime
 
 __all__ = ["Transfer"]
 
-_DOORBELL, _DONE_FLAG, _DONE_SEQ = 0, 1, 2
 _DONE, _IN_PROGRESS = Status.DONE, Status.IN_PROGRESS
-_RING_CHECK_MIN_S = 0.02  # the shortest period of a doorbell's check for rings nobody picked up
 
 
 class Transfer(Closeable):
@@ -58,9 +48,9 @@ class Transfer(Closeable):
     move).
     """
 
-    def __init__(self, comm: Communicator, op: Op, peer: int, nbytes: int, backend: Backend | None,
+    def __init__(self, runtime: Runtime, op: Op, peer: int, nbytes: int, backend: Backend | None,
                  request: Any, notify: bytes | None, uses_cuda: bool = False) -> None:
-        self._comm = comm
+        self._runtime = runtime
         self.op = op
         self.peer = peer
         self.nbytes = nbytes
@@ -78,22 +68,18 @@ class Transfer(Closeable):
         # Pinned words for stream completion of CPU-driven transports; allocated here, not inside a CUDA
         # graph capture (where allocating pinned memory is not allowed), when a GPU is involved.
         self._words = None
+        self._done_seq: DoneSeq | None = None  # CPU posts completed on streams (with the words)
+        self._doorbell: Doorbell | None = None  # stream posts (with the words)
+        self._stream_lock = threading.Lock()  # the words are stored from this thread, progress and deadlines
         if uses_cuda and self._request is not None and not self._stream_ordered:
-            self._host_words()
-            comm._engine.start()  # wait(stream=) hands completion to it: have it running before the first
-            comm._deadlines.start()  # and arms its timeout there
-        self._doorbell_watch = None
-        self._check_unpicked_ring = None  # the doorbell's check for rings the progress thread never picked up
+            self._stream_words()
+            runtime.start_threads()  # wait(stream=) hands completion to the progress thread and arms its
+            # timeout on the deadline thread: have them running before the first
         self._watches: list = []  # progress-thread watches on this transfer's request, drained on close
         self._streams_used: set = set()  # streams this transfer's GPU-side waits were enqueued on
         self._closing = None  # set by close(): events the doorbell keeps being served until
         self._async_error: Exception | None = None  # a failure the progress thread saw, raised by the next call
-        self._publishing = False  # set by the first wait(stream=) of a CPU post: every CPU post publishes done_seq
-        self._publish_lock = threading.Lock()  # done_seq is advanced from this thread and the progress thread
-        # The seconds that bound a doorbell's post: the last wait(stream=, timeout=) after a stream post.
-        self._doorbell_timeout_s = comm.timeout_s
         self._stuck: Exception | None = None  # a doorbell that timed out: raised by every later call
-        self._ring_unwaited = False  # a CPU-driven post(stream=) whose wait(stream=) has not been enqueued yet
         self._post_failure: Exception | None = None  # why the last CPU post failed (raised again by wait())
         self._remote_epochs: set[int] = set()  # registration epochs of the peer's memory it reaches (revocation)
         self.closed = False
@@ -143,8 +129,8 @@ class Transfer(Closeable):
         try:
             result = self._post_call()
         except Exception as e:  # noqa: BLE001 - the backend says what its exceptions mean
-            if self._publishing:  # no stream may wait for a post that never started
-                self._advance_done_seq(self._posts & 0xFFFFFFFF)
+            if self._done_seq is not None and self._done_seq.active:  # no stream may wait for a post that never
+                self._done_seq.advance(self._posts & 0xFFFFFFFF)  # started
             if self._stuck is not None:  # revoked between the hot path's check and the call
                 raise self._stuck.with_traceback(None) from None
             # A failed post is not done: a wait() after it must raise, not report the previous post's success.
@@ -155,95 +141,11 @@ class Transfer(Closeable):
                 raise
             raise error from e
         self._state = _DONE if result == self._post_done else self._post_finish(result)
-        if self._publishing:
-            self._publish_completion()
+        if self._done_seq is not None and self._done_seq.active:
+            self._done_seq.after_post()
         if self._state is _DONE and self._notify is None:
             return
         self._after_post()
-
-    def _publish_completion(self) -> None:
-        """Store this CPU post's sequence number into ``done_seq`` once it has completed (or failed): at
-        once, or from the progress thread."""
-        sequence = self._posts & 0xFFFFFFFF
-        if self._state is _IN_PROGRESS:
-            self._watch(self._completion_publisher(sequence))
-        else:
-            self._advance_done_seq(sequence)
-
-    def _advance_done_seq(self, sequence: int) -> None:
-        """``done_seq = sequence`` unless it is already there or past it (cyclically). The publisher of post k
-        may run after post k + 1 completed and was published (both see the one request), and the word must
-        never move back: a stream waiting for k + 1 would then wait forever."""
-        with self._publish_lock:
-            if not self._published(sequence):
-                self._words.values[_DONE_SEQ] = sequence
-        self._comm._deadlines.disarm((self, "wait", sequence))
-
-    def _completion_publisher(self, sequence: int):
-        """A progress-thread poll that stores ``sequence`` into ``done_seq`` when the request is no longer in
-        flight, also when it failed (the error reaches the next call on this handle). A wait that outlives its
-        timeout is released by ``_release_late_wait`` instead."""
-        backend, request = self._backend, self._request
-        liveness, rank = self._comm._liveness, self._comm.rank
-
-        def publish() -> bool:
-            if self._posts & 0xFFFFFFFF != sequence:  # a later CPU post exists, so this one completed (a CPU
-                self._advance_done_seq(sequence)  # post is refused while one is in flight): the request is its
-                return True  # now, and its state no longer says anything about this post
-            state = backend.status(request)
-            if state is Status.IN_PROGRESS:
-                reason = liveness.lost(self.peer) if self.peer != rank else None
-                if reason is None:
-                    return False
-                self._advance_done_seq(sequence)  # it will not complete: release the stream now
-                raise PeerLostError(f"wait(stream=): the {self.op.value} to rank {self.peer} over {self.transport} "
-                                    f"did not complete: rank {self.peer} is gone ({reason}); the stream was released "
-                                    "and what it read since is not valid")
-            self._advance_done_seq(sequence)
-            if state is Status.ERROR:
-                raise self._peer_lost_or(TransferError(
-                    f"wait(stream=): the {self.op.value} to rank {self.peer} over {self.transport} failed; the peer "
-                    "may have exited or deregistered the memory"), "wait(stream=)")
-            return True
-
-        return publish
-
-    def _arm_wait_deadline(self, sequence: int, timeout_s: float) -> None:
-        """Have the deadline thread release the stream wait for CPU post ``sequence`` after ``timeout_s``.
-        Armed first, then disarmed if the post was published already (its publisher may have disarmed it
-        just before it was armed): only waits in flight stay in the table."""
-        key = (self, "wait", sequence)
-        release = functools.partial(self._release_late_wait, sequence, timeout_s)
-        self._comm._deadlines.arm(key, time.monotonic() + timeout_s, release)
-        if self._published(sequence):
-            self._comm._deadlines.disarm(key)
-
-    def _published(self, sequence: int) -> bool:
-        """``done_seq`` has reached ``sequence`` (cyclically)."""
-        return (int(self._words.values[_DONE_SEQ]) - sequence) & 0xFFFFFFFF < 0x80000000
-
-    def _release_late_wait(self, sequence: int, timeout_s: float) -> None:
-        """The deadline of the ``wait(stream=)`` of CPU post ``sequence``: if ``done_seq`` has not reached it,
-        store it (the stream must not hang) and keep a ``WaitTimeoutError`` for the next call. Runs on the
-        deadline thread: host stores only, so it fires even while the progress thread is stuck in NIXL."""
-        with self._publish_lock:
-            if self._published(sequence):
-                return  # in time
-            # Known complete (a later post exists, or this thread saw it done) but not published yet: the
-            # progress thread is late, the bytes are right.
-            if self._posts & 0xFFFFFFFF != sequence or self._state is Status.DONE:
-                self._words.values[_DONE_SEQ] = sequence
-                return
-            self._async_error = error = self._stream_timed_out("wait(stream=)", timeout_s)  # before the release
-            self._words.values[_DONE_SEQ] = sequence
-        warn_from_progress_thread(str(error))
-
-    def _stream_timed_out(self, call: str, timeout_s: float, fix: str = "") -> WaitTimeoutError:
-        """The error of a stream released by a timeout (its caller also warns: a replayed graph calls no Python)."""
-        return WaitTimeoutError(
-            f"{call}: the {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport} was not "
-            f"done after {timeout_s:.3g}s; the stream was released and what it read since is not valid. "
-            f"Check the peer, or pass a larger timeout= to wait(stream=){fix}")
 
     def _after_post(self) -> None:
         if self._state is Status.ERROR:
@@ -261,119 +163,15 @@ class Transfer(Closeable):
     def _post_on_stream(self, stream: torch.cuda.Stream) -> None:
         if self._request is not None and not self._stream_ordered:
             cuda.refuse_legacy_default_stream(stream, f"post(stream=) of the {self.op.value} over {self.transport}")
-            if self._ring_unwaited:
-                raise InvalidArgumentError(
-                    f"post(stream=): the previous post(stream=) of this {self.op.value} over {self.transport} was not "
-                    "waited; call wait(stream=) between two stream posts (one done flag serves each pair)")
-            self._ring_unwaited = True
+            self._stream_words()
+            self._doorbell.ring(stream)
         self._posted_on_stream = True
         self._streams_used.add(stream)
         self._state = Status.IN_PROGRESS
-        if self._request is None:
-            return
-        if self._stream_ordered:
+        if self._request is not None and self._stream_ordered:
             self._backend.post(self._request, self._notify, stream)
             if self._notify is not None:
                 self._notify_after_copy()
-            return
-        self._ensure_doorbell()
-        cuda.stream_write_value(stream, self._words.addr(_DOORBELL), 1)
-
-    def _ensure_doorbell(self) -> None:
-        """Start watching this transfer's doorbell word from the progress thread (once)."""
-        if self._doorbell_watch is not None:
-            return
-        words = self._host_words()
-        backend, request, notify = self._backend, self._request, self._notify
-        deadlines, engine = self._comm._deadlines, self._comm._engine
-        liveness, rank = self._comm._liveness, self._comm.rank
-        in_flight, rings_served = [False], [0]
-        unpicked_at_last_check: list[int | None] = [None]  # rings_served then, if a ring was waiting unpicked
-
-        def release_stuck_ring(ring: int) -> None:  # the deadline thread: host stores only
-            with self._publish_lock:
-                if rings_served[0] != ring or self._stuck is not None:
-                    return  # served in time
-                self._stuck = self._stream_timed_out(  # before the release
-                    "post(stream=)", self._doorbell_timeout_s,
-                    "; this transfer is failed now: close it and prepare a new one")
-                words.values[_DOORBELL] = 0
-                words.values[_DONE_FLAG] = 1
-            warn_from_progress_thread(str(self._stuck))
-
-        def check_unpicked_ring() -> None:
-            """The deadline thread, every half timeout while the doorbell is served: a ring that waited
-            unpicked at two checks in a row (the progress thread is held elsewhere) is released as timed out."""
-            if not engine.still_watched([serve_until_drained]):
-                return
-            ring = rings_served[0]
-            unpicked = words.values[_DOORBELL] != 0 and not in_flight[0]
-            if unpicked and unpicked_at_last_check[0] == ring:
-                release_stuck_ring(ring)
-            unpicked_at_last_check[0] = ring if unpicked else None
-            self._arm_ring_check()
-
-        def serve() -> bool:
-            if self._stuck is not None:  # the request timed out: release every stream that rings, post nothing
-                # more (every call on the handle raises ``_stuck``: close it and prepare a new one)
-                if words.values[_DOORBELL]:
-                    words.values[_DOORBELL] = 0
-                    words.values[_DONE_FLAG] = 1
-                return self._drained()
-            if not in_flight[0]:
-                with self._publish_lock:  # against release_stuck_ring
-                    if words.values[_DOORBELL] == 0 or self._stuck is not None:
-                        return False
-                    words.values[_DOORBELL] = 0
-                    in_flight[0] = True
-                    ring = rings_served[0]
-                deadlines.arm((self, "ring", ring), time.monotonic() + self._doorbell_timeout_s,
-                              lambda: release_stuck_ring(ring))
-                try:
-                    state = backend.post(request, notify)
-                except Exception as e:  # noqa: BLE001 - release the stream: an error must not hang the GPU
-                    self._async_error = e
-                    state = Status.ERROR
-            else:
-                state = backend.status(request)
-            if state is Status.IN_PROGRESS:
-                reason = liveness.lost(self.peer) if self.peer != rank else None
-                if reason is None:
-                    return False
-                self._async_error = PeerLostError(  # it will not complete: release the stream now
-                    f"post(stream=): the {self.op.value} to rank {self.peer} over {self.transport} did not complete: "
-                    f"rank {self.peer} is gone ({reason}); the bytes that stream consumed are not valid")
-                state = Status.ERROR
-            with self._publish_lock:
-                if self._stuck is not None:  # its deadline released the stream already: never release twice
-                    return self._drained()
-                in_flight[0] = False
-                ring = rings_served[0]
-                rings_served[0] += 1
-                words.values[_DONE_FLAG] = 1
-            deadlines.disarm((self, "ring", ring))
-            if state is Status.ERROR and self._async_error is None:  # kept for the next CPU call on this transfer
-                self._async_error = TransferError(
-                    f"post(stream=): the {self.op.value} to rank {self.peer} over {self.transport} failed; the bytes "
-                    "that stream consumed are not valid")
-            return self._drained()  # otherwise keep serving future doorbells (graph replays)
-
-        def serve_until_drained() -> bool:
-            if not in_flight[0] and words.values[_DOORBELL] == 0 and self._drained():
-                return True
-            return serve()
-
-        self._doorbell_watch = serve_until_drained
-        self._check_unpicked_ring = check_unpicked_ring
-        self._watch(serve_until_drained)
-        self._arm_ring_check()
-
-    def _arm_ring_check(self) -> None:
-        """(Re)arm the doorbell's unpicked-ring check half the doorbell timeout from now, at least
-        ``_RING_CHECK_MIN_S`` (a tiny timeout must not turn the check into a spin that takes the GIL from the
-        threads it checks on); an earlier check already armed stays."""
-        period = max(self._doorbell_timeout_s / 2, _RING_CHECK_MIN_S)
-        self._comm._deadlines.arm((self, "ring check"), time.monotonic() + period, self._check_unpicked_ring)
 
     # --- completion -----------------------------------------------------------------------------
     def status(self) -> Status:
@@ -403,7 +201,7 @@ class Transfer(Closeable):
         """
         if self._state is _DONE and stream is None:  # close() clears _state
             if timeout is not None:
-                self._comm._timeout(timeout)  # still reject a bad timeout
+                self._runtime.timeout(timeout)  # still reject a bad timeout
             return  # fast path: small and same-host transfers often complete inside post()
         self._check_open("wait")
         if self._state is None:
@@ -420,8 +218,8 @@ class Transfer(Closeable):
         def what() -> str:  # made only if needed: this is the path of every wait that is not done at once
             return f"wait: {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport}"
 
-        wait_until(lambda: self.status() is not Status.IN_PROGRESS, self._comm._timeout(timeout), what,
-                   self._comm.config, self._comm._alive(self.peer, what))
+        wait_until(lambda: self.status() is not Status.IN_PROGRESS, self._runtime.timeout(timeout), what,
+                   self._runtime.config, self._runtime.alive(self.peer, what))
         if self._state is Status.ERROR:
             raise self._peer_lost_or(TransferError(
                 f"wait: the {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport} failed; "
@@ -431,16 +229,16 @@ class Transfer(Closeable):
     def _peer_lost_or(self, error: Exception, call: str) -> Exception:
         """``PeerLostError`` instead of a backend's generic failure when the peer is gone (NIXL reports a dead
         peer as ``NIXL_ERR_BACKEND``); ``error`` otherwise."""
-        if isinstance(error, PeerLostError) or self.peer == self._comm.rank or not isinstance(error, TransferError):
+        if isinstance(error, PeerLostError) or self.peer == self._runtime.rank or not isinstance(error, TransferError):
             return error
-        reason = self._comm._liveness.lost(self.peer, fresh=True)
+        reason = self._runtime.peer_lost(self.peer, fresh=True)
         if reason is None:
             return error
         return PeerLostError(f"{call}: the {self.op.value} to rank {self.peer} over {self.transport} failed: rank "
                              f"{self.peer} is gone ({reason}); backend said: {error}")
 
     def _wait_on_stream(self, stream: torch.cuda.Stream, timeout: float | None) -> None:
-        stream_timeout_s = self._comm._timeout(timeout)  # rejects a bad timeout on every transport
+        stream_timeout_s = self._runtime.timeout(timeout)  # rejects a bad timeout on every transport
         if self._request is None:
             return
         if self._stream_ordered:
@@ -450,32 +248,16 @@ class Transfer(Closeable):
                 stream.wait_event(event)
             return
         cuda.refuse_legacy_default_stream(stream, f"wait(stream=) of the {self.op.value} over {self.transport}")
-        if self._posted_on_stream and not self._ring_unwaited:
-            raise InvalidArgumentError(
-                f"wait(stream=): the last post(stream=) of this {self.op.value} over {self.transport} was already "
-                "waited on (its done flag is consumed by that wait); make another stream follow that one instead: "
-                "s2.wait_stream(s1)")
-        self._streams_used.add(stream)
-        words = self._host_words()
+        self._stream_words()
         if self._posted_on_stream:
-            self._ring_unwaited = False
-            self._doorbell_timeout_s = stream_timeout_s
-            self._arm_ring_check()  # the new timeout's period, if shorter
-            cuda.stream_wait_value(stream, words.addr(_DONE_FLAG), 1)
-            cuda.stream_write_value(stream, words.addr(_DONE_FLAG), 0)
-            return
-        sequence = self._posts & 0xFFFFFFFF  # the GPU compares cyclically: (int32)(word - value) >= 0
-        self._arm_wait_deadline(sequence, stream_timeout_s)
-        cuda.stream_wait_value(stream, words.addr(_DONE_SEQ), sequence)
-        if not self._publishing:
-            # The first stream wait of this handle: publish this post's completion (the wait is enqueued
-            # first, so the call does not compete with the woken thread); later posts publish their own.
-            self._publishing = True
-            self._watch(self._completion_publisher(sequence))
+            self._doorbell.wait_on(stream, stream_timeout_s)
+        else:
+            self._done_seq.wait_on(stream, stream_timeout_s)
+        self._streams_used.add(stream)
 
     def _watch(self, poll) -> None:
         """Have the progress thread poll ``poll`` (until it returns True or this transfer closes)."""
-        engine = self._comm._engine
+        engine = self._runtime.engine
         self._watches = engine.still_watched(self._watches) + [poll]  # forget finished ones
         engine.watch(poll, on_error=self._keep_error)
 
@@ -483,10 +265,14 @@ class Transfer(Closeable):
         """A failure the progress thread saw on this transfer: raised by its next post/status/wait."""
         self._async_error = error
 
-    def _host_words(self):
+    def _stream_words(self):
+        """The pinned words streams wait on (allocated once, outside any graph capture where a GPU is
+        involved: see ``__init__``), with the objects that store them."""
         if self._words is None:
-            self._words = self._comm._transfer_words.take()
-            self._comm._stream_waiters.add(self)
+            self._words = self._runtime.transfer_words.take()
+            self._done_seq = DoneSeq(self, self._words)
+            self._doorbell = Doorbell(self, self._words, self._runtime.timeout_s)
+            self._runtime.stream_waiters.add(self)
         return self._words
 
     def _release_stream_waits(self) -> bool:
@@ -495,10 +281,10 @@ class Transfer(Closeable):
         if words is None:
             return False
         sequence = self._posts & 0xFFFFFFFF
-        pending = words.values[_DONE_SEQ] != sequence or words.values[_DOORBELL] != 0
-        words.values[_DOORBELL] = 0
-        words.values[_DONE_SEQ] = sequence
-        words.values[_DONE_FLAG] = 1
+        pending = words.values[DONE_SEQ] != sequence or words.values[DOORBELL] != 0
+        words.values[DOORBELL] = 0
+        words.values[DONE_SEQ] = sequence
+        words.values[DONE_FLAG] = 1
         return bool(pending)
 
     def _notify_after_copy(self) -> None:
@@ -514,7 +300,7 @@ class Transfer(Closeable):
             )
         # Not tied to this handle's lifetime: the copy's event outlives close(), and so does the message.
         backend, request = self._backend, self._request
-        self._comm._notify_when(self.peer, self._notify, lambda: backend.status(request) is Status.DONE)
+        self._runtime.outbox.send_after(self.peer, self._notify, lambda: backend.status(request) is Status.DONE)
 
     # --- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -532,21 +318,19 @@ class Transfer(Closeable):
         self.closed = True
         self._post_call, self._state = None, None
         request, self._request = self._request, None
-        self._comm._forget_transfer(self)
+        self._runtime.transfers.discard(self)
         if request is None:
             return
-        engine = self._comm._engine
+        engine = self._runtime.engine
         watches = engine.still_watched(self._watches)
         if not watches:
-            self._comm._deadlines.disarm((self, "ring check"))  # nothing in flight, no ring to serve
+            if self._doorbell is not None:
+                self._doorbell.disarm()  # nothing in flight, no ring to serve
             self._backend.release(request)
             return
         # A stream may still be waiting on this transfer (wait(stream=), a doorbell a graph rings): let the
         # progress thread finish what the GPU waits for, then release the request there. Never blocks.
-        events = []
-        for stream in self._streams_used:
-            events.append(torch.cuda.Event())
-            events[-1].record(stream)
+        events = [cuda.record_event(stream) for stream in self._streams_used]
         self._closing = events  # only once recorded: an unrecorded event would read as "done"
         backend = self._backend
 
@@ -559,14 +343,14 @@ class Transfer(Closeable):
         engine.watch(release_when_drained)
 
     def _finish_in_flight(self) -> None:
-        backend, request, comm = self._backend, self._request, self._comm
+        backend, request, runtime = self._backend, self._request, self._runtime
         what = (f"close: the {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport} "
                 "in flight")
         try:
-            wait_until(lambda: backend.status(request) is not Status.IN_PROGRESS, comm.timeout_s, lambda: what,
-                       comm.config, comm._alive(self.peer, what))
+            wait_until(lambda: backend.status(request) is not Status.IN_PROGRESS, runtime.timeout_s, lambda: what,
+                       runtime.config, runtime.alive(self.peer, what))
         except WaitTimeoutError:
-            warn_from_progress_thread(f"tensorwire: {what} did not complete within {comm.timeout_s:.3g}s; it was "
+            warn_from_progress_thread(f"tensorwire: {what} did not complete within {runtime.timeout_s:.3g}s; it was "
                                       "released, and bytes may still land: close transfers after wait()")
         except Exception:  # noqa: BLE001 - failed or the peer is gone: nothing more lands
             pass
@@ -585,7 +369,7 @@ class Transfer(Closeable):
     def _check_open(self, fn: str) -> None:
         if self.closed:
             raise ClosedError(f"{fn}: the transfer is closed; prepare a new one with comm.prepare(...)")
-        self._comm._check_open(fn)
+        self._runtime.check_open(fn)
         if self._stuck is not None:
             raise self._stuck.with_traceback(None)  # the same error each time: do not let its traceback grow
         if self._async_error is not None:

@@ -240,8 +240,8 @@ def _notifications_keep_posting_order():
     if comm.rank == 0:
         comm.write(buf, comm.lookup("inbox", 1, timeout=WAIT)[0], notify=b"hello", timeout=WAIT)  # connects
         first_copy_done = threading.Event()
-        comm._notify_when(1, b"first", first_copy_done.is_set)
-        comm._notify_when(1, b"second", lambda: True)  # already complete, yet queued behind "first"
+        comm._runtime.outbox.send_after(1, b"first", first_copy_done.is_set)
+        comm._runtime.outbox.send_after(1, b"second", lambda: True)  # already complete, yet queued behind "first"
         time.sleep(0.2)
         first_copy_done.set()
         comm.barrier(timeout=WAIT)
@@ -270,8 +270,8 @@ def _a_failed_notification_does_not_strand_the_next():
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        comm._notify_when(0, b"lost", broken)
-        comm._notify_when(0, b"next", lambda: True)
+        comm._runtime.outbox.send_after(0, b"lost", broken)
+        comm._runtime.outbox.send_after(0, b"next", lambda: True)
         got = comm.wait_notification(0, timeout=WAIT)
     comm.close()
     return got, any("could not be sent" in str(w.message) for w in caught)

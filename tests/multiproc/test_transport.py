@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tensorwire as tw
+from tensorwire.backends.fake import HostStream
 from tensorwire.config import Config
 from tensorwire.progress import ProgressEngine
 from tensorwire.testing.data import assert_equal, rank_values, sentinel
@@ -187,12 +188,6 @@ def test_notification_of_an_unpolled_write_is_still_sent():
     assert launch(_crossed_writes_with_notify, 2, env={"UCX_TLS": "tcp"}) == [True, True]
 
 
-class _SideStream:
-    """Stands in for a ``torch.cuda.Stream`` other than the legacy default stream."""
-
-    cuda_stream = 0x5EED
-
-
 class _LegacyDefaultStream:
     cuda_stream = 0
 
@@ -201,33 +196,16 @@ class _CuStreamLegacy:  # CUDA's named handle for the same stream
     cuda_stream = 1
 
 
-class _HostWords:
-    """Stands in for a transfer's pinned words: plain host words, addressed by index."""
-
-    def __init__(self):
-        import numpy as np
-
-        self.values = np.zeros(4, dtype=np.uint32)
-
-    def addr(self, index):
-        return index
-
-
 def _stream_completions_published_per_post(rounds: int):
     """A NIXL transfer in flight after post() (UCX over TCP makes it asynchronous) waited with
-    wait(stream=), round after round on one handle. The GPU side is stood in for: the stream wait is
-    recorded instead of enqueued and the pinned words are plain host words. What is real is the
-    completion path: the progress thread must store each round's sequence number into ``done_seq`` once
-    that round's bytes have landed, the value the stream would wait for."""
-    from tensorwire import cuda
-    from tensorwire.transfer import _DONE_SEQ
+    wait(stream=) on a host stand-in stream, round after round on one handle: the consumer launched behind
+    each wait must see that round's bytes, and done_seq must have reached the round."""
+    from tensorwire.stream_completion import DONE_SEQ
 
-    waits = []
-    cuda.stream_wait_value = lambda stream, addr, value: waits.append((addr, value))
-    with tw.init(timeout=INIT_TIMEOUT) as comm:
+    with tw.init(timeout=INIT_TIMEOUT) as comm, HostStream() as stream:
         n = 1 << 24
         buffer = torch.zeros(2 * n, dtype=torch.uint8)
-        seen = []
+        seen, published = [], []
         if comm.rank == 1:
             buffer[:n].fill_(3)  # what rank 0 reads, every round
         with comm.register(buffer) as reg:
@@ -236,44 +214,24 @@ def _stream_completions_published_per_post(rounds: int):
             comm.barrier(WAIT)
             if comm.rank == 0:
                 with comm.prepare(tw.READ, buffer[n:], remote.narrow(0, n), transport="nixl") as x:
-                    x._words = _HostWords()
-                    for round_ in range(1, rounds + 1):
+                    for _ in range(rounds):
                         buffer[n:].zero_()
                         x.post()
-                        x.wait(stream=_SideStream())
-                        deadline = time.monotonic() + WAIT
-                        while int(x._words.values[_DONE_SEQ]) != round_:  # the stream's release
-                            assert time.monotonic() < deadline, f"round {round_}: done_seq never reached it"
-                            time.sleep(1e-4)
-                        seen.append(int(buffer[n:].sum(dtype=torch.int64)))  # what a consumer would read
-                    while comm._engine.still_watched(x._watches):  # close() would record CUDA events otherwise
-                        time.sleep(1e-3)
+                        x.wait(stream=stream)
+                        stream.launch(lambda: seen.append(int(buffer[n:].sum(dtype=torch.int64))))
+                        stream.launch(lambda: published.append(int(x._words.values[DONE_SEQ])))
+                        stream.synchronize(WAIT)
             comm.barrier(WAIT)
-    return seen, waits
+    return seen, published
 
 
 def test_a_stream_waits_for_each_post_of_a_nixl_transfer():
     """Every round's done_seq is published only once that round's bytes are there, and each
     wait(stream=) waits for exactly its own round."""
     rounds = 5
-    seen, waits = launch(_stream_completions_published_per_post, 2, rounds, env={"UCX_TLS": "tcp"})[0]
+    seen, published = launch(_stream_completions_published_per_post, 2, rounds, env={"UCX_TLS": "tcp"})[0]
     assert seen == [3 * (1 << 24)] * rounds
-    assert [value for _, value in waits] == list(range(1, rounds + 1))
-
-
-def _stand_in_stream_memory_ops() -> dict:
-    """Stand in for the GPU's stream memory operations in this process: a stream's store lands at once in
-    ``stores["words"]`` (set it to the words in use), a stream wait is not enqueued. Returns ``stores``."""
-    from tensorwire import cuda
-
-    stores = {}
-
-    def write_value(stream, addr, value):
-        stores["words"].values[addr] = value
-
-    cuda.stream_wait_value = lambda stream, addr, value: None
-    cuda.stream_write_value = write_value
-    return stores
+    assert published == list(range(1, rounds + 1))
 
 
 def _until(condition, what: str) -> None:
@@ -284,15 +242,14 @@ def _until(condition, what: str) -> None:
 
 
 def _stream_waits_are_bounded():
-    """Stream waits of NIXL transfers (UCX over TCP: in flight after post) with the GPU side stood in for.
+    """Stream waits of NIXL transfers (UCX over TCP: in flight after post) on a host stand-in stream.
     Returns what rank 0 saw: the legacy default stream refused for waits and posts without losing anything,
     a stream released with an error once its own wait's timeout passed (and a later CPU wait not cut short by
     it), and a doorbell (stream post) that timed out leaving the handle failed but every ring answered."""
-    from tensorwire.transfer import _DONE_FLAG, _DONE_SEQ, _DOORBELL
+    from tensorwire.stream_completion import DONE_FLAG, DONE_SEQ, DOORBELL
 
-    stores = _stand_in_stream_memory_ops()
     seen = {}
-    with tw.init(timeout=INIT_TIMEOUT) as comm:
+    with tw.init(timeout=INIT_TIMEOUT) as comm, HostStream() as side:
         n = 1 << 26
         buffer = torch.zeros(2 * n, dtype=torch.uint8)
         if comm.rank == 1:
@@ -309,7 +266,7 @@ def _stream_waits_are_bounded():
                     return int(local.sum(dtype=torch.int64)) == expected
 
                 with comm.prepare(tw.READ, local, remote, transport="nixl") as x:
-                    x._words = stores["words"] = words = _HostWords()
+                    words = x._stream_words()
                     x.post()
                     with pytest.raises(tw.InvalidArgumentError, match="legacy default stream") as refused:
                         x.wait(stream=_LegacyDefaultStream())
@@ -328,14 +285,14 @@ def _stream_waits_are_bounded():
 
                     local.zero_()
                     x.post()
-                    x.wait(stream=_SideStream(), timeout=WAIT)  # completes in time: from now on each post publishes
-                    _until(lambda: words.values[_DONE_SEQ] == 3, "round 3: the stream was never released")
+                    x.wait(stream=side, timeout=WAIT)  # completes in time: from now on each post publishes
+                    _until(lambda: words.values[DONE_SEQ] == 3, "round 3: the stream was never released")
                     seen["in_time"] = landed()
 
                     local.zero_()
                     x.post()
-                    x.wait(stream=_SideStream(), timeout=1e-4)  # this post's own wait bounds its publisher
-                    _until(lambda: words.values[_DONE_SEQ] == 4, "round 4: the stream was never released")
+                    x.wait(stream=side, timeout=1e-4)  # this post's own wait bounds its publisher
+                    _until(lambda: words.values[DONE_SEQ] == 4, "round 4: the stream was never released")
                     with pytest.raises(tw.WaitTimeoutError, match="stream was released") as late:
                         _until(lambda: x.status() is None, "round 4: the timeout never reached the handle")
                     seen["cpu_post_timeout"] = str(late.value)
@@ -345,58 +302,55 @@ def _stream_waits_are_bounded():
                     x.post()  # no stream waits for this one: round 4's short timeout must not cut it short
                     x.wait(WAIT)
                     seen["cpu_wait_after_timeout"] = landed()
-                    _until(lambda: not comm._engine.still_watched(x._watches), "watches outlived the READ")
+                    side.synchronize(WAIT)
 
                 with comm.prepare(tw.READ, local, remote, transport="nixl") as z:  # one wait per stream post
-                    z._words = stores["words"] = words = _HostWords()
                     local.zero_()
-                    z.post(stream=_SideStream())
+                    z.post(stream=side)
                     with pytest.raises(tw.InvalidArgumentError, match="was not waited"):
-                        z.post(stream=_SideStream())
-                    z.wait(stream=_SideStream())
+                        z.post(stream=side)
+                    z.wait(stream=side)
                     with pytest.raises(tw.InvalidArgumentError, match="already waited on"):
-                        z.wait(stream=_SideStream())
-                    _until(landed, "the ring was never served")
-                    seen["one_wait_per_stream_post"] = True
-                    z._streams_used = set()
+                        z.wait(stream=side)
+                    side.synchronize(WAIT)
+                    seen["one_wait_per_stream_post"] = landed()
 
                 with comm.prepare(tw.READ, local, remote, transport="nixl") as y:
-                    y._words = stores["words"] = words = _HostWords()
+                    words = y._stream_words()
                     local.zero_()
-                    y.post(stream=_SideStream())
-                    _until(lambda: words.values[_DONE_FLAG] == 1, "the first ring was never served")
-                    y.wait(stream=_SideStream(), timeout=1e-4)  # bounds the rings that follow
+                    y.post(stream=side)
+                    _until(lambda: words.values[DONE_FLAG] == 1, "the first ring was never served")
+                    y.wait(stream=side, timeout=1e-4)  # bounds the rings that follow
+                    side.synchronize(WAIT)
                     seen["first_ring"] = landed()
                     local.zero_()
-                    y.post(stream=_SideStream())
-                    _until(lambda: words.values[_DONE_FLAG] == 1, "the timed-out ring's stream was never released")
+                    y.post(stream=side)
+                    _until(lambda: words.values[DONE_FLAG] == 1, "the timed-out ring's stream was never released")
                     with pytest.raises(tw.WaitTimeoutError, match="post\\(stream=\\)") as late:
-                        y.wait(stream=_SideStream())
+                        y.wait(stream=side)
                     seen["doorbell_timeout"] = str(late.value)
-                    for call in (lambda: y.post(stream=_SideStream()), y.status):  # the handle stays failed
+                    for call in (lambda: y.post(stream=side), y.status):  # the handle stays failed
                         with pytest.raises(tw.WaitTimeoutError, match="close it and prepare a new one"):
                             call()
                     _until(landed, "the stuck READ never landed")
                     local.zero_()
-                    words.values[_DONE_FLAG] = 0
-                    words.values[_DOORBELL] = 1  # a captured graph replaying rings without Python
-                    _until(lambda: words.values[_DONE_FLAG] == 1 and words.values[_DOORBELL] == 0,
+                    words.values[DONE_FLAG] = 0
+                    side.write_value(words.addr(DOORBELL), 1)  # a captured graph replaying rings without Python
+                    _until(lambda: words.values[DONE_FLAG] == 1 and words.values[DOORBELL] == 0,
                            "a ring after the timeout was never answered")
                     time.sleep(0.1)  # a READ posted for that ring would land meanwhile (64 MiB over TCP: ~50 ms)
                     seen["doorbell_answered_after_timeout"] = int(local.sum(dtype=torch.int64)) == 0  # nothing moved
-                    y._streams_used = set()  # no CUDA events to record on close: nothing ran on a GPU
             comm.barrier(6 * WAIT)  # rank 1 waits here for all of rank 0's rounds (64 MiB each, over TCP)
     return seen
 
 
 def _stream_waits_released_while_progress_is_stuck():
     """Rank 0's progress thread is held inside a backend call (as UCX's staged copies into GPU memory can be:
-    docs/architecture.md, Known limits) while streams wait: a stream waiting for a CPU post, a doorbell's
-    stream and a stream waiting for a notification that never comes must each be released once their own
-    timeout passes, with the error reaching the next call, and everything must work again afterwards."""
-    from tensorwire.transfer import _DONE_FLAG, _DONE_SEQ
+    docs/architecture.md, Known limits) while host stand-in streams wait: a stream waiting for a CPU post, a
+    doorbell's stream and a stream waiting for a notification that never comes must each be released once
+    their own timeout passes, with the error reaching the next call, and everything must work again afterwards."""
+    from tensorwire.stream_completion import DONE_FLAG
 
-    stores = _stand_in_stream_memory_ops()
     seen = {}
     with tw.init(timeout=INIT_TIMEOUT) as comm:
         n = 1 << 24
@@ -421,42 +375,40 @@ def _stream_waits_released_while_progress_is_stuck():
                 def released_while_stuck(post_on_stream: bool) -> bool:
                     """A fresh handle posted (on a stream or from the CPU) and waited on a stream: released by
                     its 0.2 s timeout, with the error on the next call."""
-                    with comm.prepare(tw.READ, local, remote, transport="nixl") as t:
-                        t._words = stores["words"] = words = _HostWords()
-                        t.post(stream=_SideStream()) if post_on_stream else t.post()
-                        t.wait(stream=_SideStream(), timeout=0.2)
-                        word = _DONE_FLAG if post_on_stream else _DONE_SEQ
-                        _until(lambda: words.values[word] == 1, f"post_on_stream={post_on_stream}: never released")
+                    with comm.prepare(tw.READ, local, remote, transport="nixl") as t, HostStream() as stream:
+                        t.post(stream=stream) if post_on_stream else t.post()
+                        t.wait(stream=stream, timeout=0.2)
+                        stream.synchronize(WAIT)  # released
                         released = not unstick.is_set()
                         with pytest.raises(tw.WaitTimeoutError, match="stream was released"):
                             t.status()
-                        t._streams_used = set()  # no CUDA events to record on close: nothing ran on a GPU
                     return released
 
                 try:
-                    with comm.prepare(tw.READ, local, remote, transport="nixl") as y:  # a doorbell: served, then stuck
-                        y._words = stores["words"] = words = _HostWords()
-                        y.post(stream=_SideStream())
-                        _until(lambda: words.values[_DONE_FLAG] == 1, "the first ring was never served")
-                        y.wait(stream=_SideStream(), timeout=0.2)  # bounds the next ring; consumes the flag (stood in)
+                    with comm.prepare(tw.READ, local, remote, transport="nixl") as y, HostStream() as side:
+                        words = y._stream_words()  # a doorbell: served, then stuck
+                        y.post(stream=side)
+                        _until(lambda: words.values[DONE_FLAG] == 1, "the first ring was never served")
+                        y.wait(stream=side, timeout=0.2)  # bounds the next ring; consumes the flag
+                        side.synchronize(WAIT)
                         backend.status = stuck_in_progress_thread(type(backend).status.__get__(backend))
-                        y.post(stream=_SideStream())
-                        _until(lambda: words.values[_DONE_FLAG] == 1, "a doorbell's stream was never released")
+                        y.post(stream=side)
+                        _until(lambda: words.values[DONE_FLAG] == 1, "a doorbell's stream was never released")
                         seen["ring_released_while_stuck"] = bool(stuck_calls) and not unstick.is_set()
                         with pytest.raises(tw.WaitTimeoutError, match="close it and prepare a new one"):
-                            y.post(stream=_SideStream())
-                        y._streams_used = set()  # no CUDA events to record on close: nothing ran on a GPU
+                            y.post(stream=side)
                     # The progress thread is still held: a CPU post's stream wait, then a ring it never picks up.
                     seen["wait_released_while_stuck"] = released_while_stuck(post_on_stream=False)
                     seen["unpicked_ring_released_while_stuck"] = released_while_stuck(post_on_stream=True)
-                    comm._notification_words = stores["words"] = words = _HostWords()
-                    comm.wait_notification(1, stream=_SideStream(), timeout=0.2)
-                    comm.wait_notification(1, stream=_SideStream(), timeout=60)  # must not stretch the first
-                    _until(lambda: words.values[1] == 1, "a notification's stream wait was never released")
-                    time.sleep(0.3)
-                    seen["notification_released_while_stuck"] = not unstick.is_set() and words.values[1] == 1
-                    with pytest.raises(tw.WaitTimeoutError, match="nothing from rank 1"):
-                        comm.wait_notification(1, timeout=WAIT)
+                    with HostStream() as stream:
+                        comm.wait_notification(1, stream=stream, timeout=0.2)
+                        comm.wait_notification(1, stream=stream, timeout=60)  # must not stretch the first
+                        words = comm._notifications._words
+                        _until(lambda: words.values[1] == 1, "a notification's stream wait was never released")
+                        time.sleep(0.3)
+                        seen["notification_released_while_stuck"] = not unstick.is_set() and words.values[1] == 1
+                        with pytest.raises(tw.WaitTimeoutError, match="nothing from rank 1"):
+                            comm.wait_notification(1, timeout=WAIT)
                 finally:  # a failure above must not leave the progress thread held
                     unstick.set()
                 del backend.status

@@ -50,7 +50,7 @@ def _rank_on_its_host(hosts: netns.TwoHosts, signals: str):
     remote_pool = comm.lookup_blocks("pool", peer, timeout=30)
     with comm.prepare(tw.READ, dst, remote_src) as x:  # READ
         assert x.transport == "nixl", x.transport
-        assert comm._peers[peer].host != comm._host, "the two namespaces look like one host"
+        assert comm._peers.host_of(peer) != comm._peers.host, "the two namespaces look like one host"
         x.post()
         x.wait(timeout=30)
     assert_equal(dst, rank_values(peer, n, torch.int64), "READ across the veth pair")

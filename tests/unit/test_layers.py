@@ -27,7 +27,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("memory maps and waiting", ["tensorwire.memory_map", "tensorwire.progress"]),
     ("backends", ["tensorwire.backends", "tensorwire.backends.*"]),
     ("communicator", ["tensorwire.communicator", "tensorwire.registration", "tensorwire.transfer",
-                      "tensorwire.blocks", "tensorwire.revocation"]),
+                      "tensorwire.blocks", "tensorwire.revocation", "tensorwire.runtime", "tensorwire.notifications",
+                      "tensorwire.stream_completion", "tensorwire.peers"]),
     ("moe", ["tensorwire.moe", "tensorwire.moe.*"]),
     ("launcher and test data", ["tensorwire.testing", "tensorwire.testing.launch", "tensorwire.testing.data",
                                 "tensorwire.testing.netns"]),
@@ -43,22 +44,18 @@ LAYERS: list[tuple[str, list[str]]] = [
 # dispatch -> selection -> engines -> dispatch went when Dispatch moved to moe/engine.py (step 4).
 KNOWN_CIRCLES: list[tuple[frozenset[str], str]] = []
 
-# communicator <-> transfer <-> registration import each other only for annotations, but transfer, blocks
-# and registration (and MoE) still reach into the Communicator at run time through private attributes, which
-# no import shows. Next step of issue 16 (step 3: a Runtime the communicator creates and hands to each
-# handle; Registration gets a deregister callback) removes them; until then these, and no others, are allowed.
-# Seen as ``<name>._attr`` where the name is comm, _comm, communicator or _communicator.
+# Handles (transfers, block transfers, registrations, revocations) get a Runtime or a callback from the
+# communicator and reach none of its private attributes. MoE engines and one benchmark still reach into the
+# Communicator at run time through private attributes, which no import shows; these, and no others, are
+# allowed. Seen as ``<name>._attr`` where the name is comm, _comm, communicator or _communicator.
 KNOWN_PRIVATE_REACHES: dict[str, set[str]] = {
-    "tensorwire.transfer": {"_engine", "_deadlines", "_timeout", "_notify_when", "_forget_transfer", "_check_open",
-                            "_transfer_words", "_stream_waiters", "_liveness", "_alive"},
-    # The revocation protocol runs on the communicator's transfers, inbox, NIXL agent and liveness view.
-    "tensorwire.revocation": {"_inbox", "_liveness", "_nixl", "_peer_view", "_transfers"},
-    "tensorwire.registration": {"_deregister"},
-    "tensorwire.blocks": {"_notify_when", "_timeout"},
+    # MoE: the store under collectives' process groups, the transports selection checks for cuda and the set
+    # of dependents it adds each engine to, the notification inbox of the nixl engine, the progress thread
+    # that watches the cuda engine's GPU waits.
     "tensorwire.moe.collectives": {"_rendezvous"},
     "tensorwire.moe.selection": {"_backends", "_dependents"},
     "tensorwire.moe.engines.nixl": {"_inbox"},
-    "tensorwire.moe.engines.cuda_waits": {"_engine"},
+    "tensorwire.moe.engines.cuda_waits": {"_runtime"},
     # The KV benchmark's raw-NIXL baseline swaps agent metadata through the communicator's store (the p2p
     # benchmark lends its own store to tw.init instead); a public store accessor would remove it.
     "tensorwire.bench.kv": {"_rendezvous"},

@@ -179,6 +179,10 @@ class NixlBackend:
             raise self._translate(e, f"loading the metadata of rank {rank}", peer=rank) from e
         self._loaded_peers.add(rank)
 
+    def loaded_peers(self) -> frozenset[int]:
+        """The ranks whose metadata this agent holds (it can send them notifications)."""
+        return frozenset(self._loaded_peers)
+
     # --- transfers ----------------------------------------------------------------------------
     def prepare(self, op: Op, local: list[Segment], remote: list[Segment], peer: int, notify: bytes | None) -> Any:
         local_kind, remote_kind = local[0].kind, remote[0].kind

@@ -15,7 +15,8 @@ from typing import Any
 from ..descriptors import MemoryKind
 from .base import BackendInfo, Capabilities, Segment
 
-__all__ = ["Transport", "TRANSPORTS", "NAMES", "transport", "reachable", "infos", "stream_ordered_names"]
+__all__ = ["Transport", "TRANSPORTS", "NAMES", "TEST_TRANSPORTS", "FORCEABLE", "transport", "reachable", "infos",
+           "stream_ordered_names"]
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,16 @@ TRANSPORTS: tuple[Transport, ...] = (
     Transport("nixl", "nixl", "NixlBackend"),  # everything else, across hosts too (UCX)
 )
 NAMES: tuple[str, ...] = tuple(t.name for t in TRANSPORTS)
+# Transports for tests: never chosen by default, reported by neither ``tw.backends()`` nor the doctor;
+# ``prepare(transport=)`` picks them.
+TEST_TRANSPORTS: tuple[Transport, ...] = (
+    Transport("fake", "fake", "FakeBackend"),  # host loopback completed by a later poll (stream paths in CI)
+)
+FORCEABLE: tuple[str, ...] = NAMES + tuple(t.name for t in TEST_TRANSPORTS)
 
 
 def transport(name: str) -> Transport:
-    return TRANSPORTS[NAMES.index(name)]
+    return (TRANSPORTS + TEST_TRANSPORTS)[FORCEABLE.index(name)]
 
 
 def stream_ordered_names() -> tuple[str, ...]:
@@ -63,7 +70,7 @@ def reachable(backends: dict[str, Any], to_self: bool, same_host: bool, local_ki
     memory to ``peer`` (``remotes``: its segments), in preference order. A backend whose reach depends on the
     peer's memory (what it exported) answers ``reaches(peer, remotes)``."""
     names = []
-    for entry in TRANSPORTS:
+    for entry in TRANSPORTS + TEST_TRANSPORTS:
         backend = backends.get(entry.name)
         if backend is None:
             continue

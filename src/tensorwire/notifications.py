@@ -1,0 +1,168 @@
+"""Notifications: the message a WRITE's ``notify=`` delivers after its data, and the waits for it.
+
+Sending. NIXL sends a transfer's notification itself once the data is in place. The transports without a
+message channel (``cuda_ipc``, ``shm``, ``local``, the tests' ``fake``) hand theirs to the ``Outbox``: it is
+sent through NIXL (or pushed into this rank's own inbox) once the copy completed, and after every message
+queued to that peer before it, so a peer never sees a notification ahead of the data or out of order.
+
+Receiving. The ``Inbox`` (``progress.py``) queues arrivals per sender. ``Notifications.wait`` takes the next
+one, sleeping. ``Notifications.wait_on_stream`` makes a GPU stream wait instead: the progress thread counts
+each sender's arrivals into a pinned host word, and the stream waits until the word reaches the number of
+notifications awaited from that sender so far (``cuStreamWaitValue32``). A wait nobody answers within its
+timeout, or whose sender is gone, is released by storing that number (the deadline thread, or the progress
+thread): the stream moves on, the error is kept and raised by the next ``wait_notification``.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from . import cuda
+from .deadlines import warn_from_progress_thread
+from .errors import PeerLostError, WaitTimeoutError
+from .progress import Inbox, ProgressEngine, wait_until
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+__all__ = ["Outbox", "Notifications"]
+
+
+class Outbox:
+    """Notifications of copying transports, sent in order once their copy completed. Never blocks: the
+    progress thread drains what cannot be sent at once."""
+
+    def __init__(self, engine: ProgressEngine, send: Callable[[int, bytes], None]) -> None:
+        self._engine = engine
+        self._send = send  # (peer, message): through NIXL, or into this rank's inbox
+        self._queues: dict[int, collections.deque] = {}  # per peer: (done, message) in posting order
+        self._lock = threading.Lock()
+
+    def send_after(self, peer: int, message: bytes, done: Callable[[], bool]) -> None:
+        """Deliver ``message`` to ``peer`` once ``done()`` (its copy completed) and after every message queued
+        to ``peer`` before it: a later copy may complete first, its message must not."""
+        with self._lock:
+            queue = self._queues.setdefault(peer, collections.deque())
+            if not queue and done():
+                self._send(peer, message)
+                return
+            queue.append((done, message))
+            if len(queue) > 1:
+                return  # the watch started for the first queued message drains this one too
+        self._engine.watch(lambda: self._drain(peer))
+
+    def _drain(self, peer: int) -> bool:
+        with self._lock:
+            queue = self._queues[peer]
+            while queue:
+                done, message = queue[0]
+                try:
+                    if not done():
+                        break
+                    queue.popleft()
+                    self._send(peer, message)
+                except Exception as e:  # noqa: BLE001 - one lost message must not strand the ones behind it
+                    if queue and queue[0][1] is message:
+                        queue.popleft()
+                    warn_from_progress_thread(
+                        f"tensorwire: a notification could not be sent and was dropped ({e}); the peer's "
+                        "wait_notification for it will time out: check that the peer is alive and reachable "
+                        "('tensorwire doctor')")
+            return not queue
+
+
+class Notifications:
+    """``wait_notification``'s CPU and stream forms for one communicator (``world_size`` senders)."""
+
+    def __init__(self, runtime: Runtime, inbox: Inbox, world_size: int) -> None:
+        self._runtime = runtime
+        self._inbox = inbox
+        self._words: cuda.HostWords | None = None  # per-sender arrival counters the GPU waits on
+        self._awaited = [0] * world_size  # stream waits enqueued per sender
+        self._delivered = [0] * world_size  # arrivals counted into the words (or released) per sender
+        self._lock = threading.Lock()  # arrivals (progress thread) vs. timeouts (deadline thread)
+        self._errors: collections.deque = collections.deque()  # stream waits' failures, for the next call
+
+    def raise_kept_error(self) -> None:
+        """Raise the oldest failure of a stream wait (a timeout, a lost sender), if any."""
+        if self._errors:
+            raise self._errors.popleft()
+
+    def wait(self, from_rank: int, timeout_s: float) -> bytes:
+        """The next message from ``from_rank``. Blocks (sleeping); ``WaitTimeoutError`` after ``timeout_s``,
+        ``PeerLostError`` once the sender is gone."""
+        message: list[bytes] = []
+
+        def arrived() -> bool:
+            m = self._inbox.try_pop(from_rank)
+            if m is not None:
+                message.append(m)
+            return bool(message)
+
+        runtime = self._runtime
+        wait_until(arrived, timeout_s, lambda: f"wait_notification: nothing from rank {from_rank}", runtime.config,
+                   runtime.alive(from_rank, f"wait_notification(from_rank={from_rank})"))
+        return message[0]
+
+    def wait_on_stream(self, from_rank: int, stream: Any, timeout_s: float) -> None:
+        """Make ``stream`` wait for the next message from ``from_rank`` (consumed). Returns at once."""
+        cuda.refuse_legacy_default_stream(stream, f"wait_notification(from_rank={from_rank}, stream=)")
+        if self._words is None:
+            self._words = cuda.HostWords(len(self._awaited))
+        self._awaited[from_rank] += 1
+        target = self._awaited[from_rank]
+        deadlines = self._runtime.deadlines
+        key = ("notification", from_rank, target)
+        deadlines.arm(key, time.monotonic() + timeout_s, lambda: self._release(from_rank, target, WaitTimeoutError(
+            f"wait_notification(stream=): nothing from rank {from_rank} within {timeout_s:.3g}s; the stream was "
+            "released and what it read since is not valid; check that rank")))
+        cuda.stream_wait_value(stream, self._words.addr(from_rank), target)  # before waking the progress thread
+        self._runtime.engine.watch(lambda: self._deliver(from_rank, target, key), on_error=self._keep)
+
+    def _deliver(self, from_rank: int, target: int, key: tuple) -> bool:
+        """Progress thread: count ``from_rank``'s arrivals into its word up to ``target``."""
+        delivered, words = self._delivered, self._words
+        while delivered[from_rank] < target:
+            if self._inbox.try_pop(from_rank) is None:
+                reason = self._runtime.peer_lost(from_rank)
+                if reason is None:
+                    return False
+                self._runtime.deadlines.disarm(key)  # it will not come: release the stream now, not at the timeout
+                self._release(from_rank, target, PeerLostError(
+                    f"wait_notification(stream=): rank {from_rank} is gone ({reason}); the stream was released and "
+                    "what it read since is not valid"))
+                return True
+            with self._lock:
+                if delivered[from_rank] < target:  # else its deadline released it: this one came late
+                    delivered[from_rank] += 1
+                    words.values[from_rank] = delivered[from_rank]
+        self._runtime.deadlines.disarm(key)
+        return True
+
+    def _release(self, from_rank: int, target: int, error: Exception) -> None:
+        """Let the stream waiting for ``from_rank``'s ``target``-th message go, and keep ``error``."""
+        with self._lock:
+            if self._delivered[from_rank] >= target:
+                return
+            self._delivered[from_rank] = target  # what arrives late counts toward a later wait
+            self._words.values[from_rank] = target
+        self._keep(error)
+
+    def _keep(self, error: Exception) -> None:
+        self._errors.append(error)
+        warn_from_progress_thread(f"tensorwire: {error}")
+
+    def release_stream_waits(self) -> list[int]:
+        """At close: store every awaited count (no stream may wait for a thread that stops); the senders whose
+        waits were still pending."""
+        pending = []
+        if self._words is not None:
+            for rank, awaited in enumerate(self._awaited):
+                if self._words.values[rank] != awaited:
+                    pending.append(rank)
+                    self._words.values[rank] = awaited
+        return pending

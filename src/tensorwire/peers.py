@@ -1,0 +1,183 @@
+"""``Peers``: what this rank knows of its peers' memory, and which transport reaches it.
+
+Memory maps travel through the store lazily: a rank publishes its map (host identity, every backend's
+metadata, registered ranges, stamped with an epoch) whenever it registers or deregisters, and a rank loads a
+peer's map the first time it addresses a descriptor newer than the view it holds, and again at every
+``prepare`` (one store round trip): a descriptor of memory the peer has deregistered since must fail
+validation, not reach freed memory through a stale view. No collective is needed to add a peer.
+
+Transport selection, per transfer: the first transport of ``backends.registry.TRANSPORTS`` that reaches the
+peer: the peer is this rank -> ``local``; same host and GPU memory on both sides, exported through IPC ->
+``cuda_ipc``; same host and host memory the peer keeps in a shared file -> ``shm``; otherwise -> ``nixl``.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+
+from . import cuda
+from .backends import registry
+from .backends.base import Backend, Segment, Status
+from .backends.nixl import NixlBackend
+from .bootstrap import Rendezvous
+from .descriptors import MemoryKind, TensorDesc
+from .errors import InvalidArgumentError
+from .memory_map import MemoryMap, PeerView, typed_decoding
+from .progress import wait_until
+from .runtime import Runtime
+
+__all__ = ["Peers"]
+
+_EPOCH_SLACK = 1 << 16  # a descriptor this far ahead of its rank's published map is refused without waiting
+
+
+class Peers:
+    """Peers' memory maps as this rank last loaded them, checked against descriptors, and the transport choice.
+
+    ``local_regions()`` returns this rank's own registered ranges and epoch (a transfer to itself is checked
+    against those)."""
+
+    def __init__(self, runtime: Runtime, rendezvous: Rendezvous, backends: dict[str, Backend], nixl: NixlBackend,
+                 host: str, local_regions: Callable[[], tuple[list[TensorDesc], int]]) -> None:
+        self._runtime = runtime
+        self._rendezvous = rendezvous
+        self._backends = backends
+        self._nixl = nixl
+        self.host = host
+        self._local_regions = local_regions
+        self._views: dict[int, PeerView] = {}
+        self._touched: set[tuple] = set()  # remote ranges NIXL has mapped (see touch_remote_allocations)
+        self._warned: set[str] = set()
+
+    def publish(self, rank: int, epoch: int, regions: list[TensorDesc]) -> None:
+        """Publish this rank's memory map at ``epoch``. Each range keeps the epoch of the registration that
+        made it: a descriptor is valid only while that very registration is, even if the same addresses are
+        registered again later."""
+        sections = {"host": self.host.encode()}
+        sections.update({name: backend.metadata() for name, backend in self._backends.items()
+                         if backend.capabilities.remote})
+        self._rendezvous.set(f"memmap/{rank}", MemoryMap(epoch, sections, regions).pack())
+
+    def host_of(self, rank: int) -> str:
+        """The host of a peer whose view is loaded (``view`` first)."""
+        return self._views[rank].host
+
+    def view(self, rank: int, min_epoch: int, timeout_s: float) -> PeerView:
+        """``rank``'s current memory map (at least ``min_epoch``), read from the store on every call. Blocks
+        for one store round trip (longer while the map is behind ``min_epoch``: bounded by ``timeout_s``)."""
+        what = f"prepare: loading the memory map of rank {rank}"
+        self._runtime.liveness.watch(rank)  # connect now (not from the progress thread), so waits know if it dies
+        give_up_at = time.monotonic() + min(timeout_s, self._runtime.config.liveness_s)
+        wait_until(lambda: self._load(rank, min_epoch, timeout_s, give_up_at), timeout_s,
+                   lambda: f"prepare: memory map of rank {rank} at epoch >= {min_epoch}", self._runtime.config,
+                   self._runtime.alive(rank, what))
+        return self._views[rank]
+
+    def _load(self, rank: int, min_epoch: int, timeout_s: float, give_up_at: float) -> bool:
+        """One look at ``rank``'s map in the store: True once a view of at least ``min_epoch`` is loaded."""
+        # Verified by the rendezvous (AuthenticationError otherwise); the view below changes only after that.
+        blob = self._rendezvous.get(f"memmap/{rank}", timeout_s, f"prepare: loading the memory map of rank {rank}",
+                                    ranks=(rank,))
+        source = f"prepare: the memory map of rank {rank} (store key 'memmap/{rank}')"
+        epoch = MemoryMap.epoch_of(blob, source)
+        if epoch < min_epoch:
+            # A rank publishes its map before the descriptors stamped with its epoch exist, so a descriptor
+            # ahead of the map is garbled or forged: far ahead, refuse it now; a little, within the bound.
+            if min_epoch - epoch > _EPOCH_SLACK or time.monotonic() > give_up_at:
+                raise InvalidArgumentError(
+                    f"prepare: a descriptor of rank {rank} names epoch {min_epoch}, but rank {rank}'s memory map "
+                    f"is at epoch {epoch}; the descriptor is corrupt or was not made by that rank: look it up again")
+            return False
+        view = self._views.get(rank)
+        # With a job token a newer view is authentic: an older map (a replayed value) never replaces it. Without
+        # one, a forged map with a far-off epoch must not shadow the real one for good.
+        if view is not None and (view.epoch == epoch or (view.epoch > epoch and self._runtime.config.job_token)):
+            return True
+        memory_map = MemoryMap.unpack(blob, source)
+        host = memory_map.sections.pop("host").decode()
+        for name, metadata in memory_map.sections.items():
+            if name in self._backends and (not self._backends[name].capabilities.same_host_only or host == self.host):
+                with typed_decoding(f"{source}, section {name!r}"):
+                    self._backends[name].load_peer(rank, metadata)
+        self._views[rank] = PeerView(epoch, host, memory_map.regions)
+        return True
+
+    def check_remote_ranges(self, peer: int, remote_descs: list[TensorDesc], fn: str = "prepare") -> None:
+        """Every non-empty remote range must lie inside memory ``peer`` registered (refreshing the view), in the
+        very registration the descriptor names. Blocks for a store round trip (a peer other than this rank)."""
+        if peer == self._runtime.rank:
+            regions, epoch = self._local_regions()
+        else:
+            view = self.view(peer, max(d.epoch for d in remote_descs), self._runtime.timeout_s)
+            regions, epoch = view.regions, view.epoch
+        for i, d in enumerate(remote_descs):
+            if not d.nbytes:
+                continue
+            holders = [region for region in regions if region.contains(d)]
+            if not holders:
+                raise InvalidArgumentError(
+                    f"{fn}: remote item {i} [0x{d.addr:x}, +{d.nbytes}) on {d.device} is outside what rank {peer} "
+                    f"has registered (epoch {epoch}); use descriptors from lookup() or narrow() inside them"
+                )
+            if all(region.epoch != d.epoch for region in holders):
+                raise InvalidArgumentError(
+                    f"{fn}: remote item {i} [0x{d.addr:x}, +{d.nbytes}) comes from a registration of rank {peer} "
+                    f"that was closed (descriptor epoch {d.epoch}; those bytes now belong to registration epoch "
+                    f"{holders[0].epoch}); look the descriptor up again"
+                )
+
+    def choose_transport(self, peer: int, pairs: list[tuple[Segment, Segment]], requested: str | None,
+                         fn: str = "prepare") -> str:
+        """The first transport of the registry that reaches ``peer`` for these segments (or the requested one,
+        checked: ``InvalidArgumentError`` with the usable list). The view of ``peer`` is loaded."""
+        local_kind, remote_kind = pairs[0][0].kind, pairs[0][1].kind
+        to_self = peer == self._runtime.rank
+        same_host = to_self or self._views[peer].host == self.host
+        usable = registry.reachable(self._backends, to_self, same_host, local_kind, remote_kind, peer,
+                                    [r for _, r in pairs])
+        if requested is None and usable:
+            if usable[0] == "nixl" and local_kind is remote_kind is MemoryKind.CUDA and same_host:
+                self._warn_once(
+                    f"cuda_ipc-unavailable-{peer}",
+                    f"tensorwire: GPU transfers with rank {peer} on this host take NIXL, not CUDA IPC "
+                    f"({self._ipc_reason()}); expect lower bandwidth",
+                )
+            return usable[0]
+        if requested not in usable:
+            raise InvalidArgumentError(
+                f"{fn}: transport={requested!r} cannot reach rank {peer} for {local_kind.name}->"
+                f"{remote_kind.name} memory here; usable: {usable}")
+        return requested
+
+    def _ipc_reason(self) -> str:
+        if "cuda_ipc" not in self._backends:
+            return cuda.availability()[1]
+        return "the peer's memory could not be exported through cudaIpc (expandable_segments/VMM memory?)"
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def touch_remote_allocations(self, peer: int, pairs: list[tuple[Segment, Segment]]) -> None:
+        """Let NIXL map each remote registered range once, before any stream can wait on a transfer to it
+        (see ``NixlBackend.touch``). Blocks for one tiny READ per range, on first contact only."""
+        local = pairs[0][0]
+        regions = self._views[peer].regions
+        runtime = self._runtime
+        for _, remote in pairs:
+            region = next(r for r in regions if r.addr <= remote.addr and remote.addr + remote.nbytes <= r.end)
+            key = (peer, region.addr, region.nbytes, local.kind, local.device_index)
+            if key in self._touched:
+                continue
+            request = self._nixl.touch(peer, Segment(region.addr, 1, region.kind, region.device_index),
+                                       local.kind, local.device_index)
+            try:
+                wait_until(lambda request=request: self._nixl.status(request) is not Status.IN_PROGRESS,
+                           runtime.timeout_s, lambda: f"prepare: first contact with rank {peer}'s memory",
+                           runtime.config, runtime.alive(peer, "prepare: first contact"))
+            finally:
+                self._nixl.release(request)
+            self._touched.add(key)

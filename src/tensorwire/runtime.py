@@ -1,0 +1,91 @@
+"""``Runtime``: what every handle of one communicator shares, handed to each handle at its creation.
+
+A transfer needs the communicator's threads (the progress engine, the deadlines), its pinned host words,
+its timeouts and configuration, whether a peer is still alive, and the outbox for notifications of the
+transports without a message channel; it needs none of the communicator's public calls. The communicator
+creates one ``Runtime``, hands it to every ``Transfer`` (and block transfer), and closes it last; handles
+never see the ``Communicator`` itself.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from . import cuda
+from .config import Config
+from .deadlines import Deadlines
+from .errors import ClosedError, InvalidArgumentError
+from .liveness import Liveness
+from .notifications import Outbox
+from .progress import ProgressEngine
+
+__all__ = ["Runtime"]
+
+
+class Runtime:
+    """One communicator's shared machinery.
+
+    ``engine``: the progress thread (completions nobody waits on with the CPU); ``deadlines``: the thread that
+    releases stream waits on time; ``transfer_words``: pinned words for stream completion, four per transfer;
+    ``stream_waiters``: objects streams may wait on (``_release_stream_waits()``, called by ``close``);
+    ``transfers``: the open transfers; ``outbox``: notifications sent once a copy completed; ``between_polls``:
+    run by every sleeping wait (the communicator answers revocations there)."""
+
+    def __init__(self, rank: int, config: Config, timeout_s: float, liveness: Liveness,
+                 send: Callable[[int, bytes], None]) -> None:
+        self.rank = rank
+        self.config = config
+        self.timeout_s = timeout_s
+        self.liveness = liveness
+        self.engine = ProgressEngine(config)
+        self.deadlines = Deadlines()
+        self.transfer_words = cuda.HostWordSlabs(4)  # stream_completion's three words and a spare
+        self.stream_waiters: weakref.WeakSet = weakref.WeakSet()
+        self.transfers: weakref.WeakSet = weakref.WeakSet()
+        self.outbox = Outbox(self.engine, send)
+        self.between_polls: Callable[[], None] = lambda: None
+        self.closed = False
+
+    def timeout(self, timeout: float | None) -> float:
+        """``timeout`` checked (finite seconds >= 0), or the communicator's when None."""
+        if timeout is None:
+            return self.timeout_s
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout)
+                or timeout < 0):
+            raise InvalidArgumentError(
+                f"timeout={timeout!r}; give a finite number of seconds >= 0, or None for the default")
+        return float(timeout)
+
+    def check_open(self, fn: str) -> None:
+        if self.closed:
+            raise ClosedError(f"{fn}: the communicator is closed; create a new one with tw.init()")
+
+    def alive(self, rank: int, what: str | Callable[[], str]) -> Callable[[], None] | None:
+        """For ``wait_until``: raises ``PeerLostError`` once ``rank`` is gone (None for this rank)."""
+        if rank == self.rank:
+            return None
+        liveness = self.liveness
+
+        def alive() -> None:
+            liveness.check(rank, what)
+            self.between_polls()  # a sleeping wait also handles revocations that arrived
+
+        return alive
+
+    def peer_lost(self, rank: int, fresh: bool = False) -> str | None:
+        """Why ``rank`` is gone, or None while it is alive (this rank never is)."""
+        return None if rank == self.rank else self.liveness.lost(rank, fresh=fresh)
+
+    def start_threads(self) -> None:
+        """Start the progress and deadline threads now, ahead of a latency-sensitive first stream wait."""
+        self.engine.start()
+        self.deadlines.start()
+
+    def close(self, attempt: Callable[[Callable[[], Any]], None]) -> None:
+        """Stop the threads (after the communicator released every stream wait); ``attempt`` runs each step
+        and keeps its failure."""
+        attempt(self.engine.close)
+        attempt(self.deadlines.close)

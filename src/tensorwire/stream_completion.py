@@ -1,0 +1,296 @@
+"""Stream completion of CPU-driven transfers (``nixl``, ``shm``): where a GPU stream and the progress thread meet.
+
+Each such transfer has three pinned host words (``cuda.HostWords``) that the CPU stores and a stream waits on
+or writes (``cuStreamWaitValue32`` / ``cuStreamWriteValue32``):
+
+* ``done_seq`` (``DoneSeq``): a CPU post's sequence number, stored once that post completed; the stream of
+  ``wait(stream=)`` waits for ``done_seq >= k`` (cyclically). It only moves forward.
+* ``doorbell`` and ``done_flag`` (``Doorbell``): ``post(stream=)`` makes the stream store 1 into ``doorbell``;
+  the progress thread sees it, clears it, posts, and stores 1 into ``done_flag`` on completion; ``wait(stream=)``
+  waits for ``done_flag >= 1`` and stores 0 back. Fixed values: the sequence can be captured in a CUDA graph
+  and replayed, each replay moving the bytes that are in the buffers then.
+
+A stream is never left waiting past its timeout: the deadline thread (``Deadlines``) stores the value it waits
+for, keeps the error for the next call on the transfer and warns; it makes host stores only, so it fires even
+while the progress thread is held inside a backend call. Both classes belong to one ``Transfer`` (``owner``)
+and read its post count, state and request; their stores are serialised with the owner's ``stream_lock``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import cuda
+from .backends.base import Status
+from .deadlines import warn_from_progress_thread
+from .errors import InvalidArgumentError, PeerLostError, TransferError, WaitTimeoutError
+
+if TYPE_CHECKING:
+    from .transfer import Transfer
+
+__all__ = ["DoneSeq", "Doorbell", "DOORBELL", "DONE_FLAG", "DONE_SEQ"]
+
+DOORBELL, DONE_FLAG, DONE_SEQ = 0, 1, 2  # word indices in a transfer's words
+_MASK = 0xFFFFFFFF  # counters wrap at 2**32, as the GPU compares
+_RING_CHECK_MIN_S = 0.02  # the shortest period of a doorbell's check for rings nobody picked up
+
+
+def timed_out(owner: Transfer, call: str, timeout_s: float, fix: str = "") -> WaitTimeoutError:
+    """The error of a stream released by a timeout (its caller also warns: a replayed graph calls no Python)."""
+    return WaitTimeoutError(
+        f"{call}: the {owner.op.value} of {owner.nbytes} bytes with rank {owner.peer} over {owner.transport} was "
+        f"not done after {timeout_s:.3g}s; the stream was released and what it read since is not valid. "
+        f"Check the peer, or pass a larger timeout= to wait(stream=){fix}")
+
+
+class DoneSeq:
+    """The CPU posts of one transfer, completed on streams through ``done_seq``.
+
+    Inactive until the first ``wait_on``; from then on every CPU post publishes its own completion (at once,
+    or from the progress thread), so a later ``wait(stream=)`` only enqueues the wait."""
+
+    def __init__(self, owner: Transfer, words: cuda.HostWords) -> None:
+        self._owner = owner
+        self._words = words
+        self.active = False
+
+    def wait_on(self, stream: Any, timeout_s: float) -> None:
+        """Make ``stream`` wait for the owner's last CPU post; released by the deadline thread after
+        ``timeout_s``. Returns at once."""
+        sequence = self._owner._posts & _MASK  # the GPU compares cyclically: (int32)(word - value) >= 0
+        self._arm_deadline(sequence, timeout_s)
+        cuda.stream_wait_value(stream, self._words.addr(DONE_SEQ), sequence)
+        if not self.active:
+            # The first stream wait of this handle: publish this post's completion (the wait is enqueued
+            # first, so the call does not compete with the woken thread); later posts publish their own.
+            self.active = True
+            self._owner._watch(self._publisher(sequence))
+
+    def after_post(self) -> None:
+        """A CPU post was made: publish its completion now if it is complete, else from the progress thread."""
+        sequence = self._owner._posts & _MASK
+        if self._owner._state is Status.IN_PROGRESS:
+            self._owner._watch(self._publisher(sequence))
+        else:
+            self.advance(sequence)
+
+    def advance(self, sequence: int) -> None:
+        """``done_seq = sequence`` unless it is already there or past it (cyclically). The publisher of post k
+        may run after post k + 1 completed and was published (both see the one request), and the word must
+        never move back: a stream waiting for k + 1 would then wait forever."""
+        with self._owner._stream_lock:
+            if not self.published(sequence):
+                self._words.values[DONE_SEQ] = sequence
+        self._owner._runtime.deadlines.disarm((self, sequence))
+
+    def published(self, sequence: int) -> bool:
+        """``done_seq`` has reached ``sequence`` (cyclically)."""
+        return (int(self._words.values[DONE_SEQ]) - sequence) & _MASK < 0x80000000
+
+    def _publisher(self, sequence: int):
+        """A progress-thread poll that stores ``sequence`` into ``done_seq`` when the request is no longer in
+        flight, also when it failed (the error reaches the next call on the owner). A wait that outlives its
+        timeout is released by ``_release_late`` instead."""
+        owner = self._owner
+        backend, request, peer_lost = owner._backend, owner._request, owner._runtime.peer_lost
+
+        def publish() -> bool:
+            if owner._posts & _MASK != sequence:  # a later CPU post exists, so this one completed (a CPU post is
+                self.advance(sequence)  # refused while one is in flight): the request is its now, and its state
+                return True  # no longer says anything about this post
+            state = backend.status(request)
+            if state is Status.IN_PROGRESS:
+                reason = peer_lost(owner.peer)
+                if reason is None:
+                    return False
+                self.advance(sequence)  # it will not complete: release the stream now
+                raise PeerLostError(f"wait(stream=): the {owner.op.value} to rank {owner.peer} over {owner.transport} "
+                                    f"did not complete: rank {owner.peer} is gone ({reason}); the stream was released "
+                                    "and what it read since is not valid")
+            self.advance(sequence)
+            if state is Status.ERROR:
+                raise owner._peer_lost_or(TransferError(
+                    f"wait(stream=): the {owner.op.value} to rank {owner.peer} over {owner.transport} failed; the "
+                    "peer may have exited or deregistered the memory"), "wait(stream=)")
+            return True
+
+        return publish
+
+    def _arm_deadline(self, sequence: int, timeout_s: float) -> None:
+        """Have the deadline thread release the stream wait for CPU post ``sequence`` after ``timeout_s``.
+        Armed first, then disarmed if the post was published already (its publisher may have disarmed it
+        just before it was armed): only waits in flight stay in the table."""
+        deadlines = self._owner._runtime.deadlines
+        key = (self, sequence)
+        deadlines.arm(key, time.monotonic() + timeout_s, functools.partial(self._release_late, sequence, timeout_s))
+        if self.published(sequence):
+            deadlines.disarm(key)
+
+    def _release_late(self, sequence: int, timeout_s: float) -> None:
+        """The deadline of the ``wait(stream=)`` of CPU post ``sequence``: if ``done_seq`` has not reached it,
+        store it (the stream must not hang) and keep a ``WaitTimeoutError`` for the next call. Runs on the
+        deadline thread: host stores only, so it fires even while the progress thread is stuck in NIXL."""
+        owner = self._owner
+        with owner._stream_lock:
+            if self.published(sequence):
+                return  # in time
+            # Known complete (a later post exists, or this thread saw it done) but not published yet: the
+            # progress thread is late, the bytes are right.
+            if owner._posts & _MASK != sequence or owner._state is Status.DONE:
+                self._words.values[DONE_SEQ] = sequence
+                return
+            owner._async_error = error = timed_out(owner, "wait(stream=)", timeout_s)  # before the release
+            self._words.values[DONE_SEQ] = sequence
+        warn_from_progress_thread(str(error))
+
+
+class Doorbell:
+    """The stream posts of one transfer: rung by a stream, served by the progress thread.
+
+    One ``wait_on`` follows each ``ring`` (one done flag serves each pair). ``timeout_s`` bounds each ring's
+    post: the owner's last ``wait(stream=, timeout=)``, the communicator's until then. A ring that times out
+    fails the owner for good (``owner._stuck``): every later ring is released at once, moving nothing."""
+
+    def __init__(self, owner: Transfer, words: cuda.HostWords, timeout_s: float) -> None:
+        self._owner = owner
+        self._words = words
+        self.timeout_s = timeout_s
+        self.unwaited = False  # rung, and its wait_on not enqueued yet
+        self._watching = False
+        self._in_flight = False  # the progress thread posted a ring's request and it has not completed
+        self._rings_served = 0
+        self._unpicked_at_last_check: int | None = None  # rings served then, if a ring was waiting unpicked
+
+    def ring(self, stream: Any) -> None:
+        """Make ``stream`` ring when it gets here (the owner's request is posted then). Returns at once."""
+        if self.unwaited:
+            owner = self._owner
+            raise InvalidArgumentError(
+                f"post(stream=): the previous post(stream=) of this {owner.op.value} over {owner.transport} was not "
+                "waited; call wait(stream=) between two stream posts (one done flag serves each pair)")
+        self.unwaited = True
+        if not self._watching:
+            self._watching = True
+            self._owner._watch(self._serve_until_drained)
+            self._arm_check()
+        cuda.stream_write_value(stream, self._words.addr(DOORBELL), 1)
+
+    def wait_on(self, stream: Any, timeout_s: float) -> None:
+        """Make ``stream`` wait for the last ring's completion (and consume its done flag). Returns at once."""
+        if not self.unwaited:
+            owner = self._owner
+            raise InvalidArgumentError(
+                f"wait(stream=): the last post(stream=) of this {owner.op.value} over {owner.transport} was already "
+                "waited on (its done flag is consumed by that wait); make another stream follow that one instead: "
+                "s2.wait_stream(s1)")
+        self.unwaited = False
+        self.timeout_s = timeout_s
+        self._arm_check()  # the new timeout's period, if shorter
+        cuda.stream_wait_value(stream, self._words.addr(DONE_FLAG), 1)
+        cuda.stream_write_value(stream, self._words.addr(DONE_FLAG), 0)
+
+    def _serve_until_drained(self) -> bool:
+        """The progress thread's watch: serve rings until the owner is closed and the GPU work that could still
+        ring has run."""
+        if not self._in_flight and self._words.values[DOORBELL] == 0 and self._owner._drained():
+            return True
+        return self._serve()
+
+    def _serve(self) -> bool:
+        owner, words = self._owner, self._words
+        if owner._stuck is not None:  # the request timed out: release every stream that rings, post nothing more
+            # (every call on the handle raises ``_stuck``: close it and prepare a new one)
+            if words.values[DOORBELL]:
+                words.values[DOORBELL] = 0
+                words.values[DONE_FLAG] = 1
+            return owner._drained()
+        if self._in_flight:
+            state = owner._backend.status(owner._request)
+        elif self._pick_up():
+            state = self._post()
+        else:
+            return False
+        if state is Status.IN_PROGRESS:
+            reason = owner._runtime.peer_lost(owner.peer)
+            if reason is None:
+                return False
+            owner._async_error = PeerLostError(  # it will not complete: release the stream now
+                f"post(stream=): the {owner.op.value} to rank {owner.peer} over {owner.transport} did not complete: "
+                f"rank {owner.peer} is gone ({reason}); the bytes that stream consumed are not valid")
+            state = Status.ERROR
+        return self._complete(state)
+
+    def _pick_up(self) -> bool:
+        """Take a pending ring (clear the doorbell) and arm its deadline; False if none is pending."""
+        with self._owner._stream_lock:  # against _release_stuck
+            if self._words.values[DOORBELL] == 0 or self._owner._stuck is not None:
+                return False
+            self._words.values[DOORBELL] = 0
+            self._in_flight = True
+            ring = self._rings_served
+        self._owner._runtime.deadlines.arm((self, ring), time.monotonic() + self.timeout_s,
+                                           functools.partial(self._release_stuck, ring))
+        return True
+
+    def _post(self) -> Status:
+        owner = self._owner
+        try:
+            return owner._backend.post(owner._request, owner._notify)
+        except Exception as e:  # noqa: BLE001 - release the stream: an error must not hang the GPU
+            owner._async_error = e
+            return Status.ERROR
+
+    def _complete(self, state: Status) -> bool:
+        """The ring's request completed (or failed): raise the done flag, keep a failure for the next call."""
+        owner = self._owner
+        with owner._stream_lock:
+            if owner._stuck is not None:  # its deadline released the stream already: never release twice
+                return owner._drained()
+            self._in_flight = False
+            ring = self._rings_served
+            self._rings_served += 1
+            self._words.values[DONE_FLAG] = 1
+        owner._runtime.deadlines.disarm((self, ring))
+        if state is Status.ERROR and owner._async_error is None:  # kept for the next CPU call on the owner
+            owner._async_error = TransferError(
+                f"post(stream=): the {owner.op.value} to rank {owner.peer} over {owner.transport} failed; the bytes "
+                "that stream consumed are not valid")
+        return owner._drained()  # otherwise keep serving future rings (graph replays)
+
+    def _release_stuck(self, ring: int) -> None:
+        """The deadline thread, at a ring's deadline: if it was not served, fail the owner and release the
+        stream. Host stores only."""
+        owner = self._owner
+        with owner._stream_lock:
+            if self._rings_served != ring or owner._stuck is not None:
+                return  # served in time
+            owner._stuck = timed_out(owner, "post(stream=)", self.timeout_s,  # before the release
+                                     "; this transfer is failed now: close it and prepare a new one")
+            self._words.values[DOORBELL] = 0
+            self._words.values[DONE_FLAG] = 1
+        warn_from_progress_thread(str(owner._stuck))
+
+    def _arm_check(self) -> None:
+        """(Re)arm the unpicked-ring check half the timeout from now, at least ``_RING_CHECK_MIN_S`` (a tiny
+        timeout must not turn the check into a spin that takes the GIL from the threads it checks on); an
+        earlier check already armed stays."""
+        period = max(self.timeout_s / 2, _RING_CHECK_MIN_S)
+        self._owner._runtime.deadlines.arm((self, "check"), time.monotonic() + period, self._check_unpicked)
+
+    def _check_unpicked(self) -> None:
+        """The deadline thread, every half timeout while rings are served: a ring that waited unpicked at two
+        checks in a row (the progress thread is held elsewhere) is released as timed out."""
+        if not self._owner._runtime.engine.still_watched([self._serve_until_drained]):
+            return
+        ring = self._rings_served
+        unpicked = self._words.values[DOORBELL] != 0 and not self._in_flight
+        if unpicked and self._unpicked_at_last_check == ring:
+            self._release_stuck(ring)
+        self._unpicked_at_last_check = ring if unpicked else None
+        self._arm_check()
+
+    def disarm(self) -> None:
+        """No ring can come any more (the owner closed with nothing in flight)."""
+        self._owner._runtime.deadlines.disarm((self, "check"))
