@@ -17,11 +17,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from . import arguments, cuda
 from . import blocks as blocks_module
 from . import config as config_module
-from . import cuda
-from .backends import registry
-from .backends.base import Backend, Op, Segment
+from .backends.base import Backend, Op
 from .backends.fake import FakeBackend
 from .backends.local import LocalBackend
 from .backends.nixl import NixlBackend
@@ -29,12 +28,12 @@ from .backends.shm import ShmBackend
 from .blocks import BlockPool, BlockPoolDesc, BlockTransfer
 from .bootstrap import Rendezvous, resolve_environment
 from .descriptors import MemoryKind, TensorDesc
-from .errors import BackendUnavailableError, InvalidArgumentError, PeerLostError, WaitTimeoutError
+from .errors import InvalidArgumentError, PeerLostError, WaitTimeoutError
 from .memory_map import host_identity
 from .notifications import Notifications
 from .peers import Peers
 from .progress import Inbox
-from .registration import LocalMemoryMap, Registration, as_tensor_list, segment_of
+from .registration import LocalMemoryMap, Registration
 from .revocation import CHANNEL as REVOCATION_CHANNEL
 from .revocation import Revocations
 from .runtime import Runtime
@@ -107,6 +106,7 @@ class Communicator:
         self._peers = Peers(self._runtime, self._rendezvous, self._backends, self._nixl, host_identity(),
                             lambda: (self._local_map.descs(), self._epoch))
         self._notifications = Notifications(self._runtime, self._inbox, self.world_size)
+        self._runtime.stream_waiters.add(self._notifications)
         self._revocations = Revocations(self._runtime, self._inbox, self._nixl, self._peers)
         self._inbox.open_channel(REVOCATION_CHANNEL, self._revocations.handle)
         self._rendezvous.between_polls = self._revocations.pump  # a rank in a barrier answers revocations too
@@ -126,22 +126,7 @@ class Communicator:
         """Register contiguous, non-empty CPU or CUDA tensors for one-sided access. Local, not collective;
         blocks while the backend pins the memory. Returns a ``Registration`` whose ``descs`` peers may use."""
         self._check_open("register")
-        tensors = as_tensor_list(tensors, "register")
-        segments = [segment_of(t, i, "register") for i, t in enumerate(tensors)]
-        for i, (t, s) in enumerate(zip(tensors, segments)):
-            if s.nbytes == 0:
-                raise InvalidArgumentError(
-                    f"register: tensor {i} has zero bytes (shape {tuple(t.shape)}); register only non-empty tensors"
-                )
-            clash = self._local_map.overlapping(s)
-            if clash is None:
-                clash = next((o for o in segments[:i] if o.kind == s.kind and o.device_index == s.device_index
-                              and o.addr < s.addr + s.nbytes and s.addr < o.addr + o.nbytes), None)
-            if clash is not None:
-                raise InvalidArgumentError(
-                    f"register: tensor {i} [0x{s.addr:x}, +{s.nbytes}) overlaps registered range "
-                    f"[0x{clash.addr:x}, +{clash.nbytes}); register each byte range once and transfer views of it"
-                )
+        tensors, segments = arguments.new_segments(tensors, self._local_map)
         handles: list[dict] = []
         try:
             for s in segments:
@@ -196,32 +181,19 @@ class Communicator:
         self._peers.check_remote_ranges(desc.rank, [desc], "peer_pointer")
         if desc.rank == self.rank:
             return desc.addr
-        ipc = self._backends.get("cuda_ipc")
-        if ipc is None:
-            raise BackendUnavailableError(f"peer_pointer: no CUDA IPC here: {cuda.availability()[1]}")
-        if self._peers.host_of(desc.rank) != self._peers.host:
-            raise BackendUnavailableError(
-                f"peer_pointer: rank {desc.rank} runs on another host; its memory is reachable with prepare() only"
-            )
-        segment = Segment(desc.addr, desc.nbytes, desc.kind, desc.device_index)
-        if not ipc.reaches(desc.rank, [segment]):
-            raise BackendUnavailableError(
-                f"peer_pointer: rank {desc.rank} could not export this range through CUDA IPC (memory from "
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments cannot be); allocate it without expandable segments"
-            )
-        return ipc.pointer(desc.rank, segment, self.device.index)
+        return self._peers.ipc_pointer(desc, self.device.index)
 
     # --- descriptors through the store ----------------------------------------------------------
     def publish(self, key: str, descs: Sequence[TensorDesc] | TensorDesc) -> None:
         """Make ``descs`` visible to every rank under ``(key, self.rank)``. Non-blocking, not collective."""
         self._check_open("publish")
-        self._check_key(key, "publish")
+        arguments.check_key(key, "publish")
         self._rendezvous.set(f"user/{self.rank}/{key}", TensorDesc.pack(descs))
 
     def lookup(self, key: str, rank: int, timeout: float | None = None) -> list[TensorDesc]:
         """The descriptors ``rank`` published under ``key``; blocks until they exist (``WaitTimeoutError``)."""
         self._check_open("lookup")
-        self._check_key(key, "lookup")
+        arguments.check_key(key, "lookup")
         self._check_rank(rank, "lookup")
         blob = self._rendezvous.get(
             f"user/{rank}/{key}", self._timeout(timeout), f"lookup: rank {rank} has not published {key!r}",
@@ -240,11 +212,12 @@ class Communicator:
         ``"nixl"``, and the tests' ``"fake"``) where it reaches the peer; by default the first that does is chosen
         (see the module docstring) and ``Transfer.transport`` says which."""
         self._check_open("prepare")
-        local_tensors, remote_descs, peer = self._prepare_arguments(op, local, remote, notify, transport)
-        pairs, registrations = self._segment_pairs(local_tensors, remote_descs)
+        local_tensors, remote_descs, peer = arguments.prepare_arguments(op, local, remote, notify, transport,
+                                                                        self.world_size)
+        pairs, registrations = arguments.segment_pairs(self._local_map, local_tensors, remote_descs)
         backend, request, uses_cuda = None, None, False
         if pairs and peer == self.rank:
-            _refuse_overlaps(pairs)
+            arguments.refuse_overlaps(pairs)
         if pairs:
             self._peers.check_remote_ranges(peer, remote_descs)
             kinds = {(s.kind, r.kind) for s, r in pairs}
@@ -266,71 +239,8 @@ class Communicator:
         transfer._remote_epochs = {d.epoch for d in remote_descs if d.nbytes}
         self._runtime.transfers.add(transfer)
         for registration in registrations:
-            if registration is not None:
-                registration.transfers.add(transfer)
+            registration.transfers.add(transfer)
         return transfer
-
-    def _prepare_arguments(self, op: Op, local, remote, notify: bytes | None,
-                           transport: str | None) -> tuple[list[torch.Tensor], list[TensorDesc], int]:
-        """``prepare``'s arguments checked: the local tensors, the remote descriptors (of one rank) and that rank."""
-        if not isinstance(op, Op):
-            raise InvalidArgumentError(f"prepare: op={op!r}; pass tw.READ or tw.WRITE")
-        local_tensors = as_tensor_list(local, "prepare")
-        if isinstance(remote, TensorDesc):
-            remote_descs = [remote]
-        else:
-            remote_descs = list(remote) if isinstance(remote, (list, tuple)) else None
-        if not remote_descs:
-            raise InvalidArgumentError(
-                f"prepare: remote must be a TensorDesc or a non-empty list of them, got {remote!r}")
-        for i, d in enumerate(remote_descs):
-            if not isinstance(d, TensorDesc):
-                raise InvalidArgumentError(
-                    f"prepare: remote item {i} is a {type(d).__name__}; pass TensorDesc values from lookup()")
-        if len(local_tensors) != len(remote_descs):
-            raise InvalidArgumentError(
-                f"prepare: {len(local_tensors)} local tensors but {len(remote_descs)} remote descriptors; item i of "
-                "each list pairs up"
-            )
-        peers = sorted({d.rank for d in remote_descs})
-        if len(peers) > 1:
-            raise InvalidArgumentError(
-                f"prepare: remote descriptors belong to ranks {peers}; one transfer reaches one rank, prepare one "
-                "per rank")
-        peer = peers[0]
-        self._check_rank(peer, "prepare")
-        if transport is not None and transport not in registry.FORCEABLE:
-            raise InvalidArgumentError(f"prepare: transport={transport!r}; pass one of {registry.FORCEABLE} or None")
-        if notify is not None and (not isinstance(notify, (bytes, bytearray)) or len(notify) == 0):
-            raise InvalidArgumentError(
-                f"prepare: notify must be non-empty bytes (NIXL does not deliver empty messages), got {notify!r}; "
-                "pass e.g. notify=b'done'"
-            )
-        return local_tensors, remote_descs, peer
-
-    def _segment_pairs(self, local_tensors: list[torch.Tensor], remote_descs: list[TensorDesc]
-                       ) -> tuple[list[tuple[Segment, Segment]], list[Registration | None]]:
-        """(local, remote) segments of the non-empty items, and the registration holding each local one."""
-        pairs: list[tuple[Segment, Segment]] = []
-        registrations: list[Registration | None] = []
-        for i, (t, d) in enumerate(zip(local_tensors, remote_descs)):
-            s = segment_of(t, i, "prepare")
-            if s.nbytes != d.nbytes:
-                raise InvalidArgumentError(
-                    f"prepare: item {i}: local tensor has {s.nbytes} bytes, remote descriptor {d.nbytes}; sizes "
-                    "must match"
-                )
-            if s.nbytes == 0:
-                continue
-            registration = self._local_map.find(s)
-            registrations.append(registration)
-            if registration is None:
-                raise InvalidArgumentError(
-                    f"prepare: local tensor {i} ({s.nbytes} bytes at 0x{s.addr:x} on {t.device}) is not inside any "
-                    "registered tensor; call comm.register(...) on it (or on the tensor it views) first"
-                )
-            pairs.append((s, Segment(d.addr, d.nbytes, d.kind, d.device_index)))
-        return pairs, registrations
 
     def read(self, local, remote, timeout: float | None = None) -> None:
         """READ remote -> local and wait for it (prepare + post + wait + close). Blocks."""
@@ -392,14 +302,14 @@ class Communicator:
         """Make ``pool``'s descriptor visible to every rank under ``(key, self.rank)``. Non-blocking, not
         collective."""
         self._check_open("publish_blocks")
-        self._check_key(key, "publish_blocks")
+        arguments.check_key(key, "publish_blocks")
         self._check_pool(pool, "publish_blocks")
         self._rendezvous.set(f"blocks/{self.rank}/{key}", pool.desc.pack())
 
     def lookup_blocks(self, key: str, rank: int, timeout: float | None = None) -> BlockPoolDesc:
         """The ``BlockPoolDesc`` ``rank`` published under ``key``; blocks until it exists (``WaitTimeoutError``)."""
         self._check_open("lookup_blocks")
-        self._check_key(key, "lookup_blocks")
+        arguments.check_key(key, "lookup_blocks")
         self._check_rank(rank, "lookup_blocks")
         blob = self._rendezvous.get(f"blocks/{rank}/{key}", self._timeout(timeout),
                                     f"lookup_blocks: rank {rank} has not published {key!r}", ranks=(rank,))
@@ -419,27 +329,11 @@ class Communicator:
         same bytes per block in each). Blocks on first contact with the peer (bounded by the timeout). Picks
         the transport as ``prepare`` does; ``transport=`` forces one."""
         self._check_open("prepare_blocks")
-        if not isinstance(op, Op):
-            raise InvalidArgumentError(f"prepare_blocks: op={op!r}; pass tw.READ or tw.WRITE")
         self._check_pool(pool, "prepare_blocks")
-        if not isinstance(remote, BlockPoolDesc):
-            raise InvalidArgumentError(f"prepare_blocks: remote is a {type(remote).__name__}; pass the BlockPoolDesc "
-                                       "from lookup_blocks() (or pool.desc)")
-        if pool.block_bytes != remote.block_bytes:
-            raise InvalidArgumentError(
-                f"prepare_blocks: local pool has {len(pool.block_bytes)} views of {pool.block_bytes} bytes per block, "
-                f"rank {remote.rank}'s {len(remote.block_bytes)} of {remote.block_bytes}; both pools need the same "
-                "views in the same order, with equal bytes per block")
+        arguments.check_block_pools(op, pool, remote, transport, self.rank, self.world_size)
         peer = remote.rank
-        self._check_rank(peer, "prepare_blocks")
-        if peer == self.rank and pool.layout.kind is not remote.kind:
-            raise InvalidArgumentError("prepare_blocks: host and GPU pools of one rank; copy between them with torch "
-                                       "(index_select / index_copy_)")
         self._peers.check_remote_ranges(peer, remote.spans(), "prepare_blocks")
         pairs = list(zip(pool.layout.spans(), remote.layout().spans()))
-        if transport is not None and transport not in registry.FORCEABLE:
-            raise InvalidArgumentError(
-                f"prepare_blocks: transport={transport!r}; pass one of {registry.FORCEABLE} or None")
         backend = self._backends[self._peers.choose_transport(peer, pairs, transport, "prepare_blocks")]
         uses_cuda = MemoryKind.CUDA in (pool.layout.kind, remote.kind)
         if backend is self._nixl and uses_cuda:
@@ -508,7 +402,7 @@ class Communicator:
             attempt(registration.close)
         attempt(self._publish_memory_map)  # peers see every range gone (revocation) before the agent goes
         self._runtime.closed = True
-        attempt(self._release_stream_waits)
+        attempt(self._runtime.release_stream_waits)
         self._runtime.close(attempt)
         for backend in self._backends.values():
             attempt(backend.close)
@@ -523,21 +417,16 @@ class Communicator:
         if local:
             raise local[0]
 
-    def _release_stream_waits(self) -> None:
-        """Closing ends the progress thread: a GPU stream still waiting on a word it would have written
-        must not wait forever. Release every such word (and warn: the bytes those streams read are not
-        guaranteed)."""
-        pending = [t for t in self._runtime.stream_waiters if t._release_stream_waits()]
-        pending += self._notifications.release_stream_waits()
-        if pending:
-            warnings.warn(
-                f"tensorwire: close() released {len(pending)} stream wait(s) that were not complete; close the "
-                "communicator only after the GPU work that waits on its transfers has run", RuntimeWarning,
-                stacklevel=3,
-            )
-
     def __enter__(self) -> Communicator:
         return self
+
+    def __del__(self) -> None:
+        # Only a warning: closing is a departure the other ranks (and rank 0's store) wait for, which a
+        # finalizer must not block on; the process's exit releases what is left.
+        runtime = getattr(self, "_runtime", None)
+        if runtime is not None and not runtime.closed:
+            warnings.warn(f"tensorwire: rank {self.rank}'s Communicator was garbage-collected without close(); "
+                          "call comm.close() or use 'with tw.init() as comm'", ResourceWarning, stacklevel=2)
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -554,22 +443,5 @@ class Communicator:
         self._runtime.check_open(fn)
 
     def _check_rank(self, rank: int, fn: str) -> None:
-        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise InvalidArgumentError(f"{fn}: rank {rank!r} is outside [0, {self.world_size})")
+        arguments.check_rank(rank, self.world_size, fn)
 
-    @staticmethod
-    def _check_key(key: str, fn: str) -> None:
-        if not isinstance(key, str) or not key:
-            raise InvalidArgumentError(f"{fn}: key must be a non-empty str, got {key!r}")
-
-
-def _refuse_overlaps(pairs: list[tuple[Segment, Segment]]) -> None:
-    """A transfer within one rank whose source and destination bytes overlap cannot be one copy."""
-    for i, (a, _) in enumerate(pairs):
-        for j, (_, b) in enumerate(pairs):
-            if a.kind == b.kind and a.device_index == b.device_index and a.addr < b.addr + b.nbytes \
-                    and b.addr < a.addr + a.nbytes:
-                raise InvalidArgumentError(
-                    f"prepare: local item {i} [0x{a.addr:x}, +{a.nbytes}) overlaps remote item {j} [0x{b.addr:x}, "
-                    f"+{b.nbytes}) in this rank's own memory; copy through a separate buffer, or use "
-                    "non-overlapping views")

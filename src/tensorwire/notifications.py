@@ -156,13 +156,13 @@ class Notifications:
         self._errors.append(error)
         warn_from_progress_thread(f"tensorwire: {error}")
 
-    def release_stream_waits(self) -> list[int]:
-        """At close: store every awaited count (no stream may wait for a thread that stops); the senders whose
+    def release_stream_waits(self) -> int:
+        """At close: store every awaited count (no stream may wait for a thread that stops); how many senders'
         waits were still pending."""
-        pending = []
+        pending = 0
         if self._words is not None:
             for rank, awaited in enumerate(self._awaited):
                 if self._words.values[rank] != awaited:
-                    pending.append(rank)
+                    pending += 1
                     self._words.values[rank] = awaited
         return pending

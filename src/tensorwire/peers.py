@@ -23,7 +23,7 @@ from .backends.base import Backend, Segment, Status
 from .backends.nixl import NixlBackend
 from .bootstrap import Rendezvous
 from .descriptors import MemoryKind, TensorDesc
-from .errors import InvalidArgumentError
+from .errors import BackendUnavailableError, InvalidArgumentError
 from .memory_map import MemoryMap, PeerView, typed_decoding
 from .progress import wait_until
 from .runtime import Runtime
@@ -160,6 +160,22 @@ class Peers:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def ipc_pointer(self, desc: TensorDesc, device_index: int) -> int:
+        """A device pointer on ``device_index`` to ``desc``'s bytes in a same-host peer's GPU memory, through a
+        CUDA IPC mapping (``BackendUnavailableError`` saying why where there is none). The view is loaded."""
+        ipc = self._backends.get("cuda_ipc")
+        if ipc is None:
+            raise BackendUnavailableError(f"peer_pointer: no CUDA IPC here: {cuda.availability()[1]}")
+        if self._views[desc.rank].host != self.host:
+            raise BackendUnavailableError(
+                f"peer_pointer: rank {desc.rank} runs on another host; its memory is reachable with prepare() only")
+        segment = Segment(desc.addr, desc.nbytes, desc.kind, desc.device_index)
+        if not ipc.reaches(desc.rank, [segment]):
+            raise BackendUnavailableError(
+                f"peer_pointer: rank {desc.rank} could not export this range through CUDA IPC (memory from "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments cannot be); allocate it without expandable segments")
+        return ipc.pointer(desc.rank, segment, device_index)
 
     def touch_remote_allocations(self, peer: int, pairs: list[tuple[Segment, Segment]]) -> None:
         """Let NIXL map each remote registered range once, before any stream can wait on a transfer to it

@@ -182,7 +182,7 @@ class ProgressEngine:
     def watch(self, poll: Callable[[], bool], on_error: Callable[[Exception], None] | None = None) -> None:
         """Poll ``poll()`` from the progress thread until it returns True. If it raises, the watch ends and
         the exception goes to ``on_error`` (its owner raises it from its next call); without an owner it is
-        kept in ``self.error`` for diagnosis. Never raises itself."""
+        warned about (``RuntimeWarning``) and kept in ``self.error``. Never raises itself."""
         with self._cond:
             if on_error is not None:
                 self._on_error[poll] = on_error
@@ -246,8 +246,9 @@ class ProgressEngine:
                         handler = self._on_error.get(poll)
                         if handler is not None:
                             handler(e)
-                        else:
+                        else:  # nobody will raise it: say so now, keep it for diagnosis
                             self.error = e
+                            warn_from_progress_thread(f"tensorwire: the progress thread's work failed: {e!r}")
                         finished.append(poll)
                 if finished:
                     with self._cond:

@@ -10,6 +10,7 @@ never see the ``Communicator`` itself.
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +31,7 @@ class Runtime:
 
     ``engine``: the progress thread (completions nobody waits on with the CPU); ``deadlines``: the thread that
     releases stream waits on time; ``transfer_words``: pinned words for stream completion, four per transfer;
-    ``stream_waiters``: objects streams may wait on (``_release_stream_waits()``, called by ``close``);
+    ``stream_waiters``: objects streams may wait on (``release_stream_waits() -> int``: how many were pending);
     ``transfers``: the open transfers; ``outbox``: notifications sent once a copy completed; ``between_polls``:
     run by every sleeping wait (the communicator answers revocations there)."""
 
@@ -83,6 +84,16 @@ class Runtime:
         """Start the progress and deadline threads now, ahead of a latency-sensitive first stream wait."""
         self.engine.start()
         self.deadlines.start()
+
+    def release_stream_waits(self) -> None:
+        """Closing ends the progress thread: a GPU stream still waiting on a word it would have written must
+        not wait forever. Release every such word (and warn: the bytes those streams read are not guaranteed)."""
+        pending = sum(waiter.release_stream_waits() for waiter in list(self.stream_waiters))
+        if pending:
+            warnings.warn(
+                f"tensorwire: close() released {pending} stream wait(s) that were not complete; close the "
+                "communicator only after the GPU work that waits on its transfers has run", RuntimeWarning,
+                stacklevel=4)
 
     def close(self, attempt: Callable[[Callable[[], Any]], None]) -> None:
         """Stop the threads (after the communicator released every stream wait); ``attempt`` runs each step

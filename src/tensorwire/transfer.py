@@ -275,17 +275,18 @@ class Transfer(Closeable):
             self._runtime.stream_waiters.add(self)
         return self._words
 
-    def _release_stream_waits(self) -> bool:
-        """Write the values every GPU wait on this transfer is waiting for; True if one was still pending."""
+    def release_stream_waits(self) -> int:
+        """Write the values every GPU wait on this transfer is waiting for (the communicator closes); 1 if one
+        was still pending, else 0."""
         words = self._words
         if words is None:
-            return False
+            return 0
         sequence = self._posts & 0xFFFFFFFF
         pending = words.values[DONE_SEQ] != sequence or words.values[DOORBELL] != 0
         words.values[DOORBELL] = 0
         words.values[DONE_SEQ] = sequence
         words.values[DONE_FLAG] = 1
-        return bool(pending)
+        return int(pending)
 
     def _notify_after_copy(self) -> None:
         """Transports without a message channel deliver ``notify`` once their copy has completed."""

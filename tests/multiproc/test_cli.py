@@ -25,26 +25,29 @@ def test_bench_writes_every_path_on_host_memory(tmp_path):
                        "--warmup", "0.01", "--idle-seconds", "0.2", "--quiet", "--json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    seen = {(r["op"], r["size"], r["path"]) for r in result["records"]}
+    seen = {(r["op"], r["nbytes"], r["path"]) for r in result["records"]}
     for size in (4096, 1 << 20):
         expected = {(op, size, path) for op in ("READ", "WRITE") for path in ("tensorwire", "raw nixl", "copy")}
         expected.add(("WRITE", size, "tensorwire (in-process)"))
         assert expected <= seen, f"missing {sorted(expected - seen)}"
     assert {r["transport"] for r in result["records"] if r["path"] == "tensorwire (in-process)"} == {"local"}
-    assert all(r["gbps"] > 0 and r["reps"] >= 3 for r in result["records"])
+    assert all(r["gbps"] > 0 and r["reps"] >= 3 and r["benchmark"] == "p2p" for r in result["records"])
+    assert all(r["reference"] == "copy" and r["ratio"] > 0 for r in result["records"] if r["path"] == "tensorwire")
     assert result["header"]["command"].startswith("tensorwire bench")
     assert len(result["idle"]) == 2 and all(i["cores"] >= 0 for i in result["idle"])
 
 
 def test_bench_moe_reports_each_backend():
-    """``bench moe`` on host memory: dispatch and combine rows for torch and nixl, checked combine output."""
+    """``bench moe`` on host memory: dispatch and combine rows for torch and nixl (the backend is a record's
+    path), each held against the copy, checked combine output."""
     from tensorwire.bench import moe
 
     records = moe.run_moe_bench(memory="cpu", tokens=(32,), hidden=64, reps=2, warmup=1, timeout_s=200)
-    assert {(r["backend"], r["op"]) for r in records} == {
+    assert {(r.path, r.op) for r in records} == {
         (b, op) for b in ("torch", "nixl") for op in ("dispatch", "combine")}
-    assert all(r["rows"] > 0 and r["median_us"] > 0 for r in records)
-    assert all(r["shared_copy_gbps"] > 0 and r["ratio_to_shared_copy"] > 0 for r in records)
+    assert all(r.params["rows"] > 0 and r.median_us > 0 and r.benchmark == "moe" for r in records)
+    assert all(r.reference == "copy" and r.ratio > 0 for r in records)
+    assert all(r.params["shared_copy_gbps"] > 0 and r.params["ratio_to_shared_copy"] > 0 for r in records)
 
 
 def test_bench_moe_takes_ranks_and_backends(tmp_path):
@@ -56,7 +59,7 @@ def test_bench_moe_takes_ranks_and_backends(tmp_path):
                        *plot)
     assert done.returncode == 0, done.stderr[-3000:]
     records = json.loads(out.read_text())["records"]
-    assert {r["backend"] for r in records} == {"nixl"} and {r["world_size"] for r in records} == {1}
+    assert {r["path"] for r in records} == {"nixl"} and {r["params"]["world_size"] for r in records} == {1}
     if plot:
         assert 0 < png.stat().st_size < 100_000
 
@@ -69,15 +72,17 @@ def test_bench_kv_writes_every_path_on_host_memory(tmp_path):
                        "--time", "0.02", "--json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    paths = {(r["op"], r["pattern"], r["path"]) for r in result["records"]}
+    paths = {(r["op"], r["params"]["pattern"], r["path"]) for r in result["records"]}
     for op in ("READ", "WRITE"):
         for pattern in ("random", "contiguous"):
             for path in ("tensorwire", "tensorwire (nixl)", "raw nixl descs", "raw nixl prepped", "contiguous copy"):
                 assert (op, pattern, path) in paths, (op, pattern, path)
     assert {r["transport"] for r in result["records"] if r["path"] == "tensorwire"} == {"shm"}
-    assert all(r["gbps"] > 0 and r["blocks"] == 300 for r in result["records"])
-    assert all(r["post_p99_us"] >= r["post_p50_us"] > 0 for r in result["records"] if "post_p50_us" in r)
-    assert result["command"].startswith("tensorwire bench kv")
+    assert all(r["gbps"] > 0 and r["params"]["blocks"] == 300 for r in result["records"])
+    assert all(r["reference"] == "contiguous copy" and r["ratio"] > 0 for r in result["records"])
+    posts = [r["params"] for r in result["records"] if "post_p50_us" in r["params"]]
+    assert posts and all(p["post_p99_us"] >= p["post_p50_us"] > 0 for p in posts)
+    assert result["header"]["command"].startswith("tensorwire bench kv")
 
 
 def test_doctor_gives_a_verdict():

@@ -209,7 +209,7 @@ def test_close_releases_the_streams_still_waiting(stream, monkeypatch):
     comm = tw.init(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), device="cpu", timeout=1)
     source, destination, reg = _buffers(comm)
     x = _prepare(comm, tw.READ, source, destination, reg)
-    with fake.hold(), warnings.catch_warnings(record=True):
+    with fake.hold(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         x.post()
         x.wait(stream=stream, timeout=60)  # far beyond the communicator's own timeout
@@ -217,3 +217,4 @@ def test_close_releases_the_streams_still_waiting(stream, monkeypatch):
         comm.close()
         stream.synchronize(5)
     assert comm.closed and x.closed
+    assert any("close() released 2 stream wait(s)" in str(w.message) for w in caught), [str(w.message) for w in caught]

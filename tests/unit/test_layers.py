@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("backends", ["tensorwire.backends", "tensorwire.backends.*"]),
     ("communicator", ["tensorwire.communicator", "tensorwire.registration", "tensorwire.transfer",
                       "tensorwire.blocks", "tensorwire.revocation", "tensorwire.runtime", "tensorwire.notifications",
-                      "tensorwire.stream_completion", "tensorwire.peers"]),
+                      "tensorwire.stream_completion", "tensorwire.peers", "tensorwire.arguments"]),
     ("moe", ["tensorwire.moe", "tensorwire.moe.*"]),
     ("launcher and test data", ["tensorwire.testing", "tensorwire.testing.launch", "tensorwire.testing.data",
                                 "tensorwire.testing.netns"]),

@@ -559,7 +559,7 @@ def test_bench_summary_holds_4k_gpu_graph_latency_against_its_goal():
 
     def record(op, path, median_us, transport="cuda_ipc"):
         gbps = 4096 / median_us / 1e3
-        return p2p.Record("cuda", op, 4096, path, median_us, median_us, median_us, gbps, 20, transport)
+        return p2p.Record("p2p", "cuda", op, path, transport, 4096, 20, median_us, median_us, median_us, gbps)
 
     def lines_of(records):
         result = p2p.BenchResult(records=records, idle=[], raw_config="raw", progress_wakeup_ms=10,

@@ -30,9 +30,8 @@ Non-goals: cross-host figures (run two ranks on two hosts with torchrun for thos
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -42,8 +41,10 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, TransferError
-from .kv_report import format_report, plot_kv
-from .timing import Budget, CudaEventClock, HostClock, measure
+from .command import header, write_json
+from .kv_report import COPY, format_report, plot_kv
+from .record import Record, compare_with, records_to_json
+from .timing import Budget, CudaEventClock, HostClock, Timing, measure, quantile, time_call
 
 __all__ = ["HELP", "KvBenchConfig", "run", "add_arguments", "main"]
 
@@ -157,13 +158,13 @@ def _raw_wait(agent: Any, handle: Any) -> None:
 
 
 # --- one rank ------------------------------------------------------------------------------------------------
-def _rank_main(config: KvBenchConfig) -> list[dict[str, Any]]:
+def _rank_main(config: KvBenchConfig) -> list[Record]:
     import tensorwire as tw
 
     from ..backends.nixl import _import_nixl, _make_agent
 
     comm = tw.init(timeout=120)
-    records: list[dict[str, Any]] = []
+    records: list[Record] = []
     api, bindings = _import_nixl()
     raw = _make_agent(api, bindings, f"bench-kv-raw{comm.rank}", comm.config.progress_wakeup_ms) if config.raw else None
     # No cleanup on failure: a failing rank reports at once and the launcher stops both (closing first would
@@ -183,7 +184,7 @@ def _rank_main(config: KvBenchConfig) -> list[dict[str, Any]]:
 
 
 def _bench_shape(comm: Any, raw: Any, config: KvBenchConfig, shape: tuple[int, int, int], shape_cases: list[Case],
-                 device: torch.device) -> list[dict[str, Any]]:
+                 device: torch.device) -> list[Record]:
     pools = _Pools(comm, raw, shape, device)
     tag = f"{shape[0]}x{shape[1]}x{shape[2]}-{device.type}"
     comm.publish_blocks(f"kv-source-{tag}", pools.pools[0])
@@ -212,7 +213,8 @@ def _remote_tensors(desc: Any) -> list[tuple[int, int]]:
 
 
 def _bench_case(comm: Any, raw: Any, config: KvBenchConfig, case: Case, pools: _Pools, remotes: tuple,
-                peer_tensors: tuple) -> list[dict[str, Any]]:
+                peer_tensors: tuple) -> list[Record]:
+    """Every path of one case, each held against the contiguous copy of the same bytes."""
     import tensorwire as tw
 
     op = tw.READ if case.op == "READ" else tw.WRITE
@@ -248,16 +250,14 @@ def _bench_case(comm: Any, raw: Any, config: KvBenchConfig, case: Case, pools: _
     if raw is not None and (not on_gpu or count <= _RAW_GPU_MAX_BLOCKS):
         out += _bench_raw(raw, case, pools, op, local_ids, remote_ids, peer_tensors, budget)
     out += _bench_local_references(case, pools, local_ids, remote_ids, budget)
-    return out
+    return compare_with(out, COPY)
 
 
 def _post_times(x: Any, local_ids: np.ndarray, remote_ids: np.ndarray, reps: int, on_gpu: bool) -> list[float]:
     """Host time of ``post`` alone (host ids: checking and translating included), waited outside the timing."""
     samples = []
     for _ in range(reps + 2):
-        start = time.perf_counter_ns()
-        x.post(local_ids, remote_ids)
-        samples.append((time.perf_counter_ns() - start) / 1e3)
+        samples.append(time_call(lambda: x.post(local_ids, remote_ids)) * 1e6)
         x.wait(timeout=60)
     if on_gpu:
         torch.cuda.synchronize()
@@ -291,7 +291,7 @@ def _verify(comm: Any, x: Any, case: Case, pools: _Pools, local_ids: np.ndarray,
 
 
 def _bench_raw(raw: Any, case: Case, pools: _Pools, op: Any, local_ids: np.ndarray, remote_ids: np.ndarray,
-               peer_tensors: tuple, budget: Budget) -> list[dict[str, Any]]:
+               peer_tensors: tuple, budget: Budget) -> list[Record]:
     """A bare NIXL agent over the same blocks: per-request Nx3 descriptors, and per-block lists prepped once."""
     import tensorwire as tw
 
@@ -324,12 +324,7 @@ def _bench_raw(raw: Any, case: Case, pools: _Pools, op: Any, local_ids: np.ndarr
     out = []
     try:
         for name, build in (("raw nixl descs", per_request), ("raw nixl prepped", prepped)):
-            post_us = []
-            for _ in range(12):  # host time to build one request, as post is timed for tensorwire
-                start = time.perf_counter_ns()
-                handle = build()
-                post_us.append((time.perf_counter_ns() - start) / 1e3)
-                handle.release()
+            post_us = [_build_us(build) for _ in range(12)]  # as post is timed for tensorwire
 
             def request(build=build) -> None:
                 handle = build()
@@ -343,8 +338,16 @@ def _bench_raw(raw: Any, case: Case, pools: _Pools, op: Any, local_ids: np.ndarr
     return out
 
 
+def _build_us(build: Callable[[], Any]) -> float:
+    """Host µs ``build`` takes to make one raw NIXL request, which is then released untimed."""
+    built: list[Any] = []
+    took = time_call(lambda: built.append(build()))
+    built[0].release()
+    return took * 1e6
+
+
 def _bench_local_references(case: Case, pools: _Pools, local_ids: np.ndarray, remote_ids: np.ndarray,
-                            budget: Budget) -> list[dict[str, Any]]:
+                            budget: Budget) -> list[Record]:
     """The same bytes copied contiguously inside this rank, and (GPU) torch's two-pass gather."""
     on_gpu = case.memory == "cuda"
     words = case.nbytes // 4  # the views of a pool are one allocation (see _values)
@@ -355,7 +358,7 @@ def _bench_local_references(case: Case, pools: _Pools, local_ids: np.ndarray, re
     def contiguous() -> None:
         landing.copy_(source)
 
-    out = [_record(case, "contiguous copy", measure(contiguous, clock, budget), "copy", [])]
+    out = [_record(case, COPY, measure(contiguous, clock, budget), "copy", [])]
     if on_gpu:
         local = torch.as_tensor(local_ids, device=pools.source[0].device)
         remote = torch.as_tensor(remote_ids, device=pools.source[0].device)
@@ -368,18 +371,17 @@ def _bench_local_references(case: Case, pools: _Pools, local_ids: np.ndarray, re
     return out
 
 
-def _record(case: Case, path: str, timing: Any, transport: str, post_us: list[float]) -> dict[str, Any]:
-    record = asdict(case)
-    record.update(path=path, transport=transport, nbytes=case.nbytes, total_us=timing.median_us,
-                  total_p10_us=timing.p10_us, total_p90_us=timing.p90_us, reps=timing.reps,
-                  gbps=timing.gbps(case.nbytes))
+def _record(case: Case, path: str, timing: Timing, transport: str, post_us: list[float]) -> Record:
+    """The record of one path of ``case``: the case's shape in ``params``, with the host time of ``post``
+    alone (p50, p99) where it was timed."""
+    params = {k: v for k, v in asdict(case).items() if k not in ("memory", "op")}
     if post_us:
-        record.update(post_p50_us=float(np.percentile(post_us, 50)), post_p99_us=float(np.percentile(post_us, 99)))
-    return record
+        params.update(post_p50_us=quantile(post_us, 0.5), post_p99_us=quantile(post_us, 0.99))
+    return Record.measured("kv", case.memory, case.op, path, transport, case.nbytes, timing, **params)
 
 
 # --- the command ---------------------------------------------------------------------------------------------
-def run(config: KvBenchConfig) -> list[dict[str, Any]]:
+def run(config: KvBenchConfig) -> list[Record]:
     """Launch the two ranks; rank 0's records. Raises ``RankFailedError`` when a rank fails (including wrong
     bytes: ``TransferError``)."""
     from ..testing import launch
@@ -420,11 +422,9 @@ def main(args: argparse.Namespace) -> int:
     records = run(config)
     print(format_report(records))
     if args.json:
-        from .command import header
-
-        document = {**header(args.argv), "config": asdict(config), "records": records}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(document, indent=1) + "\n")
+        write_json(Path(args.json), {"header": {**header(args.argv), "config": asdict(config)},
+                                     "records": records_to_json(records)})
     if args.plot:
         plot_kv(records, Path(args.plot))
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0

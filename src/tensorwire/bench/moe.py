@@ -37,7 +37,8 @@ from ..errors import InvalidArgumentError, TransferError
 from ..moe import collectives
 from ..moe.selection import BACKENDS
 from .command import add_common_arguments, at_least, check_plot, header, write_json
-from .timing import CudaEventClock, HostClock, Timing, summarize
+from .record import Record, records_to_json
+from .timing import CudaEventClock, HostClock, Timing, summarize, time_call
 
 __all__ = ["MoeBenchConfig", "format_moe_report", "run_moe_bench", "skip_reason", "HELP", "add_arguments", "main"]
 
@@ -123,8 +124,9 @@ def skip_reason(backend: str, memory: str, world_size: int, gpu_count: int) -> s
     return None
 
 
-def run_moe_bench(args: Any = None, **overrides: Any) -> list[dict]:
-    """Run the benchmark; rank 0's records, one per (tokens, backend, op).
+def run_moe_bench(args: Any = None, **overrides: Any) -> list[Record]:
+    """Run the benchmark; rank 0's records, one per (tokens, backend, op): the backend is the record's
+    ``path``, the copy its ``reference``, the routing's shape and the shared copy in its ``params``.
 
     ``args``: a ``MoeBenchConfig``, or any object (e.g. an ``argparse.Namespace``) whose attributes named
     like ``MoeBenchConfig``'s fields override the defaults; keywords override both. Raises
@@ -150,7 +152,7 @@ def run_moe_bench(args: Any = None, **overrides: Any) -> list[dict]:
 
 
 # --- one rank -------------------------------------------------------------------------------------
-def _rank_main(config: MoeBenchConfig) -> list[dict]:
+def _rank_main(config: MoeBenchConfig) -> list[Record]:
     import tensorwire as tw
     from tensorwire import moe
 
@@ -158,7 +160,7 @@ def _rank_main(config: MoeBenchConfig) -> list[dict]:
         from ..backends.nixl import quiet_nixl_logging
 
         quiet_nixl_logging()
-    records: list[dict] = []
+    records: list[Record] = []
     with tw.init(timeout=min(config.timeout_s, 300.0)) as comm:
         device = comm.device if config.memory == "cuda" else torch.device("cpu")
         if device.type == "cuda":
@@ -209,7 +211,7 @@ def _clock(device: torch.device) -> Callable[[Callable[[], Any]], float]:
     clock = CudaEventClock() if device.type == "cuda" else HostClock()
 
     def one_call(fn: Callable[[], Any]) -> float:
-        return clock.time_calls(fn, 1)[0]
+        return time_call(fn, clock)
 
     return one_call
 
@@ -312,31 +314,30 @@ def _check(y: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
 
 
 def _record(config: MoeBenchConfig, backend: str, op: str, tokens: int, rows: int, nbytes: int, timing: Timing,
-            copy: Timing, shared_copy: Timing, device: torch.device, capacity: int | None) -> dict:
+            copy: Timing, shared_copy: Timing, device: torch.device, capacity: int | None) -> Record:
+    """The record of one backend's ``op``, held against the copy of the same bytes; the shared copy beside."""
     gbps, copy_gbps, shared_gbps = timing.gbps(nbytes), copy.gbps(nbytes), shared_copy.gbps(nbytes)
-    return {
-        "backend": backend, "op": op, "memory": device.type, "tokens": tokens, "hidden": config.hidden,
-        "topk": config.topk, "num_experts": config.num_experts, "world_size": config.world_size,
-        "dtype": config.dtype, "capacity": capacity, "rows": rows, "bytes": nbytes, "reps": timing.reps,
-        "median_us": timing.median_us, "p10_us": timing.p10_us, "p90_us": timing.p90_us, "gbps": gbps,
-        "copy_median_us": copy.median_us, "copy_gbps": copy_gbps,
-        "ratio_to_copy": gbps / copy_gbps if copy_gbps else float("nan"),
-        "shared_copy_median_us": shared_copy.median_us, "shared_copy_gbps": shared_gbps,
-        "ratio_to_shared_copy": gbps / shared_gbps if shared_gbps else float("nan"),
-    }
+    record = Record.measured(
+        "moe", device.type, op, backend, backend.split(" (")[0], nbytes, timing, tokens=tokens, hidden=config.hidden,
+        topk=config.topk, num_experts=config.num_experts, world_size=config.world_size, dtype=config.dtype,
+        capacity=capacity, rows=rows, copy_median_us=copy.median_us, copy_gbps=copy_gbps,
+        shared_copy_median_us=shared_copy.median_us, shared_copy_gbps=shared_gbps,
+        ratio_to_shared_copy=gbps / shared_gbps if shared_gbps else float("nan"))
+    return record.against("copy", copy_gbps)
 
 
-def format_moe_report(records: list[dict]) -> str:
+def format_moe_report(records: list[Record]) -> str:
     """A plain table of the records."""
     head = (f"{'backend':12} {'op':8} {'mem':4} {'T':>5} {'H':>5} {'K':>2} {'rows':>6} {'median us':>10} "
             f"{'p10-p90 us':>17} {'GB/s':>7} {'copy GB/s':>9} {'ratio':>6} {'shared GB/s':>11} {'ratio':>6}")
     lines = [head, "-" * len(head)]
     for r in records:
+        p = r.params
         lines.append(
-            f"{r['backend']:12} {r['op']:8} {r['memory']:4} {r['tokens']:>5} {r['hidden']:>5} {r['topk']:>2} "
-            f"{r['rows']:>6} {r['median_us']:>10.1f} {r['p10_us']:>8.1f}-{r['p90_us']:<8.1f} {r['gbps']:>7.2f} "
-            f"{r['copy_gbps']:>9.2f} {r['ratio_to_copy']:>6.3f} {r['shared_copy_gbps']:>11.2f} "
-            f"{r['ratio_to_shared_copy']:>6.3f}"
+            f"{r.path:12} {r.op:8} {r.memory:4} {p['tokens']:>5} {p['hidden']:>5} {p['topk']:>2} "
+            f"{p['rows']:>6} {r.median_us:>10.1f} {r.p10_us:>8.1f}-{r.p90_us:<8.1f} {r.gbps:>7.2f} "
+            f"{p['copy_gbps']:>9.2f} {r.ratio:>6.3f} {p.get('shared_copy_gbps', float('nan')):>11.2f} "
+            f"{p.get('ratio_to_shared_copy', float('nan')):>6.3f}"
         )
     lines += ["", "copy: the same bytes copied inside rank 0 alone; shared: every rank copying its bytes at the same "
               "time (the yardstick when ranks share a device)"]
@@ -379,7 +380,7 @@ def main(args: argparse.Namespace) -> int:
                             backends=backends)
     print(format_moe_report(records), flush=True)
     if args.json is not None:
-        write_json(args.json, {"header": header(args.argv), "records": records})
+        write_json(args.json, {"header": header(args.argv), "records": records_to_json(records)})
     if args.plot is not None:
         from .plot import plot_moe
 

@@ -1,6 +1,7 @@
 """``tensorwire bench [p2p]``: point-to-point READ and WRITE between two local ranks, beside raw NIXL and a
 copy. This module is the command and ``run``; one rank's measuring is ``p2p_rank.py``, the byte checks
-``inbox.py``, the baseline ``raw_nixl.py``, the records ``p2p_records.py``, the tables ``report.py``.
+``inbox.py``, the baseline ``raw_nixl.py``, the names and configuration ``p2p_records.py`` (the records are
+``record.Record``, every tensorwire row held against the copy), the tables ``report.py``.
 
 Two processes (``tensorwire.testing.launch``). Rank 0 initiates every transfer; rank 1 is the passive target
 a one-sided transfer has, and only checks the bytes that landed. For each (memory, op, size), rank 0
@@ -49,7 +50,6 @@ import argparse
 import os
 import resource
 import sys
-import time
 from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
@@ -68,7 +68,7 @@ from .p2p_records import (
     Record,
     format_size,
 )
-from .timing import Budget
+from .timing import Budget, host_seconds
 
 # Besides the command, the names this module always had: its measuring now lives in p2p_rank.py (one rank),
 # inbox.py (the byte checks), raw_nixl.py (the baseline) and p2p_records.py (what a run records).
@@ -125,7 +125,7 @@ class _CpuSnapshot:
         except (OSError, ValueError, IndexError):
             pass
         own = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return _CpuSnapshot(busy, steal, sum(r.ru_utime + r.ru_stime for r in own), time.perf_counter())
+        return _CpuSnapshot(busy, steal, sum(r.ru_utime + r.ru_stime for r in own), host_seconds())
 
     def others_since(self, before: _CpuSnapshot) -> dict[str, float | None]:
         """Average cores other processes used (``other_cores``) and the hypervisor stole (``steal_cores``):

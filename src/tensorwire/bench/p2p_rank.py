@@ -29,14 +29,15 @@ from .p2p_records import (
     TENSORWIRE_GRAPH,
     TENSORWIRE_IN_PROCESS,
     TENSORWIRE_NIXL,
+    TENSORWIRE_PATHS,
     TENSORWIRE_STREAM,
     WAIT_RETURN_REPS,
     BenchConfig,
-    Record,
     format_size,
 )
 from .raw_nixl import RawNixl
-from .timing import Budget, Clock, CudaEventClock, HostClock, measure, measure_interleaved, summarize
+from .record import Record, compare_with
+from .timing import Budget, Clock, CudaEventClock, HostClock, Timing, measure, measure_interleaved, summarize, time_call
 
 __all__ = ["rank_main"]
 
@@ -98,9 +99,9 @@ def _measure_idle(comm: Any, seconds: float) -> dict[str, float]:
         remote = comm.lookup("bench/idle", 1 - comm.rank)[0]
         comm.read(buffer[:4096], remote.narrow(4096, 4096))
         comm.barrier()
-        before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        time.sleep(seconds)
-        after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - start
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        wall = time_call(functools.partial(time.sleep, seconds))
+        after = resource.getrusage(resource.RUSAGE_SELF)
         comm.barrier()
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {"rank": comm.rank, "wall_s": wall, "cpu_s": cpu, "cores": cpu / wall}
@@ -192,17 +193,23 @@ def _bench_size(comm: Any, raw: RawNixl, side: Side, size: int, config: BenchCon
                 stack.enter_context(_torch_threads(1))
             timings = measure_interleaved(compared, HostClock(), config.budget)
             check_path(side, size, op, " + ".join(p for p in paths if p != COPY), checker)
-        records += [Record.of(side.memory, op.value, size, name, timings[name], transport,
-                              threads=1 if name == COPY else None)
-                    for name, (_, transport) in paths.items()]
-        records += _bench_other_copies(side, size, op.value, config.budget)
+        case = [_record(side.memory, op.value, size, name, timings[name], transport,
+                        **({"threads": 1} if name == COPY else {}))
+                for name, (_, transport) in paths.items()]
+        case += _bench_other_copies(side, size, op.value, config.budget)
         if paths[TENSORWIRE][1] in STREAM_ORDERED:
-            records.append(_bench_on_stream(comm, side, size, op, local, remote, config.budget, checker))
+            case.append(_bench_on_stream(comm, side, size, op, local, remote, config.budget, checker))
             if config.graphs:
-                records.append(_bench_graph(comm, side, size, op, local, remote, config.budget, checker))
+                case.append(_bench_graph(comm, side, size, op, local, remote, config.budget, checker))
         if op is Op.WRITE:
-            records.append(_bench_in_process(comm, side, size, config.budget))
+            case.append(_bench_in_process(comm, side, size, config.budget))
+        records += compare_with(case, COPY, paths=TENSORWIRE_PATHS)
     return records
+
+
+def _record(memory: str, op: str, size: int, path: str, timing: Timing, transport: str, **params: int) -> Record:
+    """The record of one path of ``tensorwire bench p2p``: each timed call moved ``size`` bytes."""
+    return Record.measured("p2p", memory, op, path, transport, size, timing, **params)
 
 
 def _bench_in_process(comm: Any, side: Side, size: int, budget: Budget) -> Record:
@@ -226,7 +233,7 @@ def _bench_in_process(comm: Any, side: Side, size: int, budget: Budget) -> Recor
         with _torch_threads(1):  # as the host copy it is compared with
             timing = measure(once, clock, budget)
         check_inbox(side, size, what, expected=side.own)  # still the right bytes after the timing
-        return Record.of(side.memory, Op.WRITE.value, size, TENSORWIRE_IN_PROCESS, timing, transfer.transport)
+        return _record(side.memory, Op.WRITE.value, size, TENSORWIRE_IN_PROCESS, timing, transfer.transport)
 
 
 def _bench_wait_returns(comm: Any, side: Side, checker: InboxChecker) -> list[dict[str, Any]]:
@@ -251,9 +258,7 @@ def _bench_wait_returns(comm: Any, side: Side, checker: InboxChecker) -> list[di
                     transfer.post(stream=stream)
                 else:
                     transfer.post()  # CPU-driven: the case where wait(stream=) hands completion to a thread
-                start = time.perf_counter_ns()
-                transfer.wait(stream=stream)
-                returns_s.append((time.perf_counter_ns() - start) * 1e-9)
+                returns_s.append(time_call(functools.partial(transfer.wait, stream=stream)))
                 after = torch.cuda.Event()
                 after.record(stream)
                 in_flight += not after.query()
@@ -281,7 +286,7 @@ def _bench_on_stream(comm: Any, side: Side, size: int, op: Op, local: torch.Tens
         stream.synchronize()
         check_path(side, size, op, f"{TENSORWIRE_STREAM}", checker)
         timing = measure(once, _gpu_clock(), budget)
-        return Record.of(side.memory, op.value, size, TENSORWIRE_STREAM, timing, transfer.transport)
+        return _record(side.memory, op.value, size, TENSORWIRE_STREAM, timing, transfer.transport)
 
 
 def _bench_graph(comm: Any, side: Side, size: int, op: Op, local: torch.Tensor, remote: TensorDesc,
@@ -299,7 +304,7 @@ def _bench_graph(comm: Any, side: Side, size: int, op: Op, local: torch.Tensor, 
         check_path(side, size, op, TENSORWIRE_GRAPH, checker)
         timing = measure(graph.replay, _gpu_clock(), budget)
         torch.cuda.current_stream().synchronize()  # no replay may still run when the handle closes
-        return Record.of(side.memory, op.value, size, TENSORWIRE_GRAPH, timing, transfer.transport)
+        return _record(side.memory, op.value, size, TENSORWIRE_GRAPH, timing, transfer.transport)
 
 
 @contextlib.contextmanager
@@ -351,6 +356,6 @@ def _bench_other_copies(side: Side, size: int, op: str, budget: Budget) -> list[
     src, dst = side.outbox[:size], side.copy_dst[:size]
     copy_once = functools.partial(dst.copy_, src)
     if side.memory == "cuda":
-        return [Record.of(side.memory, op, size, COPY, measure(copy_once, _gpu_clock(), budget), "torch")]
-    return [Record.of(side.memory, op, size, COPY_MT, measure(copy_once, HostClock(), budget), "torch",
-                      threads=torch.get_num_threads())]
+        return [_record(side.memory, op, size, COPY, measure(copy_once, _gpu_clock(), budget), "torch")]
+    return [_record(side.memory, op, size, COPY_MT, measure(copy_once, HostClock(), budget), "torch",
+                    threads=torch.get_num_threads())]

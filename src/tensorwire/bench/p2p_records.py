@@ -1,5 +1,6 @@
-"""What ``tensorwire bench p2p`` measures and what it records: the sizes, the path names, the configuration,
-one ``Record`` per measured path and the ``BenchResult`` of a run. Plain values; nothing here measures."""
+"""What ``tensorwire bench p2p`` measures and what it records: the sizes, the path names, the configuration
+and the ``BenchResult`` of a run (its records are ``tensorwire.bench.record.Record``, re-exported here). Plain
+values; nothing here measures."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends.registry import stream_ordered_names
-from .timing import Budget, Timing
+from .record import Record
+from .timing import Budget
 
 __all__ = [
     "HOST_SIZES", "CUDA_SIZES", "TENSORWIRE", "TENSORWIRE_NIXL", "RAW", "COPY", "COPY_MT", "TENSORWIRE_STREAM",
@@ -56,32 +58,9 @@ class BenchConfig:
         return self.host_sizes if memory == "cpu" else self.cuda_sizes
 
 
-@dataclass(frozen=True)
-class Record:
-    """One measured path of one (memory, op, size); times in µs, bandwidth in GB/s at the median."""
-
-    memory: str
-    op: str
-    size: int
-    path: str
-    median_us: float
-    p10_us: float
-    p90_us: float
-    gbps: float
-    reps: int
-    transport: str  # what moved the bytes: "nixl", "cuda_ipc", "local" or "torch" (copies)
-    threads: int | None = None  # host copies only
-
-    @staticmethod
-    def of(memory: str, op: str, size: int, path: str, timing: Timing, transport: str,
-           threads: int | None = None) -> Record:
-        return Record(memory, op, size, path, timing.median_us, timing.p10_us, timing.p90_us,
-                      timing.gbps(size), timing.reps, transport, threads)
-
-
 @dataclass
 class BenchResult:
-    records: list[Record]
+    records: list[Record]  # benchmark "p2p"; a copy's thread count is params["threads"]
     idle: list[dict[str, float]]  # per rank: rank, wall_s, cpu_s, cores
     raw_config: str  # the description of how the raw NIXL agents were built
     progress_wakeup_ms: float

@@ -1,4 +1,6 @@
-"""GB/s against transfer size, one line per path, one panel per (memory, op): a small PNG.
+"""The benchmarks' records (``record.Record``) as small PNGs: ``plot`` draws ``bench p2p``'s GB/s against
+transfer size, one line per path, one panel per (memory, op); ``plot_moe`` draws ``bench moe``'s as bars
+(``bench kv``'s are drawn by ``kv_report.plot_kv``).
 
 matplotlib is optional (``pip install 'tensorwire[plot]'`` or ``pip install matplotlib``) and imported lazily.
 """
@@ -18,9 +20,9 @@ from .p2p_records import (
     TENSORWIRE_IN_PROCESS,
     TENSORWIRE_NIXL,
     TENSORWIRE_STREAM,
-    Record,
     format_size,
 )
+from .record import Record
 
 __all__ = ["plot", "plot_moe", "require_matplotlib"]
 
@@ -64,19 +66,19 @@ def plot(records: list[Record], path: Path, title: str = "tensorwire bench") -> 
     figure, axes = pyplot.subplots(rows, columns, figsize=(9, 3.1 * rows), dpi=_DPI, squeeze=False)
     for axis, (memory, op) in zip(axes.flat, panels):
         for path_name, style in _STYLE.items():
-            points = sorted((r.size, r.gbps) for r in records if (r.memory, r.op, r.path) == (memory, op, path_name))
+            points = sorted((r.nbytes, r.gbps) for r in records if (r.memory, r.op, r.path) == (memory, op, path_name))
             if not points:
                 continue
             label = path_name
             transport = next((r.transport for r in records if (r.memory, r.path) == (memory, path_name)), None)
             if path_name == TENSORWIRE and transport:
                 label += f" (via {transport})"
-            threads = next((r.threads for r in records
-                            if (r.memory, r.path) == (memory, path_name) and r.threads), None)
+            threads = next((r.params["threads"] for r in records
+                            if (r.memory, r.path) == (memory, path_name) and r.params.get("threads")), None)
             if threads:
                 label += f" ({threads} thread{'s' if threads > 1 else ''})"
             axis.plot([p[0] for p in points], [p[1] for p in points], label=label, markersize=4, **style)
-        sizes = sorted({r.size for r in records if (r.memory, r.op) == (memory, op)})
+        sizes = sorted({r.nbytes for r in records if (r.memory, r.op) == (memory, op)})
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
         axis.set_xticks(sizes, [format_size(s).replace(" ", "") for s in sizes], fontsize=7, rotation=30)
@@ -94,30 +96,30 @@ def plot(records: list[Record], path: Path, title: str = "tensorwire bench") -> 
     pyplot.close(figure)
 
 
-def plot_moe(records: list[dict], path: Path, title: str = "tensorwire bench moe") -> None:
-    """``bench moe`` records as bars: GB/s per backend, dispatch and combine side by side, one panel per
-    token count, the copy of the same bytes as a dashed line. A small PNG."""
+def plot_moe(records: list[Record], path: Path, title: str = "tensorwire bench moe") -> None:
+    """``bench moe`` records as bars: GB/s per backend (the records' path), dispatch and combine side by side,
+    one panel per token count, the copy of the same bytes as a dashed line. A small PNG."""
     if not records:
         raise InvalidArgumentError("bench moe --plot: no records to plot (no backend was timed)")
     pyplot = require_matplotlib()
-    token_counts = sorted({r["tokens"] for r in records})
-    backends = list(dict.fromkeys(r["backend"] for r in records))
+    token_counts = sorted({r.params["tokens"] for r in records})
+    backends = list(dict.fromkeys(r.path for r in records))
     figure, axes = pyplot.subplots(1, len(token_counts), figsize=(4.5 * len(token_counts), 3.2), dpi=_DPI,
                                    squeeze=False)
     for axis, tokens in zip(axes.flat, token_counts):
-        rows = [r for r in records if r["tokens"] == tokens]
+        rows = [r for r in records if r.params["tokens"] == tokens]
         for offset, (op, color) in enumerate((("dispatch", "#1f77b4"), ("combine", "#ff7f0e"))):
-            values = [next((r["gbps"] for r in rows if (r["backend"], r["op"]) == (b, op)), 0.0) for b in backends]
+            values = [next((r.gbps for r in rows if (r.path, r.op) == (b, op)), 0.0) for b in backends]
             axis.bar([i + 0.4 * offset for i in range(len(backends))], values, width=0.4, label=op, color=color)
-        copy = max((r["copy_gbps"] for r in rows), default=0.0)
+        copy = max((r.params["copy_gbps"] for r in rows), default=0.0)
         axis.axhline(copy, color="#2ca02c", linestyle="--", label=f"copy {copy:,.0f} GB/s")
-        shared = max((r.get("shared_copy_gbps", 0.0) for r in rows), default=0.0)  # older JSONs lack it
-        if shared and rows[0]["world_size"] > 1:
+        shared = max((r.params.get("shared_copy_gbps", 0.0) for r in rows), default=0.0)  # older JSONs lack it
+        sample = rows[0].params
+        if shared and sample["world_size"] > 1:
             axis.axhline(shared, color="#9467bd", linestyle=":", label=f"shared copy {shared:,.0f} GB/s")
         axis.set_xticks([i + 0.2 for i in range(len(backends))], backends, fontsize=8)
         axis.set_yscale("log")
         axis.set_ylabel("GB/s (median)", fontsize=9)
-        sample = rows[0]
         axis.set_title(f"T={tokens}, H={sample['hidden']} {sample['dtype']}, top-{sample['topk']}, "
                        f"{sample['world_size']} rank(s)", fontsize=9)
         axis.legend(fontsize=7)

@@ -25,6 +25,7 @@ from .p2p_records import (
     Record,
     format_size,
 )
+from .record import records_to_json
 
 __all__ = ["header", "comparisons", "summary", "format_report", "to_json"]
 
@@ -35,23 +36,23 @@ _ROW_ORDER = (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_GRAPH, TENSORWIRE_IN_PRO
 def _cases(records: list[Record]) -> dict[tuple[str, str, int], dict[str, Record]]:
     cases: dict[tuple[str, str, int], dict[str, Record]] = {}
     for r in records:
-        cases.setdefault((r.memory, r.op, r.size), {})[r.path] = r
+        cases.setdefault((r.memory, r.op, r.nbytes), {})[r.path] = r
     return cases
 
 
 def comparisons(records: list[Record]) -> list[dict[str, Any]]:
-    """Per (memory, op, size) and tensorwire row: its bandwidth over the copy's (higher is better) and its
-    time over raw NIXL's (lower is better)."""
+    """Per (memory, op, size) and tensorwire row: its bandwidth over the copy's (higher is better: the
+    record's ``ratio``, its reference being the copy) and its time over raw NIXL's (lower is better)."""
     out = []
     for (memory, op, size), paths in _cases(records).items():
-        raw, copy = paths.get(RAW), paths.get(COPY)
+        raw = paths.get(RAW)
         for name in TENSORWIRE_PATHS:
             tw = paths.get(name)
             if tw is None:
                 continue
             out.append({
                 "memory": memory, "op": op, "size": size, "path": name, "transport": tw.transport,
-                "bw_vs_copy": tw.gbps / copy.gbps if copy else None,
+                "bw_vs_copy": tw.ratio if tw.reference == COPY else None,
                 "time_vs_raw": tw.median_us / raw.median_us if raw else None,
             })
     return out
@@ -132,6 +133,22 @@ def _gpu_latency_lines(cases: dict[tuple[str, str, int], dict[str, Record]]) -> 
 
 def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig) -> str:
     """The aligned table, the idle line and, last, the summary lines."""
+    out = _setup_lines(result, head, config) + [""] + _table_lines(result.records)
+    out += [
+        "",
+        "  BW/copy = tensorwire GB/s / copy GB/s (higher is better); time/raw = tensorwire µs / raw nixl µs",
+        "  (lower is better); GB/s = 1e9 bytes/s at the median; via = the transport that moved the bytes",
+    ]
+    out += _conditions_lines(result)
+    out.append("")
+    for line in summary(result):
+        tag = {True: "[ok]  ", False: "[MISS]", None: "[n/a] "}[line["ok"]]
+        out.append(f"{tag} {line['text']}")
+    return "\n".join(out)
+
+
+def _setup_lines(result: BenchResult, head: dict[str, Any], config: BenchConfig) -> list[str]:
+    """What ran where: the machine, the software, how each path and the timing were done (wrapped)."""
     v = head["versions"]
     budget = config.budget
     timing = (f"{budget.iters} calls" if budget.iters else f">= {budget.min_reps} calls and >= {budget.time_s:g} s")
@@ -149,11 +166,15 @@ def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig
          "threads in the JSON as copy-mt); GPU: CUDA events, each chunk of calls queued before the GPU starts it"),
         f"  timing      {budget.warmup_s:g} s warm-up, then {timing}; each call timed alone; median, p10, p90",
     ]
-    out = [textwrap.fill(line, 116, subsequent_indent=" " * 14) for line in out] + [""]
+    return [textwrap.fill(line, 116, subsequent_indent=" " * 14) for line in out]
+
+
+def _table_lines(records: list[Record]) -> list[str]:
+    """One row per path, grouped by (memory, op, size) with a blank line between groups; columns aligned."""
     columns = ["memory", "op", "size", "path", "via", "median µs", "p10 µs", "p90 µs", "GB/s", "BW/copy", "time/raw"]
     rows = [columns]
-    ratios = {(c["memory"], c["op"], c["size"], c["path"]): c for c in comparisons(result.records)}
-    for (memory, op, size), paths in _cases(result.records).items():
+    ratios = {(c["memory"], c["op"], c["size"], c["path"]): c for c in comparisons(records)}
+    for (memory, op, size), paths in _cases(records).items():
         first = True
         for path in _ROW_ORDER:
             r = paths.get(path)
@@ -168,16 +189,18 @@ def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig
             ])
             first = False
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    out = []
     for n, row in enumerate(rows):
         if n > 1 and row[0]:
             out.append("")  # a blank line between (memory, op, size) groups
         out.append("  ".join(cell.ljust(w) if i < 5 else cell.rjust(w)
                              for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
-    out += [
-        "",
-        "  BW/copy = tensorwire GB/s / copy GB/s (higher is better); time/raw = tensorwire µs / raw nixl µs",
-        "  (lower is better); GB/s = 1e9 bytes/s at the median; via = the transport that moved the bytes",
-    ]
+    return out
+
+
+def _conditions_lines(result: BenchResult) -> list[str]:
+    """What else used the machine meanwhile, and the idle communicator's CPU per rank."""
+    out = []
     other, steal = result.others.get("other_cores"), result.others.get("steal_cores")
     if other is not None:
         disturbed = other >= 0.1 or steal >= 0.1
@@ -188,11 +211,7 @@ def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig
         per_rank = ", ".join(f"rank {i['rank']} {i['cores']:.3f}" for i in result.idle)
         out.append(f"  idle CPU: {per_rank} cores over {result.idle[0]['wall_s']:.1f} s "
                    f"(connected communicator, {format_size(IDLE_BYTES)} registered)")
-    out.append("")
-    for line in summary(result):
-        tag = {True: "[ok]  ", False: "[MISS]", None: "[n/a] "}[line["ok"]]
-        out.append(f"{tag} {line['text']}")
-    return "\n".join(out)
+    return out
 
 
 def _revision_text(source: dict[str, Any] | None) -> str:
@@ -215,7 +234,7 @@ def to_json(result: BenchResult, head: dict[str, Any], config: BenchConfig) -> d
             "ucx_version": result.ucx_version,
             "during_run": result.others,
         },
-        "records": [asdict(r) for r in result.records],
+        "records": records_to_json(result.records),
         "comparisons": comparisons(result.records),
         "idle": result.idle,
         "wait_returns": result.wait_returns,

@@ -16,6 +16,11 @@ Two clocks:
   an eager PyTorch user pays too, unless ``queue_ahead=True``: then the calls are enqueued while the stream
   is held, as a busy serving loop keeps its GPU fed, and each interval is the GPU's own time for the call.
 
+For what cannot be timed as repetitions of one function, the same host clock: ``time_call`` times a single
+call (calls that need untimed work between them, or that every rank makes together), ``host_seconds`` reads
+the clock for an interval that is not a call (a run's CPU accounting), ``quantile`` summarises samples beyond
+``Timing``'s quantiles.
+
 Non-goals: flushing caches between repetitions (transfers are measured warm, as a serving loop sees them)
 and statistics beyond quantiles.
 """
@@ -33,7 +38,8 @@ from typing import Any, Protocol
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["Budget", "Timing", "Clock", "HostClock", "CudaEventClock", "measure", "measure_interleaved", "summarize"]
+__all__ = ["Budget", "Timing", "Clock", "HostClock", "CudaEventClock", "measure", "measure_interleaved", "summarize",
+           "time_call", "host_seconds", "quantile"]
 
 
 @dataclass(frozen=True)
@@ -239,14 +245,25 @@ def _warm_up(fn: Callable[[], Any], clock: Clock, budget: Budget) -> float:
     Batches double so that a microsecond call is not dominated by the loop's bookkeeping."""
     samples: list[float] = []
     batch = max(budget.warmup_reps, 1)
-    deadline = time.perf_counter() + budget.warmup_s
+    deadline = host_seconds() + budget.warmup_s
     while True:
         samples.extend(clock.time_calls(fn, batch))
-        if time.perf_counter() >= deadline:
+        if host_seconds() >= deadline:
             break
         batch = min(batch * 2, 4096)
     samples.sort()
     return samples[len(samples) // 2]
+
+
+def time_call(fn: Callable[[], Any], clock: Clock | None = None) -> float:
+    """Seconds one call of ``fn`` takes on ``clock`` (default: host), for calls that cannot be timed as
+    repetitions: each needs untimed work around it, or every rank makes it together. No warm-up."""
+    return (clock or HostClock()).time_calls(fn, 1)[0]
+
+
+def host_seconds() -> float:
+    """The host clock (``perf_counter``) in seconds, for an interval that is not one call of a function."""
+    return time.perf_counter()
 
 
 def summarize(samples_s: list[float]) -> Timing:
@@ -262,6 +279,13 @@ def summarize(samples_s: list[float]) -> Timing:
         min_us=us[0],
         mean_us=sum(us) / len(us),
     )
+
+
+def quantile(samples: list[float], q: float) -> float:
+    """The ``q`` quantile (0 to 1) of ``samples``, in their unit; interpolated as numpy's default does."""
+    if not samples:
+        raise InvalidArgumentError("quantile: no samples; time at least one call")
+    return _quantile(sorted(samples), q)
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:

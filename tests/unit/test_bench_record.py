@@ -1,0 +1,88 @@
+"""The one record type of ``tensorwire bench``: records go to JSON and back unchanged, a case's paths are held
+against its reference, the reports read them, and the JSON files of benchmarks/results (written before the
+benchmarks shared ``Record``) still read as records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tensorwire.bench import kv_report, moe, report
+from tensorwire.bench.p2p_records import BenchConfig, BenchResult
+from tensorwire.bench.record import Record, compare_with, records_from_json, records_to_json
+from tensorwire.bench.timing import Timing, quantile
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def _timing(median_us: float) -> Timing:
+    return Timing(reps=20, median_us=median_us, p10_us=0.9 * median_us, p90_us=1.2 * median_us, min_us=median_us,
+                  mean_us=median_us)
+
+
+def _p2p_case(memory: str = "cpu", op: str = "WRITE", size: int = 4096) -> list[Record]:
+    paths = (("tensorwire", "shm", 2.0), ("raw nixl", "nixl", 4.0), ("copy", "torch", 1.0))
+    records = [Record.measured("p2p", memory, op, path, transport, size, _timing(us)) for path, transport, us in paths]
+    return compare_with(records, "copy", paths=("tensorwire",))
+
+
+def test_a_record_goes_to_json_and_back_unchanged():
+    record = Record.measured("kv", "cpu", "READ", "tensorwire", "shm", 1 << 20, _timing(100.0), blocks=256,
+                             pattern="random").against("contiguous copy", 20.0)
+    data = json.loads(json.dumps(records_to_json([record])))
+    assert data[0]["params"] == {"blocks": 256, "pattern": "random"} and data[0]["reference"] == "contiguous copy"
+    assert records_from_json({"records": data}) == [record]
+    assert record.gbps == pytest.approx((1 << 20) / 100e-6 / 1e9) and record.ratio == pytest.approx(record.gbps / 20)
+
+
+def test_the_paths_of_a_case_are_held_against_its_reference():
+    tensorwire, raw, copy = _p2p_case()
+    assert (tensorwire.reference, tensorwire.ratio) == ("copy", pytest.approx(0.5))
+    assert raw.reference is None and copy.reference is None  # only the paths asked for
+    assert compare_with([raw], "copy") == [raw]  # no reference measured: unchanged
+
+
+def test_the_p2p_table_takes_bw_over_copy_from_the_records():
+    result = BenchResult(records=_p2p_case(), idle=[], raw_config="raw", progress_wakeup_ms=10, default_threads=1,
+                         ucx_version=None)
+    head = {"versions": {"tensorwire": "0", "torch": "2", "nixl": "1", "nixl_module": "nixl", "ucx": None,
+                         "python": "3"}, "cpu": {"model": "cpu", "usable_cores": 2}, "gpus": []}
+    text = report.format_report(result, head, BenchConfig())
+    row = next(line for line in text.splitlines() if line.startswith("cpu"))
+    assert row.split()[-2:] == ["0.50x", "0.50x"]  # BW/copy, then time/raw
+    assert report.comparisons(result.records)[0]["bw_vs_copy"] == pytest.approx(0.5)
+
+
+def test_host_quantiles_interpolate_as_numpy_does():
+    samples = [5.0, 1.0, 9.0, 2.0, 7.5, 3.0]
+    for q in (0.1, 0.5, 0.9, 0.99):
+        assert quantile(samples, q) == pytest.approx(float(np.percentile(samples, 100 * q)))
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
+def test_the_committed_results_read_as_records(path):
+    """Each benchmark's old keys land in the common fields; its own in params."""
+    records = records_from_json(json.loads(path.read_text()))
+    assert records and all(r.median_us > 0 and r.gbps > 0 and r.nbytes > 0 for r in records)
+    benchmark = records[0].benchmark
+    assert benchmark == ("kv" if path.name.startswith("kv-") else "moe" if path.name.startswith("moe-") else "p2p")
+    if benchmark == "moe":
+        assert all(r.reference == "copy" and "tokens" in r.params for r in records)
+        assert "backend" in moe.format_moe_report(records)
+    if benchmark == "kv":
+        assert all("pattern" in r.params for r in records)
+        assert "contiguous copy" in kv_report.format_report(records)
+
+
+def test_an_old_moe_file_still_plots(tmp_path):
+    """The oldest MoE results have no shared copy; the plot leaves its line out."""
+    pytest.importorskip("matplotlib")
+    from tensorwire.bench.plot import plot_moe
+
+    records = records_from_json(json.loads((RESULTS / "moe-cpu-2core-2026-12-02.json").read_text()))
+    assert all("shared_copy_gbps" not in r.params for r in records)
+    plot_moe(records, tmp_path / "moe.png")
+    assert 0 < (tmp_path / "moe.png").stat().st_size < 100_000
