@@ -1,180 +1,48 @@
-"""Who am I, who are my peers, and the key-value store we meet in.
+"""Who are my peers, and the key-value store we meet in.
 
-Reads the launcher's environment (torchrun, OpenMPI, SLURM) and connects to torch.distributed's
-``TCPStore`` (rank 0 hosts it, listening on ``MASTER_ADDR``'s interface only). Every blocking call takes a
-timeout and raises ``WaitTimeoutError``; losing the store's host raises ``PeerLostError``. Every store call is
-bounded even when the store's host stops answering (torch's client is not: a watchdog shuts our connection
-down), and the waits here poll the store so that they can also watch the peers' liveness (``liveness.py``).
-Non-goal: process-group collectives.
+Connects to torch.distributed's ``TCPStore`` (rank 0 hosts it, listening on ``MASTER_ADDR``'s interface only;
+the launcher's environment comes from ``environment.py``, the store's sockets from ``store_sockets.py``). Every
+blocking call takes a timeout and raises ``WaitTimeoutError``; losing the store's host raises ``PeerLostError``.
+Every store call is bounded even when the store's host stops answering (torch's client is not: a watchdog shuts
+our connection down), and the waits here poll the store so that they can also watch the peers' liveness
+(``liveness.py``). Non-goal: process-group collectives.
 
 Trust. With a job token (``TENSORWIRE_JOB_TOKEN``, read by ``config.py``) every value tensorwire puts in
-the store is sealed here: ``b"TWA" | version u8 | HMAC-SHA256(token, key length u32 | key | value) | value``,
-and every value it reads must open with the same token under the same key, else ``AuthenticationError``
-(the value is not used; a later valid value under that key is). The store's counters (``add``) cannot carry
-a MAC, so tensorwire does not decide anything on a counter: barriers and departures are per-rank sealed
-records, and each rank claims its rank number once (``compare_set``) at ``init``. Without a token values are
-stored as they are and the job is unauthenticated (one ``RuntimeWarning`` says so).
+the store is sealed here (``sealing.py``), and every value it reads must open with the same token under the
+same key, else ``AuthenticationError`` (the value is not used; a later valid value under that key is). The
+store's counters (``add``) cannot carry a MAC, so tensorwire does not decide anything on a counter: barriers
+and departures are per-rank sealed records, and each rank claims its rank number once (``compare_set``) at
+``init``. Without a token values are stored as they are and the job is unauthenticated (one
+``RuntimeWarning`` says so).
 """
 
 from __future__ import annotations
 
 import datetime
-import errno
-import hashlib
-import hmac
-import ipaddress
 import os
 import secrets
 import socket
-import struct
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from typing import NoReturn
 
 import torch.distributed as dist
 
-from .deadlines import Deadlines
+from .deadlines import CallThread, Deadlines
+
+# resolve_environment is imported from here by communicator.py and bench/p2p_rank.py.
+from .environment import Environment, hostname, resolve_environment
 from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, WaitTimeoutError
 from .liveness import Liveness
+from .sealing import seal, unseal
+from .store_sockets import listen_socket, local_address, socket_fds, store_client_sockets
 
 __all__ = ["Environment", "resolve_environment", "Rendezvous"]
-
-# (rank, world size, local rank, local world size) variable names per launcher, most specific first.
-_LAUNCHERS = (
-    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
-)
-
-
-@dataclass(frozen=True)
-class Environment:
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    master_addr: str
-    master_port: int
-    launcher: str
-    agent_store: bool = False  # torchrun's agent already hosts a TCPStore at MASTER_ADDR:MASTER_PORT
-
-
-def _int(value: str, name: str) -> int:
-    # SLURM writes e.g. "4(x2)" for tasks per node.
-    head = value.split("(")[0].split(",")[0]
-    try:
-        return int(head)
-    except ValueError:
-        raise InvalidArgumentError(f"init: environment variable {name}={value!r} is not an integer") from None
-
-
-def resolve_environment(
-    *,
-    rank: int | None = None,
-    world_size: int | None = None,
-    master_addr: str | None = None,
-    master_port: int | None = None,
-) -> Environment:
-    """Keyword overrides first, then the first launcher whose variables are set, else a 1-rank world."""
-    env = os.environ
-    launcher, found = "none", None
-    for name, r, w, lr, lw in _LAUNCHERS:
-        if r in env and w in env:
-            launcher, found = name, (r, w, lr, lw)
-            break
-    if found:
-        r, w, lr, lw = found
-        env_rank, env_world = _int(env[r], r), _int(env[w], w)
-        env_local_rank = _int(env[lr], lr) if lr in env else env_rank
-        env_local_world = _int(env[lw], lw) if lw in env else env_world
-    else:
-        env_rank, env_world, env_local_rank, env_local_world = 0, 1, 0, 1
-    rank = env_rank if rank is None else rank
-    world_size = env_world if world_size is None else world_size
-    local_rank = env_local_rank if rank == env_rank else rank
-    local_world = env_local_world if world_size == env_world else world_size
-    if not isinstance(world_size, int) or world_size < 1:
-        raise InvalidArgumentError(f"init: world_size={world_size!r}; give an integer >= 1")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise InvalidArgumentError(f"init: rank={rank!r} is outside [0, {world_size}); check RANK and WORLD_SIZE")
-    addr = master_addr or env.get("MASTER_ADDR")
-    port = master_port if master_port is not None else env.get("MASTER_PORT")
-    if world_size > 1 and (not addr or port is None):
-        raise InvalidArgumentError(
-            f"init: rank {rank} of {world_size} needs a rendezvous address; set MASTER_ADDR and MASTER_PORT "
-            "(torchrun does) or pass master_addr=..., master_port=..."
-        )
-    return Environment(
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        local_world_size=local_world,
-        master_addr=addr or "127.0.0.1",
-        master_port=_int(str(port), "MASTER_PORT") if port is not None else 0,
-        launcher=launcher,
-        # Like torch.distributed's env:// init: under torchrun every rank is a client of the agent's store.
-        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and master_port is None,
-    )
 
 
 def _delta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 0.001))
-
-
-# --- sealed values ------------------------------------------------------------------------------
-_SEAL_MAGIC = b"TWA"
-_SEAL_VERSION = 1
-_SEAL_HEADER = struct.Struct("<3sB32s")  # magic, version, HMAC-SHA256
-_FIX_TOKEN = ("set the same TENSORWIRE_JOB_TOKEN on every rank of the job (tw.testing.launch does; see the README), "
-              "and keep the store port away from processes outside the job")
-
-
-def _mac(token: bytes, key: str, value: bytes) -> bytes:
-    encoded = key.encode()
-    # The key's length comes first so that (key, value) pairs cannot be re-split into another valid pair.
-    return hmac.new(token, struct.pack("<I", len(encoded)) + encoded + value, hashlib.sha256).digest()
-
-
-def seal(token: bytes, key: str, value: bytes) -> bytes:
-    """``value`` as stored under ``key`` in a job with ``token``: the MAC binds it to that key."""
-    return _SEAL_HEADER.pack(_SEAL_MAGIC, _SEAL_VERSION, _mac(token, key, value)) + value
-
-
-def _is_sealed(blob: bytes) -> bool:
-    return len(blob) >= _SEAL_HEADER.size and blob[:3] == _SEAL_MAGIC
-
-
-def unseal(token: bytes | None, key: str, blob: bytes) -> bytes:
-    """The value ``seal`` sealed under ``key``; ``AuthenticationError`` naming the key and the fix when it does not
-    verify. Without a token (an unauthenticated job) values are taken as they are."""
-    blob = bytes(blob)
-    if token is None:
-        if _is_sealed(blob):
-            raise AuthenticationError(
-                f"store value {key!r} carries a job-token MAC but this process has no TENSORWIRE_JOB_TOKEN; it was not "
-                f"used: {_FIX_TOKEN}"
-            )
-        return blob
-    if not _is_sealed(blob):
-        raise AuthenticationError(
-            f"store value {key!r} ({len(blob)} bytes) has no job-token MAC: it was written by a process outside this "
-            f"job or by a rank without TENSORWIRE_JOB_TOKEN; it was not used: {_FIX_TOKEN}"
-        )
-    _, version, mac = _SEAL_HEADER.unpack_from(blob)
-    if version != _SEAL_VERSION:
-        raise AuthenticationError(
-            f"store value {key!r} is sealed in format version {version}, this tensorwire reads {_SEAL_VERSION}; it was "
-            "not used: run the same tensorwire version on every rank"
-        )
-    value = blob[_SEAL_HEADER.size:]
-    if not hmac.compare_digest(mac, _mac(token, key, value)):
-        raise AuthenticationError(
-            f"store value {key!r} ({len(blob)} bytes) fails its MAC check: written by a process without this job's "
-            f"token (or with another job's), altered, or copied from another key; it was not used: {_FIX_TOKEN}"
-        )
-    return value
 
 
 _warned: set[str] = set()
@@ -184,50 +52,6 @@ def _warn_once(topic: str, message: str, stacklevel: int) -> None:
     if topic not in _warned:
         _warned.add(topic)
         warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
-
-
-# --- the store's socket -------------------------------------------------------------------------
-_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
-
-
-def _listen_socket(addr: str, port: int) -> tuple[socket.socket | None, str]:
-    """A listening socket on ``addr``'s address for the store to use, or (None, why not) when the store has to
-    listen on every interface as torch's ``TCPStore`` does by itself (it binds the wildcard address and has no
-    bind-address option; it does accept a socket we bound, ``master_listen_fd``)."""
-    try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
-    except (socket.gaierror, UnicodeError) as e:
-        return None, f"MASTER_ADDR={addr!r} does not resolve here ({e})"
-    ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
-    if ip.is_loopback and addr.lower() not in _LOOPBACK_NAMES and not _is_ip_literal(addr):
-        # e.g. Debian's /etc/hosts maps the host's own name to 127.0.1.1, while other hosts resolve it to the
-        # host's real address: listening on loopback would shut them out.
-        return None, (f"MASTER_ADDR={addr!r} resolves to the loopback address {ip} on rank 0's host, but other "
-                      "hosts may resolve it to a real address")
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own socket
-        sock.bind(sockaddr)
-        sock.listen(socket.SOMAXCONN)
-    except OSError as e:
-        sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise InvalidArgumentError(
-                f"init: rank 0 cannot host the store: port {port} on {addr} is in use (EADDRINUSE); choose another "
-                "MASTER_PORT"
-            ) from e
-        if e.errno == errno.EADDRNOTAVAIL:  # e.g. a public address that NAT maps to this host
-            return None, f"MASTER_ADDR={addr!r} ({ip}) is not an address of rank 0's host"
-        raise PeerLostError(f"init: rank 0 could not listen on {addr}:{port} for the store ({e})") from e
-    return sock, ""
-
-
-def _is_ip_literal(addr: str) -> bool:
-    try:
-        ipaddress.ip_address(addr)
-    except ValueError:
-        return False
-    return True
 
 
 class Rendezvous:
@@ -248,20 +72,23 @@ class Rendezvous:
         self.between_polls: Callable[[], None] | None = None  # run while a wait sleeps (the inbox's pump)
         self._store_sockets: list[socket.socket] = []  # our client connection(s) to the store, to cut a stuck call
         self._watchdog = Deadlines()  # cuts a store call that outlives its bound (torch's own timeout does not)
+        self._calls: CallThread | None = None  # the store calls, where no socket of ours can be cut (see _call)
         if token is None and env.world_size > 1:
             _warn_once("unauthenticated", (
                 "tensorwire: this job is unauthenticated (TENSORWIRE_JOB_TOKEN is not set): any process that reaches "
                 f"the store at {env.master_addr}:{env.master_port} can forge memory maps, descriptors and barrier "
                 "entries; set the same random TENSORWIRE_JOB_TOKEN on every rank (see the README)"), stacklevel=4)
         if store is None:
-            before = _socket_fds()
+            before = socket_fds()
             store = self._connect()
-            self._store_sockets = _store_client_sockets(before, store.port)
+            self._store_sockets = store_client_sockets(before, store.port)
+        if not self._store_sockets:  # a store passed to init, or no /proc here
+            self._calls = CallThread("tensorwire-store-calls")
         self._raw = store
         self.store = dist.PrefixStore("tensorwire/", store)
         self._barrier_generation = 0
         self._claim_rank()
-        self.liveness = Liveness(env.rank, env.world_size, liveness_s, _local_address(env), token, self._resolve)
+        self.liveness = Liveness(env.rank, env.world_size, liveness_s, local_address(env), token, self._resolve)
         self.set(f"alive/{env.rank}", f"{self.liveness.address[0]} {self.liveness.address[1]}".encode())
         if env.rank != 0:  # the store's host: watched from the start, so that a lost store is noticed in any wait
             self.get("alive/0", timeout_s, "init: waiting for rank 0's liveness address")
@@ -278,7 +105,7 @@ class Rendezvous:
     def _connect(self) -> dist.Store:
         env, timeout_s = self.env, self.timeout_s
         hosts = env.rank == 0 and not env.agent_store
-        listener, why_not = _listen_socket(env.master_addr, env.master_port) if hosts else (None, "")
+        listener, why_not = listen_socket(env.master_addr, env.master_port) if hosts else (None, "")
         if why_not:
             _warn_once("listen-all", (
                 f"tensorwire: the store listens on every interface of rank 0's host, not only MASTER_ADDR's: "
@@ -376,6 +203,8 @@ class Rendezvous:
         """Local: stop watching peers (they learn at once that this rank is gone) and the call watchdog."""
         self.liveness.close()
         self._watchdog.close()
+        if self._calls is not None:
+            self._calls.close()
 
     # --- ranks ----------------------------------------------------------------------------------
     def _claim_rank(self) -> None:
@@ -470,100 +299,67 @@ class Rendezvous:
 
     def _call(self, fn, what: str, timeout_s: float | None = None):
         """Run one store call, bounded: torch's client blocks forever in ``add``/``check``/``compare_set`` (and
-        after the timeout of ``get``/``wait``) when the store's host stops answering. A watchdog shuts our
-        connection down once the call outlives ``liveness_s`` (``timeout_s + liveness_s`` for a wait), which
-        makes the blocked call return; the store then counts as lost."""
+        after the timeout of ``get``/``wait``) when the store's host stops answering. Past ``liveness_s``
+        (``timeout_s + liveness_s`` for a wait) the store counts as lost and the call raises ``PeerLostError``,
+        as does every later one.
+
+        On our own ``TCPStore`` a watchdog shuts our connection down, which makes the blocked call return. A
+        store passed to ``init`` has no connection we can find (nor one we may shut: the user's own calls use
+        it), so its calls run on a thread of their own (``CallThread``) that the caller stops waiting for. The
+        trade-off: a call past its bound is abandoned, not ended: that thread stays blocked in it (a daemon), the
+        store object is left to its owner in whatever state that call leaves it, and a late answer is never read
+        (which is why the store then counts as lost); each call pays a hand-off between two threads (tens of
+        microseconds, on ``prepare``'s store round trip, not on ``post``/``wait``)."""
         if self._lost is not None:
             raise PeerLostError(f"{what}: {self._lost}")
-        key = None
-        if self._store_sockets:
-            key = object()
-            bound = self.liveness_s + (timeout_s or 0.0)
-            self._watchdog.arm(key, time.monotonic() + bound, lambda: self._cut(f"no answer within {bound:.3g}s"))
+        bound = self.liveness_s + (timeout_s or 0.0)
+        if self._calls is not None:
+            try:
+                return self._calls.run(fn, bound)
+            except TimeoutError as e:
+                if self._lost is None:
+                    self._lost = f"{self._store_name()} gave no answer within {bound:.3g}s; it is stuck or gone"
+                raise PeerLostError(f"{what}: {self._lost}") from e
+            except Exception as e:  # noqa: BLE001 - torch's store raises DistStoreError/DistNetworkError/RuntimeError
+                self._raise_typed(e, what, timeout_s)
+        key = object()
+        self._watchdog.arm(key, time.monotonic() + bound, lambda: self._cut(f"no answer within {bound:.3g}s"))
         try:
             return fn()
-        except Exception as e:  # noqa: BLE001 - torch's store raises DistStoreError/DistNetworkError/RuntimeError
-            text = str(e)
-            if self._lost is not None:
-                raise PeerLostError(f"{what}: {self._lost}") from e
-            if isinstance(e, getattr(dist, "DistNetworkError", ())) or "Connection" in text or "Broken pipe" in text \
-                    or "connection" in text:
-                self._lost = (f"lost the store hosted by rank 0 at {self.env.master_addr}:{self.env.master_port} "
-                              f"({text.splitlines()[0] if text else type(e).__name__})")
-                raise PeerLostError(f"{what}: {self._lost}") from e
-            if "imeout" in text or "timed out" in text:
-                seconds = self.timeout_s if timeout_s is None else timeout_s
-                raise WaitTimeoutError(
-                    f"{what}: not done after {seconds:.3g}s; a peer may be slow, stuck or dead. "
-                    "Pass a larger timeout= or check the other ranks"
-                ) from e
-            raise
+        except Exception as e:  # noqa: BLE001 - as above
+            self._raise_typed(e, what, timeout_s)
         finally:
-            if key is not None:
-                self._watchdog.disarm(key)
+            self._watchdog.disarm(key)
+
+    def _raise_typed(self, e: Exception, what: str, timeout_s: float | None) -> NoReturn:
+        """Raise what a failed store call means: ``PeerLostError`` once the connection is gone (cut by the
+        watchdog, or broken), ``WaitTimeoutError`` for the store's own timeout, else ``e`` itself."""
+        text = str(e)
+        if self._lost is not None:
+            raise PeerLostError(f"{what}: {self._lost}") from e
+        if isinstance(e, getattr(dist, "DistNetworkError", ())) or "Connection" in text or "Broken pipe" in text \
+                or "connection" in text:
+            self._lost = f"lost {self._store_name()} ({text.splitlines()[0] if text else type(e).__name__})"
+            raise PeerLostError(f"{what}: {self._lost}") from e
+        if "imeout" in text or "timed out" in text:
+            seconds = self.timeout_s if timeout_s is None else timeout_s
+            raise WaitTimeoutError(
+                f"{what}: not done after {seconds:.3g}s; a peer may be slow, stuck or dead. "
+                "Pass a larger timeout= or check the other ranks"
+            ) from e
+        raise e
+
+    def _store_name(self) -> str:
+        if self._owns_store:
+            return f"the store hosted by rank 0 at {self.env.master_addr}:{self.env.master_port}"
+        return "the store passed to init (store=)"
 
     def _cut(self, why: str) -> None:
         """The watchdog: the store did not answer in time. Shut our connection down (the blocked call returns
         with an error) and remember why; runs on the watchdog's thread."""
-        self._lost = (f"the store hosted by rank 0 at {self.env.master_addr}:{self.env.master_port} gave "
-                      f"{why}; its host is gone or the link to it is cut")
+        self._lost = f"{self._store_name()} gave {why}; its host is gone or the link to it is cut"
         for sock in self._store_sockets:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-
-
-def _socket_fds() -> set[int]:
-    found = set()
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return found
-    for name in names:
-        try:  # the listing's own descriptor is closed by now, and others may close meanwhile
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                found.add(int(name))
-        except OSError:
-            continue
-    return found
-
-
-def _store_client_sockets(before: set[int], port: int) -> list[socket.socket]:
-    """Our new client connection(s) to the store (peer port == the store's port), as socket objects over
-    duplicated descriptors: shutting one down ends a call blocked on the connection. Empty where /proc is missing."""
-    found = []
-    for fd in sorted(_socket_fds() - before):
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            peer = sock.getpeername()
-        except OSError:
-            peer = None
-        if sock.type == socket.SOCK_STREAM and isinstance(peer, tuple) and len(peer) >= 2 and peer[1] == port:
-            found.append(sock)
-        else:
-            sock.close()  # our duplicate only
-    return found
-
-
-def _local_address(env: Environment) -> str:
-    """This host's address on the route to the store's host (for the liveness listener)."""
-    if env.rank == 0 and not env.agent_store:
-        try:
-            return socket.getaddrinfo(env.master_addr, None, type=socket.SOCK_STREAM)[0][4][0]
-        except OSError:
-            pass
-    try:
-        family = socket.AF_INET6 if ":" in env.master_addr else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((env.master_addr, env.master_port or 9))
-            return probe.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
-def hostname() -> str:
-    return socket.gethostname()

@@ -56,6 +56,11 @@ def init(
 
     Blocks until rank 0's store is reachable (at most ``timeout`` seconds). Not collective beyond that:
     peers are connected lazily. ``store=`` reuses an existing torch.distributed store (keys are prefixed).
+    Calls on it are bounded as on tensorwire's own store (``TENSORWIRE_LIVENESS_S``; a wait: its timeout plus
+    that), but tensorwire cannot cut a connection it does not own: each call runs on a helper thread that the
+    caller stops waiting for. A call past its bound raises ``PeerLostError``, as does every later store call of
+    this communicator; the helper thread stays blocked in the abandoned call (a daemon), and the store object is
+    left in whatever state that call leaves it.
     """
     cfg = config_module.load()
     timeout_s = cfg.timeout_s if timeout is None else float(timeout)

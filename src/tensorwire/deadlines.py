@@ -1,4 +1,5 @@
-"""``Deadlines``: actions that run at a time, on one thread of their own that sleeps until the earliest one.
+"""``Deadlines``: actions that run at a time, on one thread of their own that sleeps until the earliest one;
+``CallThread``: calls made on a thread of their own, so that the caller can stop waiting for one.
 
 Used where a call or a wait must end on time even when the thread that would end it is stuck: the timeouts
 that release GPU stream waits (``transfer``, ``communicator``) and the bound on store calls that torch's
@@ -8,12 +9,14 @@ client does not bound itself (``bootstrap``). Below everything that uses it; imp
 from __future__ import annotations
 
 import math
+import queue
 import threading
 import time
 import warnings
 from collections.abc import Callable, Hashable
+from typing import Any
 
-__all__ = ["Deadlines", "warn_from_progress_thread"]
+__all__ = ["CallThread", "Deadlines", "warn_from_progress_thread"]
 
 
 def warn_from_progress_thread(message: str) -> None:
@@ -109,3 +112,64 @@ class Deadlines:
                 except Exception as e:  # noqa: BLE001 - one failed action must not stop the others
                     warn_from_progress_thread(f"tensorwire: a timeout action failed: {type(e).__name__}: {e}")
             del actions, action  # outside the lock
+
+
+class _Call:
+    __slots__ = ("fn", "done", "result", "error", "abandoned")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn, self.done = fn, threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.abandoned = False
+
+
+class CallThread:
+    """Calls made on one daemon thread of its own, in order, so that the caller can stop waiting for one after a
+    bound (``run``): the way to bound a blocking call that nothing can interrupt.
+
+    The call is abandoned, not cancelled: the thread stays blocked in it, and every later call queues behind it
+    (their callers give up at their own bounds). A daemon thread, so a blocked one does not hold the interpreter's
+    exit. Idle, the thread sleeps on its queue; started by the first call.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def run(self, fn: Callable[[], Any], bound_s: float) -> Any:
+        """``fn()``'s result (or its exception), made on the thread; blocks at most ``bound_s`` seconds, then raises
+        ``TimeoutError`` and leaves the call to the thread (a call not begun by then is skipped)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+                self._thread.start()
+        call = _Call(fn)
+        self._calls.put(call)
+        if not call.done.wait(bound_s):
+            call.abandoned = True
+            if not call.done.is_set():
+                raise TimeoutError(f"no answer within {bound_s:.3g}s")
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def close(self) -> None:
+        """Let the thread end after the call it is in (if any); never blocks."""
+        self._calls.put(None)
+
+    def _serve(self) -> None:
+        while True:
+            call = self._calls.get()
+            if call is None:
+                return
+            if call.abandoned:
+                continue
+            try:
+                call.result = call.fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                call.error = e
+            call.done.set()
+            del call  # drop the result before sleeping on the queue

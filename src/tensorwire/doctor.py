@@ -112,12 +112,6 @@ def transfer_rows(rows: list[ProtoRow]) -> list[ProtoRow]:
 
 
 # --- the 2-process probe ----------------------------------------------------------------------------
-def _record(workdir: str, rank: int, step: str, ok: bool, detail: str) -> None:
-    """Append one step to this rank's log; written at once so a crash still leaves what came before."""
-    with open(os.path.join(workdir, f"steps.{rank}.jsonl"), "a") as log:
-        log.write(json.dumps({"step": step, "ok": ok, "detail": detail}) + "\n")
-
-
 def _flush_c_stdio() -> None:
     """UCX writes its log with C stdio; ``launch`` ends ranks with ``os._exit``, which would drop the buffer."""
     try:
@@ -134,13 +128,33 @@ def _move(comm, op, local, remote, transport: str | None) -> str:
         return transfer.transport
 
 
+class _StepLog:
+    """One rank's log of the probe's steps (``steps.<rank>.jsonl`` in ``workdir``), appended at once so that a
+    crash still leaves what came before; ``current`` is the step in progress, under which a failure is logged."""
+
+    def __init__(self, workdir: str, rank: int) -> None:
+        self.path, self.current = os.path.join(workdir, f"steps.{rank}.jsonl"), "init"
+
+    def record(self, ok: bool, detail: str, step: str | None = None) -> None:
+        with open(self.path, "a") as log:
+            log.write(json.dumps({"step": step or self.current, "ok": ok, "detail": detail}) + "\n")
+
+    def check_bytes(self, step: str, got, expected, sender: int) -> None:
+        from .testing.data import first_mismatch
+
+        index = first_mismatch(got, expected)
+        if index is None:
+            self.record(True, f"all {got.numel()} bytes from rank {sender} are right", step)
+        else:
+            self.record(False, f"byte {index} of {got.numel()} differs (got {int(got[index])}, rank {sender} holds "
+                        f"{int(expected[index])}): the transfer reported success but moved the wrong bytes", step)
+
+
 def _probe_rank(memory: str, workdir: str, quiet: bool, timeout_s: float) -> None:
     """One rank of the transfer probe (run by ``launch``). Over NIXL (forced: the probe is about what NIXL
     and UCX do), rank 0 READs rank 1's outbox into its inbox and WRITEs its outbox into rank 1's inbox; each
     receiver checks the bytes. For CUDA memory rank 0 then READs once more over tensorwire's own choice of
     transport (``cuda_ipc`` on one host) and checks again. Steps go to ``workdir``."""
-    import torch
-
     import tensorwire as tw
 
     from .backends.nixl import quiet_nixl_logging
@@ -148,67 +162,78 @@ def _probe_rank(memory: str, workdir: str, quiet: bool, timeout_s: float) -> Non
 
     if quiet:
         quiet_nixl_logging()
-    rank = int(os.environ.get("RANK", "0"))
-    step = "init"
+    steps = _StepLog(workdir, int(os.environ.get("RANK", "0")))
     try:
         comm = tw.init(timeout=timeout_s)
-        peer = 1 - comm.rank
-        device = comm.device if memory == "cuda" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        _record(workdir, rank, step, True, f"{comm!r}")
-        n = _PROBE_BYTES
-        buffer = torch.zeros(2 * n, dtype=torch.uint8, device=device)  # [outbox | inbox]
-        buffer[:n].copy_(rank_pattern(n, rank, device))
-        step = "register"
-        registration = comm.register(buffer)
-        _record(workdir, rank, step, True, f"{2 * n} bytes on {device} as {'VRAM' if memory == 'cuda' else 'DRAM'}")
-        comm.publish("doctor", registration.descs)
-        remote = comm.lookup("doctor", peer)[0]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if rank == 0:
-            step = "READ"
-            _move(comm, tw.READ, buffer[n:], remote.narrow(0, n), "nixl")
-            _record(workdir, rank, step, True, f"{n} bytes from rank {peer} over nixl")
-            _check_bytes(workdir, rank, "READ bytes", buffer[n:], rank_pattern(n, peer, device), peer)
-            step = "WRITE"
-            _move(comm, tw.WRITE, buffer[:n], remote.narrow(n, n), "nixl")
-            _record(workdir, rank, step, True, f"{n} bytes to rank {peer} over nixl")
-            if memory == "cuda":
-                step = "default READ"
-                buffer[n:].zero_()
-                torch.cuda.synchronize(device)
-                chosen = _move(comm, tw.READ, buffer[n:], remote.narrow(0, n), None)
-                torch.cuda.synchronize(device)  # a stream-ordered transport's copy is on the current stream
-                _record(workdir, rank, step, True, chosen)
-                _check_bytes(workdir, rank, f"READ over {chosen} (tensorwire's choice) bytes", buffer[n:],
-                             rank_pattern(n, peer, device), peer)
-        step = "barrier"
+        steps.record(True, f"{comm!r}")
+        registration, buffer, remote = _probe_buffer(comm, memory, steps)
+        if comm.rank == 0:
+            _probe_transfers(comm, memory, buffer, remote, steps)
+        steps.current = "barrier"
         comm.barrier()
-        if rank == 1:
-            _check_bytes(workdir, rank, "WRITE bytes", buffer[n:], rank_pattern(n, peer, device), peer)
+        if comm.rank == 1:
+            n, peer = _PROBE_BYTES, 1 - comm.rank
+            steps.check_bytes("WRITE bytes", buffer[n:], rank_pattern(n, peer, buffer.device), peer)
         comm.barrier()
-        step = "close"
+        steps.current = "close"
         registration.close()
         comm.close()
     except BaseException as e:  # recorded for the report, then re-raised so launch stops all ranks
-        _record(workdir, rank, step, False, f"{type(e).__name__}: {e}")
+        steps.record(False, f"{type(e).__name__}: {e}")
         raise
     finally:
         _flush_c_stdio()
 
 
-def _check_bytes(workdir: str, rank: int, step: str, got, expected, sender: int) -> None:
-    from .testing.data import first_mismatch
+def _probe_buffer(comm, memory: str, steps: _StepLog):
+    """Register ``[outbox | inbox]`` (the outbox holds this rank's pattern), publish it and look up the peer's;
+    returns (registration, buffer, the peer's descriptor). Blocks until the peer has published."""
+    import torch
 
-    index = first_mismatch(got, expected)
-    if index is None:
-        _record(workdir, rank, step, True, f"all {got.numel()} bytes from rank {sender} are right")
-    else:
-        _record(workdir, rank, step, False,
-                f"byte {index} of {got.numel()} differs (got {int(got[index])}, rank {sender} holds "
-                f"{int(expected[index])}): the transfer reported success but moved the wrong bytes")
+    from .testing.data import rank_pattern
+
+    device = comm.device if memory == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    n = _PROBE_BYTES
+    buffer = torch.zeros(2 * n, dtype=torch.uint8, device=device)  # [outbox | inbox]
+    buffer[:n].copy_(rank_pattern(n, comm.rank, device))
+    steps.current = "register"
+    registration = comm.register(buffer)
+    steps.record(True, f"{2 * n} bytes on {device} as {'VRAM' if memory == 'cuda' else 'DRAM'}")
+    comm.publish("doctor", registration.descs)
+    remote = comm.lookup("doctor", 1 - comm.rank)[0]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return registration, buffer, remote
+
+
+def _probe_transfers(comm, memory: str, buffer, remote, steps: _StepLog) -> None:
+    """Rank 0's transfers: READ the peer's outbox and WRITE this outbox into the peer's inbox over NIXL, and for
+    CUDA memory READ again over tensorwire's choice of transport; checks the bytes READ. Blocking."""
+    import torch
+
+    import tensorwire as tw
+
+    from .testing.data import rank_pattern
+
+    n, peer, device = _PROBE_BYTES, 1 - comm.rank, buffer.device
+    steps.current = "READ"
+    _move(comm, tw.READ, buffer[n:], remote.narrow(0, n), "nixl")
+    steps.record(True, f"{n} bytes from rank {peer} over nixl")
+    steps.check_bytes("READ bytes", buffer[n:], rank_pattern(n, peer, device), peer)
+    steps.current = "WRITE"
+    _move(comm, tw.WRITE, buffer[:n], remote.narrow(n, n), "nixl")
+    steps.record(True, f"{n} bytes to rank {peer} over nixl")
+    if memory == "cuda":
+        steps.current = "default READ"
+        buffer[n:].zero_()
+        torch.cuda.synchronize(device)
+        chosen = _move(comm, tw.READ, buffer[n:], remote.narrow(0, n), None)
+        torch.cuda.synchronize(device)  # a stream-ordered transport's copy is on the current stream
+        steps.record(True, chosen)
+        steps.check_bytes(f"READ over {chosen} (tensorwire's choice) bytes", buffer[n:],
+                          rank_pattern(n, peer, device), peer)
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 Each rank listens on one TCP socket (``alive/<rank>`` in the store, sealed like every value) and holds one idle
 connection per peer it has to wait for: to rank 0 (the store's host) from ``init`` on, to any other peer from
-the first time a wait of this rank depends on it. Nothing is sent on these connections after a short hello;
-the kernel watches them:
+the first time a wait of this rank depends on it. Nothing is sent on these connections after a short handshake
+(below); the kernel watches them:
 
 * a process that exits, crashes or is killed (``kill -9``) has its sockets closed by the kernel, so the peer
   reads end-of-file at once;
@@ -15,17 +15,30 @@ already poll (``wait_until``'s sleeping loop, the progress thread's watches, the
 and ``lookup``): no thread of its own, so an idle communicator costs nothing. Pending connections are
 accepted from those same calls (the kernel completes the handshake without ``accept``).
 
-Non-goals: this does not authenticate the peer beyond a hello that carries a MAC of the rank under the job
-token (a replayed hello is possible for whoever can sniff the network), and a peer that is alive but stuck
-(e.g. stopped with SIGSTOP) counts as alive: its waits end with their timeouts.
+The handshake. The connecting rank sends a hello (``b"TWL"``, its rank). Without a job token the listener counts
+the connection for that rank at once. With one (``TENSORWIRE_JOB_TOKEN``) the listener answers with a fresh
+random nonce, the connecting rank returns ``HMAC-SHA256(token, label | nonce | its rank | the listener's rank)``,
+and the listener checks it (``hmac.compare_digest``) before it counts the connection, then says so with one byte;
+a connection that fails, or does not finish within ``liveness_s``, is closed. So a hello and answer sniffed from
+one connection do not open another (nor one to another rank), and a process without the token is never counted
+as a rank: neither can make a rank look gone to the listener by closing its connection. Each side moves the
+handshake on from its own polling calls, never blocking on the other: a connecting rank that did not answer in
+time (it was busy outside tensorwire) finds its connection closed before the acceptance and simply reconnects;
+a peer that is gone refuses that (``ECONNREFUSED``) or does not answer it, and only then counts as gone.
+
+Non-goals: the connections are authenticated once, when they open; after that nothing travels on them to
+protect, and whoever sits on the path can still reset one (a denial of service, like deleting store values). A
+peer that is alive but stuck (e.g. stopped with SIGSTOP) counts as alive: its waits end with their timeouts.
 """
 
 from __future__ import annotations
 
+import enum
 import errno
 import hashlib
 import hmac
 import math
+import secrets
 import socket
 import struct
 import threading
@@ -36,8 +49,12 @@ from .errors import PeerLostError
 
 __all__ = ["Liveness", "tune"]
 
-_HELLO = struct.Struct("<3sI16s")  # magic, rank, MAC of the rank under the job token (zeros without one)
+_HELLO = struct.Struct("<3sI")  # magic, the connecting rank: a claim, verified by the answer below
 _MAGIC = b"TWL"
+_NONCE_BYTES = 16  # the listener's challenge
+_ANSWER_BYTES = 32  # HMAC-SHA256(token, _ANSWER_LABEL | nonce | connecting rank u32 | listening rank u32)
+_ANSWER_LABEL = b"tensorwire liveness answer/"
+_ACCEPTED = b"K"  # the listener verified the answer: from now on end-of-file means it is gone
 _CHECK_PERIOD_S = 0.01  # a peer's socket is looked at no more often than this
 
 
@@ -55,10 +72,55 @@ def tune(sock: socket.socket, liveness_s: float) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
-def _mac(token: bytes | None, rank: int) -> bytes:
-    if token is None:
-        return bytes(16)
-    return hmac.new(token, b"liveness/" + str(rank).encode(), hashlib.sha256).digest()[:16]
+def _answer(token: bytes, nonce: bytes, connecting: int, listening: int) -> bytes:
+    """The connecting rank's answer to ``nonce``: bound to this challenge, to who connects and to whom (an answer
+    seen on one connection opens no other)."""
+    message = _ANSWER_LABEL + nonce + struct.pack("<II", connecting, listening)
+    return hmac.new(token, message, hashlib.sha256).digest()
+
+
+def _read_up_to(sock: socket.socket, buffer: bytes, size: int) -> bytes | None:
+    """``buffer`` with what has arrived on ``sock`` of its first ``size`` bytes, without blocking; None once the
+    other end closed (end-of-file). ``OSError`` other than "nothing yet" propagates."""
+    if len(buffer) >= size:
+        return buffer
+    try:
+        data = sock.recv(size - len(buffer))
+    except (BlockingIOError, InterruptedError):
+        return buffer
+    return None if data == b"" else buffer + data
+
+
+def _send_now(sock: socket.socket, data: bytes) -> None:
+    """Send a few bytes on a non-blocking socket that has sent nothing else yet (they fit in its empty buffer);
+    ``OSError`` if they do not go out at once."""
+    if sock.send(data) != len(data):
+        raise OSError(errno.EAGAIN, "a handshake message did not fit in the socket's buffer")
+
+
+class _Handshake(enum.Enum):
+    PENDING = "pending"  # waiting for the other end's next message
+    COUNTED = "counted"  # verified: the connection counts for its rank
+    REFUSED = "refused"  # closed: not a rank of this job, a wrong answer, end-of-file or silent too long
+
+
+class _Incoming:
+    """A connection accepted by the listener, until its hello (and, with a token, its answer) has arrived."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.since = sock, time.monotonic()
+        self.received = b""
+        self.rank: int | None = None  # claimed by the hello
+        self.nonce = b""  # the challenge sent (with a token)
+
+
+class _Outgoing:
+    """A connection this rank opened, until the listener accepted its answer (with a token)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.received = b""
+        self.answered = False
 
 
 class Liveness:
@@ -75,8 +137,10 @@ class Liveness:
         self._listener.listen(socket.SOMAXCONN)
         self._listener.setblocking(False)
         self.address = (host, self._listener.getsockname()[1])
-        self._sockets: dict[int, list[socket.socket]] = {}
-        self._hellos: list[tuple[socket.socket, float]] = []  # accepted, hello not read yet
+        self._sockets: dict[int, list[socket.socket]] = {}  # accepted ones once verified; opened ones at once
+        self._incoming: list[_Incoming] = []  # accepted, not verified yet
+        self._outgoing: dict[socket.socket, _Outgoing] = {}  # opened, not accepted by the listener yet (token)
+        self._offered: set[int] = set()  # ranks that opened a connection to this one, verified or not
         self._lost: dict[int, str] = {}
         self._next_check: dict[int, float] = {}
         self._next_resolve: dict[int, float] = {}
@@ -109,12 +173,14 @@ class Liveness:
             if self.closed:
                 return None
             self._next_check[rank] = now + _CHECK_PERIOD_S
-            self._accept()
+            self._handshake()
             sockets = self._sockets.get(rank)
             if not sockets:
                 self._connect(rank, now)
                 sockets = self._sockets.get(rank, [])
             for sock in sockets:
+                if sock in self._outgoing:
+                    continue  # its handshake looks at it (end-of-file there means "reconnect", not "gone")
                 reason = _broken(sock)
                 if reason is not None:
                     self._lost[rank] = reason
@@ -122,11 +188,14 @@ class Liveness:
             return self._lost.get(rank)
 
     def peers(self) -> list[int]:
-        """The ranks this rank has a liveness connection with (it watches them, or they watch it)."""
+        """The ranks this rank has a liveness connection with (it watches them, or they watch it), and those that
+        opened one to it whose answer has not been verified yet: every rank that may hold a transfer to this
+        rank's memory (it connected before it prepared one), for the revocation, which must not miss one; an
+        unverified claim only costs a message to that rank."""
         with self._lock:
             if not self.closed:
-                self._accept()
-            return [rank for rank, sockets in self._sockets.items() if sockets]
+                self._handshake()
+            return sorted(self._offered | {rank for rank, sockets in self._sockets.items() if sockets})
 
     def watch(self, rank: int) -> None:
         """Connect to ``rank`` now (bounded by ``liveness_s``) so that a later wait knows at once if it is gone."""
@@ -135,6 +204,9 @@ class Liveness:
 
     # --- connections ------------------------------------------------------------------------------
     def _connect(self, rank: int, now: float) -> None:
+        """Open a connection to ``rank`` and send the hello; blocks at most ``liveness_s`` (the TCP handshake,
+        which the peer's kernel completes: its process need not be in tensorwire). With a token the listener's
+        challenge is answered later, by ``_handshake``."""
         if now < self._next_resolve.get(rank, 0.0):
             return
         self._next_resolve[rank] = now + self.liveness_s / 4
@@ -144,59 +216,125 @@ class Liveness:
         try:
             sock = socket.create_connection(address, timeout=self.liveness_s)
             tune(sock, self.liveness_s)
-            sock.sendall(_HELLO.pack(_MAGIC, self.rank, _mac(self._token, self.rank)))
+            sock.sendall(_HELLO.pack(_MAGIC, self.rank))
             sock.setblocking(False)
         except OSError as e:
             # It published its address and no longer listens (ECONNREFUSED) or cannot be reached in time.
             self._lost[rank] = f"its liveness socket at {address[0]}:{address[1]} refused or did not answer ({e})"
             return
         self._sockets.setdefault(rank, []).append(sock)
+        if self._token is not None:
+            self._outgoing[sock] = _Outgoing(rank)
+
+    def _handshake(self) -> None:
+        """Move every handshake on as far as what has arrived allows, without blocking: accept pending
+        connections, challenge and verify them (listening side), answer challenges (connecting side)."""
+        self._accept()
+        self._incoming = [pending for pending in self._incoming if not self._verify(pending)]
+        for sock, outgoing in list(self._outgoing.items()):
+            self._answer_challenge(sock, outgoing)
 
     def _accept(self) -> None:
         while True:
             try:
                 sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                break
+            except OSError:  # BlockingIOError: none pending
+                return
             sock.setblocking(False)
-            self._hellos.append((sock, time.monotonic()))
-        waiting = []
-        for sock, since in self._hellos:
-            try:
-                hello = sock.recv(_HELLO.size, socket.MSG_PEEK)
-            except BlockingIOError:
-                hello = None
-            except OSError:
-                sock.close()
-                continue
-            if hello is not None and len(hello) == _HELLO.size:
-                sock.recv(_HELLO.size)
-                magic, rank, mac = _HELLO.unpack(hello)
-                if (magic == _MAGIC and 0 <= rank < self.world_size
-                        and hmac.compare_digest(mac, _mac(self._token, rank))):
-                    self._sockets.setdefault(rank, []).append(sock)
-                else:
-                    sock.close()  # not a rank of this job
-            elif hello == b"" or time.monotonic() - since > self.liveness_s:
-                sock.close()
+            self._incoming.append(_Incoming(sock))
+
+    def _verify(self, pending: _Incoming) -> bool:
+        """One step of an accepted connection's handshake; True once it is settled (counted for its rank, or
+        closed). Without a token the hello is taken as it is; with one, the listener sends a fresh nonce and
+        counts the connection only when the answer is the HMAC of that nonce and both ranks under the token:
+        a hello and answer seen on another connection (replayed) or made without the token do not verify."""
+        try:
+            outcome = self._take_hello(pending) if pending.rank is None else self._take_answer(pending)
+        except OSError:
+            outcome = _Handshake.REFUSED
+        if outcome is _Handshake.PENDING and time.monotonic() - pending.since > self.liveness_s:
+            outcome = _Handshake.REFUSED  # silent too long: a rank that was busy elsewhere reconnects
+        if outcome is _Handshake.REFUSED:
+            pending.sock.close()
+        return outcome is not _Handshake.PENDING
+
+    def _take_hello(self, pending: _Incoming) -> _Handshake:
+        received = _read_up_to(pending.sock, pending.received, _HELLO.size)
+        if received is None:
+            return _Handshake.REFUSED
+        pending.received = received
+        if len(received) < _HELLO.size:
+            return _Handshake.PENDING
+        magic, rank = _HELLO.unpack(received)
+        if magic != _MAGIC or not 0 <= rank < self.world_size or rank == self.rank:
+            return _Handshake.REFUSED  # not a rank of this job
+        pending.rank, pending.received = rank, b""
+        self._offered.add(rank)
+        if self._token is None:
+            self._sockets.setdefault(rank, []).append(pending.sock)
+            return _Handshake.COUNTED
+        pending.nonce = secrets.token_bytes(_NONCE_BYTES)
+        _send_now(pending.sock, pending.nonce)
+        return _Handshake.PENDING
+
+    def _take_answer(self, pending: _Incoming) -> _Handshake:
+        received = _read_up_to(pending.sock, pending.received, _ANSWER_BYTES)
+        if received is None:
+            return _Handshake.REFUSED
+        pending.received = received
+        if len(received) < _ANSWER_BYTES:
+            return _Handshake.PENDING
+        if not hmac.compare_digest(received, _answer(self._token, pending.nonce, pending.rank, self.rank)):
+            return _Handshake.REFUSED  # replayed, or made without this job's token
+        _send_now(pending.sock, _ACCEPTED)
+        self._sockets.setdefault(pending.rank, []).append(pending.sock)
+        return _Handshake.COUNTED
+
+    def _answer_challenge(self, sock: socket.socket, outgoing: _Outgoing) -> None:
+        """One step of this rank's side of a handshake it opened (with a token): answer the nonce, then wait for
+        the listener's acceptance. End-of-file before the acceptance is no proof that the peer is gone (it
+        refused the answer, or closed the connection after ``liveness_s`` unanswered because this rank did not
+        call into tensorwire): the connection is dropped and the next check reconnects, which a peer that is gone
+        refuses."""
+        rank = outgoing.rank
+        try:
+            if not outgoing.answered:
+                received = _read_up_to(sock, outgoing.received, _NONCE_BYTES)
+                if received is not None and len(received) == _NONCE_BYTES:
+                    _send_now(sock, _answer(self._token, received, self.rank, rank))
+                    outgoing.answered, received = True, b""
             else:
-                waiting.append((sock, since))
-        self._hellos = waiting
+                received = _read_up_to(sock, outgoing.received, len(_ACCEPTED))
+                if received == _ACCEPTED:
+                    del self._outgoing[sock]  # verified: from now on watched like any connection
+                    return
+                if received:
+                    received = None  # not this protocol
+        except OSError as e:
+            if e.errno == errno.ETIMEDOUT:
+                self._lost[rank] = "its host stopped answering: TCP keepalive timed out"
+            received = None  # a reset (the listener closed with our answer unread) is settled by reconnecting
+        if received is None:
+            del self._outgoing[sock]
+            self._sockets[rank].remove(sock)
+            sock.close()
+            self._next_resolve[rank] = 0.0  # reconnect at the next check
+            return
+        outgoing.received = received
 
     def close(self) -> None:
         """Close every socket: peers that watch this rank learn at once that it is gone."""
         with self._lock:
             self.closed = True
             for sock in [self._listener] + [s for group in self._sockets.values() for s in group] + \
-                    [s for s, _ in self._hellos]:
+                    [pending.sock for pending in self._incoming]:
                 try:
                     sock.close()
                 except OSError:
                     pass
             self._sockets.clear()
-            self._hellos.clear()
+            self._incoming.clear()
+            self._outgoing.clear()
 
 
 def _broken(sock: socket.socket) -> str | None:
@@ -211,4 +349,4 @@ def _broken(sock: socket.socket) -> str | None:
         return f"its connection failed: {errno.errorcode.get(e.errno, e.errno)}"
     if data == b"":
         return "its process closed the connection"
-    return None  # a peer never sends after the hello; stray bytes do not mean it is gone
+    return None  # a peer never sends after the handshake; stray bytes do not mean it is gone

@@ -16,8 +16,8 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .bootstrap import hostname
 from .descriptors import TensorDesc
+from .environment import hostname
 from .errors import InvalidArgumentError, TensorwireError
 
 __all__ = ["MemoryMap", "PeerView", "host_identity", "typed_decoding"]

@@ -5,8 +5,8 @@ Protocol (notifications on the channel ``b"twrev"``; the owner is the rank that 
 
 1. The owner publishes its memory map without the ranges (a new ``prepare`` of them fails).
 2. It sends ``R <epochs>`` to every rank that may hold a transfer to them: every rank it has a liveness
-   connection with (each rank that prepared a transfer to this one connected to it) or whose NIXL metadata it
-   loaded.
+   connection with, or that opened one (each rank that prepared a transfer to this one connected to it first;
+   ``Liveness.peers``), or whose NIXL metadata it loaded.
 3. A rank handles ``R`` when it next pumps its notifications (any wait that sleeps: transfer waits,
    ``wait_notification``, ``prepare``; the progress thread's notification watches). Every transfer of it to
    those epochs is failed (``RevokedError`` from every later call: its CPU post never reaches the backend, and
@@ -20,6 +20,15 @@ Protocol (notifications on the channel ``b"twrev"``; the owner is the rank that 
 So a late write lands in memory that is still allocated, never in freed memory, and ``Registration.close`` never
 blocks on a peer. A rank busy outside tensorwire is not stopped before it handles the revocation (a check on
 every post would cost the hot path); its transfer fails at the first post after that.
+
+Bounds. The owner's deregistration returns without waiting for any peer (a store round trip to publish the map,
+one notification per rank). The memory is released by the owner's first sleeping wait (or next deregistration)
+after the last rank answered (a rank answers from its own first sleeping wait after ``R`` arrived) or is gone
+(a dead rank is noticed within ``liveness_s`` by those same waits), and at the latest when the owner's
+communicator closes. There is no timeout: a rank that stays alive without calling into tensorwire keeps the
+memory quarantined for as long as it is silent, because its prepared transfer could still post, and once the
+backends let go of the memory nothing stops those bytes (UCX's cma and CUDA IPC write to the address itself,
+and the allocator reuses it). ``quarantined()`` counts such deregistrations.
 
 The hot path costs nothing: a revoked transfer's bound post call is cleared, so its next post takes the
 slow path, which raises.
@@ -104,13 +113,17 @@ class Revocations:
                 time.sleep(0.0005)
 
     def pump(self) -> None:
-        """Handle what has arrived (rate-limited: at most every 10 ms); for waits that sleep anyway."""
+        """Handle what has arrived (rate-limited: at most every 10 ms); for waits that sleep anyway. Also
+        releases what waited only for ranks that are gone since (a dead rank never answers, and the owner may
+        never deregister again)."""
         now = time.monotonic()
         if now >= self._next_pump and not self._runtime.closed and not self._pumping:
             self._next_pump = now + 0.01
             self._pumping = True  # a handler's store wait polls this again: do not nest
             try:
                 self._inbox.pump()
+                if self._awaiting:
+                    self._sweep()
             finally:
                 self._pumping = False
 

@@ -233,23 +233,28 @@ STORE_CALLS = {
 }
 
 
+@pytest.mark.parametrize("whose", ["own", "user"])
 @pytest.mark.parametrize("call", sorted(STORE_CALLS))
-def test_every_store_call_is_bounded_when_the_store_stops_answering(call):
+def test_every_store_call_is_bounded_when_the_store_stops_answering(call, whose):
     """torch's client blocks forever in add/check/compare_set (and after the timeout of get/wait) when the
-    store's host goes silent; tensorwire's calls end with PeerLostError within the liveness bound, and leave
-    no thread blocked behind."""
+    store's host goes silent; tensorwire's calls end with PeerLostError within the liveness bound, on its own
+    TCPStore and on a store passed to init (``store=``) alike. On its own store no thread is left blocked behind;
+    a user's store keeps its one call thread blocked in the abandoned call (started before: not counted)."""
     server = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
     rank0_alive = socket.create_server(("127.0.0.1", 0))  # rank 0's liveness listener, for rank 1 to watch
     server.set("tensorwire//alive/0", f"127.0.0.1 {rank0_alive.getsockname()[1]}".encode())
     proxy = _SilentProxy(("127.0.0.1", server.port))
     env = Environment(1, 2, 1, 2, "127.0.0.1", proxy.port, "none")
+    user_store = None
+    if whose == "user":
+        user_store = dist.TCPStore("127.0.0.1", proxy.port, 2, False, timeout=datetime.timedelta(seconds=30))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # unauthenticated
-        rendezvous = Rendezvous(env, 30.0, liveness_s=1.0)
+        rendezvous = Rendezvous(env, 30.0, user_store, liveness_s=1.0)
     threads_before = threading.active_count()
     proxy.silent.set()
     name, seconds = raises_after(lambda: STORE_CALLS[call](rendezvous), tw.PeerLostError)
-    print(f"\n{call}: {name} after {seconds:.2f}s")
+    print(f"\n{call} on the {whose} store: {name} after {seconds:.2f}s")
     assert seconds < 1.0 + 10.0
     assert threading.active_count() <= threads_before, "a thread was left blocked in the store call"
     raises_after(lambda: rendezvous.check("key"), tw.PeerLostError)  # at once from now on
@@ -379,3 +384,78 @@ def test_deregistering_memory_revokes_the_peers_prepared_transfers():
     assert untouched, "the peer's WRITE landed in memory its owner had deregistered"
     assert released, "the owner still holds the memory although the peer answered the revocation"
     assert close_s < BOUND_S
+
+
+# --- revocation: a holder that does not call into tensorwire ---------------------------------------------
+def _wait_for_file(path: str) -> None:
+    """Sleep, outside tensorwire, until ``path`` exists: a rank busy elsewhere."""
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.02)
+
+
+def _pumping_wait(comm, seconds: float) -> None:
+    """A wait of the owner that sleeps (so it pumps its notifications) and involves no other rank."""
+    try:
+        comm.lookup("never-published", comm.rank, timeout=seconds)
+    except tw.WaitTimeoutError:
+        pass
+
+
+def _silent_holder(directory: str, then: str):
+    """Rank 1 prepares a WRITE to rank 0's memory and then stops calling into tensorwire; rank 0 deregisters the
+    memory. Rank 1 later comes back (``then="returns"``: a wait of it handles the revocation) or is killed."""
+    comm = tw.init(timeout=60)
+    owner, n = 0, 1 << 12
+    if comm.rank != owner:
+        src = rank_values(1, n, torch.int64)
+        comm.register(src)
+        x = comm.prepare(tw.WRITE, src, comm.lookup("target", owner, timeout=WAIT))
+        x.post()
+        x.wait(timeout=WAIT)
+        comm.barrier(timeout=WAIT)
+        _wait_for_file(os.path.join(directory, "come-back"))
+        if then == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        _pumping_wait(comm, 1.0)  # handles the revocation, answers
+        error = raises_after(lambda: (x.post(), x.wait(timeout=WAIT)), tw.RevokedError)[0]
+        comm.barrier(timeout=WAIT)
+        comm.close()
+        return error
+    target = torch.full((n,), -7, dtype=torch.int64)
+    reg = comm.register(target)
+    comm.publish("target", reg.descs)
+    comm.barrier(timeout=WAIT)  # rank 1 has prepared and posted once; from now on it is silent
+    t0 = time.monotonic()
+    reg.close()
+    close_s = time.monotonic() - t0
+    _pumping_wait(comm, 2 * LIVENESS_S)
+    kept_while_silent = comm._revocations.quarantined() == 1
+    with open(os.path.join(directory, "come-back"), "w"):
+        pass
+    t0 = time.monotonic()
+    while comm._revocations.quarantined() and time.monotonic() - t0 < BOUND_S:
+        _pumping_wait(comm, 0.2)
+    released_s = time.monotonic() - t0 if not comm._revocations.quarantined() else None
+    if then == "returns":
+        comm.barrier(timeout=WAIT)
+    comm.close()
+    return close_s, kept_while_silent, released_s
+
+
+@pytest.mark.parametrize("then", ["returns", "killed"])
+def test_a_silent_holder_keeps_deregistered_memory_quarantined_until_it_answers_or_dies(tmp_path, then):
+    """The owner's deregistration never blocks on a holder that does not call into tensorwire; the memory stays
+    quarantined (not freed: the holder's prepared WRITE could still land) while the holder is alive and silent,
+    and is released by the owner's own waits once the holder answers or is gone, without another deregistration
+    (a dead holder is noticed within the liveness bound)."""
+    results = launch(_silent_holder, 2, str(tmp_path), then, env=ENV, may_die=(1,) if then == "killed" else ())
+    (close_s, kept_while_silent, released_s), holder = results
+    print(f"\nowner's close {close_s:.3f}s; released {released_s}s after the holder {then}; holder: {holder}")
+    assert close_s < BOUND_S
+    assert kept_while_silent, "the owner released memory a silent holder still had a prepared WRITE to"
+    assert released_s is not None, f"the quarantine outlived the holder's {then} by {BOUND_S}s"
+    if then == "returns":
+        assert holder == "RevokedError", holder

@@ -12,9 +12,11 @@ import datetime
 import json
 import os
 import random
+import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -26,9 +28,11 @@ import tensorwire as tw
 from tensorwire import config
 from tensorwire.backends.base import Op, Segment
 from tensorwire.backends.shm import _EXPORT, ShmBackend
-from tensorwire.bootstrap import _listen_socket, seal, unseal
 from tensorwire.descriptors import MemoryKind, TensorDesc
+from tensorwire.liveness import Liveness
 from tensorwire.memory_map import MemoryMap, host_identity, typed_decoding
+from tensorwire.sealing import seal, unseal
+from tensorwire.store_sockets import listen_socket
 from tensorwire.testing.data import assert_equal, rank_values, sentinel
 from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch
 
@@ -310,11 +314,11 @@ def test_a_malformed_shm_path_is_refused_at_load():
 
 # --- the store's socket ----------------------------------------------------------------------------
 def test_the_store_socket_is_bound_to_master_addr():
-    listener, why_not = _listen_socket("127.0.0.1", 0)
+    listener, why_not = listen_socket("127.0.0.1", 0)
     try:
         assert why_not == "" and listener.getsockname()[0] == "127.0.0.1"
         with pytest.raises(tw.InvalidArgumentError, match="EADDRINUSE"):
-            _listen_socket("127.0.0.1", listener.getsockname()[1])
+            listen_socket("127.0.0.1", listener.getsockname()[1])
     finally:
         listener.close()
 
@@ -470,3 +474,129 @@ def test_a_second_process_claiming_a_joined_rank_is_refused(tmp_path):
     assert listening == ["0100007F"], f"the store listens on {listening}, not only on 127.0.0.1"
     assert duplicate.startswith("InvalidArgumentError init: rank 1 of 2 is already taken"), duplicate
     assert "start each rank once" in duplicate, duplicate
+
+
+# --- liveness handshakes ---------------------------------------------------------------------------
+class _RecordingProxy:
+    """Forwards TCP to ``target`` and keeps every byte each way: what anyone on the path sees."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.to_target, self.from_target = bytearray(), bytearray()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._target = target
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        client, _ = self._listener.accept()
+        upstream = socket.create_connection(self._target)
+        for source, sink, seen in ((client, upstream, self.to_target), (upstream, client, self.from_target)):
+            threading.Thread(target=self._pump, args=(source, sink, seen), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, seen: bytearray) -> None:
+        while True:
+            try:
+                data = source.recv(65536)
+                if not data:
+                    sink.shutdown(socket.SHUT_WR)
+                    return
+                seen += data
+                sink.sendall(data)
+            except OSError:
+                return
+
+
+def _liveness(rank: int, token: bytes, address: tuple[str, int] | None = None) -> Liveness:
+    """Rank ``rank`` of 2 on loopback; it finds its peer at ``address`` (None: not published)."""
+    return Liveness(rank, 2, 2.0, "127.0.0.1", token, lambda peer: address)
+
+
+def _poll(checks, until, seconds: float = 10.0) -> bool:
+    """Run each ``(liveness, rank)`` check, as waits do, until ``until()`` (True) or ``seconds`` pass (False)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for liveness, rank in checks:
+            liveness.lost(rank, fresh=True)
+        if until():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def _offer(listener: Liveness, data: bytes) -> bytes:
+    """Connect to ``listener`` as an outsider, send ``data`` and return all it sends back until it closes the
+    connection (it polls meanwhile); fails if it keeps the connection open."""
+    received = bytearray()
+    with socket.create_connection(listener.address) as sock:
+        sock.sendall(data)
+        sock.setblocking(False)
+
+        def closed() -> bool:
+            try:
+                chunk = sock.recv(4096)
+            except BlockingIOError:
+                return False
+            except ConnectionResetError:
+                return True
+            received.extend(chunk)
+            return chunk == b""
+
+        assert _poll([(listener, 1)], closed), f"the listener kept the connection open (it sent {bytes(received)!r})"
+    return bytes(received)
+
+
+def test_a_replayed_liveness_handshake_is_refused():
+    """Someone on the path records a genuine handshake of rank 1 with rank 0 and replays it on a connection of
+    its own: rank 0 must not count that connection for rank 1, or closing it would make rank 1 look gone."""
+    listener = _liveness(0, TOKEN)
+    proxy = _RecordingProxy(listener.address)
+    genuine = _liveness(1, TOKEN, ("127.0.0.1", proxy.port))
+    try:
+        genuine.watch(0)
+        _poll([(genuine, 0), (listener, 1)], lambda: proxy.from_target[-1:] == b"K")  # rank 0 accepted rank 1
+        recorded = bytes(proxy.to_target)
+        answered = _offer(listener, recorded)  # replayed: hello and answer as rank 1 sent them
+        assert answered[-1:] != b"K", "the replayed answer was accepted"
+        assert listener.lost(1, fresh=True) is None, "rank 0 counted the replayed connection for rank 1"
+        assert 1 in listener.peers() and genuine.lost(0, fresh=True) is None
+    finally:
+        genuine.close()
+        listener.close()
+
+
+def test_a_liveness_handshake_without_the_job_token_is_refused():
+    """A process with another token (or none) connects as rank 1: it is never counted, so closing its
+    connection does not make rank 1 look gone, and it does not take rank 0 for gone either."""
+    listener = _liveness(0, TOKEN)
+    outsider = _liveness(1, b"another job's token, 32 bytes..", listener.address)
+    try:
+        outsider.watch(0)
+        _poll([(outsider, 0), (listener, 1)], lambda: False, seconds=1.0)  # several refused handshakes
+        assert outsider.lost(0, fresh=True) is None, "a refused handshake made the listener look gone"
+        outsider.close()
+        assert listener.lost(1, fresh=True) is None, "rank 0 counted the outsider's connection for rank 1"
+        assert _offer(listener, b"TWL\x01\x00\x00\x00" + bytes(32))[-1:] != b"K", "a guessed answer was accepted"
+    finally:
+        outsider.close()
+        listener.close()
+
+
+def test_a_rank_busy_during_the_liveness_handshake_reconnects_and_a_gone_one_is_lost():
+    """Rank 1 connects and then does not call into tensorwire for longer than the liveness bound: rank 0 closes
+    the unanswered connection, and rank 1's next check reconnects instead of taking rank 0 for gone. Once rank 0
+    has really closed, rank 1's next handshake is refused by the kernel and rank 0 is gone."""
+    listener = _liveness(0, TOKEN)
+    connector = _liveness(1, TOKEN, listener.address)
+    try:
+        connector.watch(0)
+        first = connector._sockets[0][0]
+        _poll([(listener, 1)], lambda: False, seconds=2.0 + 0.5)  # rank 1 is busy: only rank 0 polls
+        assert _poll([(connector, 0), (listener, 1)], lambda: not connector._outgoing), "no handshake after"
+        assert connector.lost(0, fresh=True) is None, "a rank busy elsewhere took a peer for gone"
+        assert connector._sockets[0] and connector._sockets[0][0] is not first, "rank 0 kept the unanswered one"
+        listener.close()
+        assert _poll([(connector, 0)], lambda: connector.lost(0) is not None), "rank 0's close went unnoticed"
+    finally:
+        connector.close()
+        listener.close()

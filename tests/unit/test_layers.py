@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("errors", ["tensorwire.errors"]),
     ("values and the environment", ["tensorwire.config", "tensorwire.lifetime", "tensorwire.descriptors",
                                     "tensorwire.cuda", "tensorwire.deadlines", "tensorwire.liveness",
+                                    "tensorwire.environment", "tensorwire.sealing", "tensorwire.store_sockets",
                                     "tensorwire.bootstrap"]),
     ("memory maps and waiting", ["tensorwire.memory_map", "tensorwire.progress"]),
     ("backends", ["tensorwire.backends", "tensorwire.backends.*"]),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire import bootstrap, config, errors
+from tensorwire import config, environment, errors
 from tensorwire.backends.base import Segment
 from tensorwire.descriptors import MemoryKind, TensorDesc
 from tensorwire.progress import Inbox, wait_until
@@ -186,7 +186,7 @@ def clean_env(monkeypatch):
 
 
 def _env(rank, world, local_rank, local_world, addr, port, launcher):
-    return bootstrap.Environment(rank, world, local_rank, local_world, addr, port, launcher)
+    return environment.Environment(rank, world, local_rank, local_world, addr, port, launcher)
 
 
 @pytest.mark.parametrize("variables, expected", [
@@ -204,7 +204,7 @@ def test_environment_of_each_launcher(clean_env, variables, expected):
     """torchrun's RANK/..., mpirun's OMPI_COMM_WORLD_* and SLURM_* variables are read."""
     for k, v in variables.items():
         clean_env.setenv(k, v)
-    assert bootstrap.resolve_environment() == expected
+    assert environment.resolve_environment() == expected
 
 
 def test_environment_torchrun_wins_over_openmpi(clean_env):
@@ -212,7 +212,7 @@ def test_environment_torchrun_wins_over_openmpi(clean_env):
     for k, v in dict(RANK="1", WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="4",
                      MASTER_ADDR="a", MASTER_PORT="1").items():
         clean_env.setenv(k, v)
-    env = bootstrap.resolve_environment()
+    env = environment.resolve_environment()
     assert (env.rank, env.world_size, env.launcher) == (1, 2, "torchrun")
 
 
@@ -220,13 +220,13 @@ def test_environment_local_rank_defaults(clean_env):
     """Without LOCAL_RANK/LOCAL_WORLD_SIZE the local values fall back to the global ones."""
     for k, v in dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="a", MASTER_PORT="1").items():
         clean_env.setenv(k, v)
-    env = bootstrap.resolve_environment()
+    env = environment.resolve_environment()
     assert (env.local_rank, env.local_world_size) == (1, 2)
 
 
 def test_environment_default_is_single_rank(clean_env):
     """No launcher variables: a 1-rank world that needs no MASTER_ADDR."""
-    env = bootstrap.resolve_environment()
+    env = environment.resolve_environment()
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.launcher) == (0, 1, 0, 1, "none")
 
 
@@ -234,7 +234,7 @@ def test_environment_keywords_override(clean_env):
     """rank=, world_size=, master_addr=, master_port= override the environment."""
     for k, v in dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="a", MASTER_PORT="1").items():
         clean_env.setenv(k, v)
-    env = bootstrap.resolve_environment(rank=3, world_size=4, master_addr="b", master_port=77)
+    env = environment.resolve_environment(rank=3, world_size=4, master_addr="b", master_port=77)
     assert (env.rank, env.world_size, env.master_addr, env.master_port) == (3, 4, "b", 77)
 
 
@@ -243,7 +243,7 @@ def test_environment_missing_master_addr(clean_env):
     for k, v in dict(RANK="0", WORLD_SIZE="2", MASTER_PORT="29500").items():
         clean_env.setenv(k, v)
     with pytest.raises(tw.InvalidArgumentError, match="MASTER_ADDR"):
-        bootstrap.resolve_environment()
+        environment.resolve_environment()
 
 
 def test_environment_missing_master_port(clean_env):
@@ -251,7 +251,7 @@ def test_environment_missing_master_port(clean_env):
     for k, v in dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="x").items():
         clean_env.setenv(k, v)
     with pytest.raises(tw.InvalidArgumentError, match="MASTER_PORT"):
-        bootstrap.resolve_environment()
+        environment.resolve_environment()
 
 
 @pytest.mark.parametrize(
@@ -270,7 +270,7 @@ def test_environment_bad_values(clean_env, variables, text):
     for k, v in variables.items():
         clean_env.setenv(k, v)
     with pytest.raises(tw.InvalidArgumentError) as info:
-        bootstrap.resolve_environment()
+        environment.resolve_environment()
     assert text in str(info.value)
 
 

@@ -1,0 +1,96 @@
+"""Who am I and where do we meet: the launcher's environment (torchrun, OpenMPI, SLURM) or ``init``'s keywords.
+
+Reads ``os.environ`` only (never writes it); no network, no store. ``bootstrap.py`` meets the peers there.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from .errors import InvalidArgumentError
+
+__all__ = ["Environment", "resolve_environment", "hostname"]
+
+# (rank, world size, local rank, local world size) variable names per launcher, most specific first.
+_LAUNCHERS = (
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+)
+
+
+@dataclass(frozen=True)
+class Environment:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str
+    agent_store: bool = False  # torchrun's agent already hosts a TCPStore at MASTER_ADDR:MASTER_PORT
+
+
+def _int(value: str, name: str) -> int:
+    # SLURM writes e.g. "4(x2)" for tasks per node.
+    head = value.split("(")[0].split(",")[0]
+    try:
+        return int(head)
+    except ValueError:
+        raise InvalidArgumentError(f"init: environment variable {name}={value!r} is not an integer") from None
+
+
+def resolve_environment(
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+) -> Environment:
+    """Keyword overrides first, then the first launcher whose variables are set, else a 1-rank world."""
+    env = os.environ
+    launcher, found = "none", None
+    for name, r, w, lr, lw in _LAUNCHERS:
+        if r in env and w in env:
+            launcher, found = name, (r, w, lr, lw)
+            break
+    if found:
+        r, w, lr, lw = found
+        env_rank, env_world = _int(env[r], r), _int(env[w], w)
+        env_local_rank = _int(env[lr], lr) if lr in env else env_rank
+        env_local_world = _int(env[lw], lw) if lw in env else env_world
+    else:
+        env_rank, env_world, env_local_rank, env_local_world = 0, 1, 0, 1
+    rank = env_rank if rank is None else rank
+    world_size = env_world if world_size is None else world_size
+    local_rank = env_local_rank if rank == env_rank else rank
+    local_world = env_local_world if world_size == env_world else world_size
+    if not isinstance(world_size, int) or world_size < 1:
+        raise InvalidArgumentError(f"init: world_size={world_size!r}; give an integer >= 1")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise InvalidArgumentError(f"init: rank={rank!r} is outside [0, {world_size}); check RANK and WORLD_SIZE")
+    addr = master_addr or env.get("MASTER_ADDR")
+    port = master_port if master_port is not None else env.get("MASTER_PORT")
+    if world_size > 1 and (not addr or port is None):
+        raise InvalidArgumentError(
+            f"init: rank {rank} of {world_size} needs a rendezvous address; set MASTER_ADDR and MASTER_PORT "
+            "(torchrun does) or pass master_addr=..., master_port=..."
+        )
+    return Environment(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        master_addr=addr or "127.0.0.1",
+        master_port=_int(str(port), "MASTER_PORT") if port is not None else 0,
+        launcher=launcher,
+        # Like torch.distributed's env:// init: under torchrun every rank is a client of the agent's store.
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and master_port is None,
+    )
+
+
+def hostname() -> str:
+    return socket.gethostname()
