@@ -30,15 +30,13 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from .deadlines import CallThread, Deadlines
-
-# resolve_environment is imported from here by communicator.py and bench/p2p_rank.py.
-from .environment import Environment, hostname, resolve_environment
+from .environment import Environment, hostname
 from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, WaitTimeoutError
 from .liveness import Liveness
 from .sealing import seal, unseal
 from .store_sockets import listen_socket, local_address, socket_fds, store_client_sockets
 
-__all__ = ["Environment", "resolve_environment", "Rendezvous"]
+__all__ = ["Rendezvous"]
 
 
 def _delta(seconds: float) -> datetime.timedelta:

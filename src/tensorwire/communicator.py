@@ -26,8 +26,9 @@ from .backends.local import LocalBackend
 from .backends.nixl import NixlBackend
 from .backends.shm import ShmBackend
 from .blocks import BlockPool, BlockPoolDesc, BlockTransfer
-from .bootstrap import Rendezvous, resolve_environment
+from .bootstrap import Rendezvous
 from .descriptors import MemoryKind, TensorDesc
+from .environment import resolve_environment
 from .errors import InvalidArgumentError, PeerLostError, WaitTimeoutError
 from .memory_map import host_identity
 from .notifications import Notifications

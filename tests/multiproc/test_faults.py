@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 import tensorwire as tw
 from tensorwire.backends.base import Status
-from tensorwire.bootstrap import Environment, Rendezvous
+from tensorwire.bootstrap import Rendezvous
+from tensorwire.environment import Environment
 from tensorwire.testing.data import assert_equal, rank_values, sentinel
 from tensorwire.testing.suite import WAIT, launch, raises_after
 

@@ -50,7 +50,7 @@ def rank_main(config: BenchConfig) -> dict[str, Any]:
 
     import tensorwire as tw
 
-    from ..bootstrap import resolve_environment
+    from ..environment import resolve_environment
 
     if config.quiet_nixl:
         from ..backends.nixl import quiet_nixl_logging
