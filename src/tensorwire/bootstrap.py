@@ -339,7 +339,10 @@ class Rendezvous:
                 or "connection" in text:
             self._lost = f"lost {self._store_name()} ({text.splitlines()[0] if text else type(e).__name__})"
             raise PeerLostError(f"{what}: {self._lost}") from e
-        if "imeout" in text or "timed out" in text:
+        # torch's TCPStore says a wait timed out with DistStoreError (its network failures are DistNetworkError,
+        # handled above); other stores passed to init may raise a plain RuntimeError that says so in words.
+        if isinstance(e, (getattr(dist, "DistStoreError", ()), TimeoutError)) or "imeout" in text \
+                or "timed out" in text:
             seconds = self.timeout_s if timeout_s is None else timeout_s
             raise WaitTimeoutError(
                 f"{what}: not done after {seconds:.3g}s; a peer may be slow, stuck or dead. "
