@@ -9,11 +9,21 @@ Per call::
                 (host memory) with notify (COUNTS, round % 2) (prepared once, re-posted); it waits for W - 1
                 such notifications. Now every rank holds the whole count matrix, so every rank knows where
                 each of its rows lands.
-    2. rows     each rank WRITEs, per destination, one item per (local expert) block straight to its final
-                place in the destination's receive buffer (no permutation on the receiver), with notify
-                (ROWS, round); a receiver waits for one notification per rank that sends it rows.
-    3. combine  the receiver WRITEs each block of expert outputs back into the source's return buffer at
-                the block's send-order position, notify (RETURN, round of the dispatch); the source sums.
+    2. rows     each rank WRITEs to each destination ONE contiguous range: the rows it sends there (adjacent
+                in its send order), the rows and their metadata in one request, into the destination's
+                arrival buffer at this rank's slot (sources lie end to end in rank order: the slot is the
+                number of rows lower ranks send there, from the count matrix), with notify (ROWS, round). A
+                receiver waits for one notification per rank that sends it rows, then scatters the arrived
+                rows (source major) into receive order (local expert major) in the tensors it returns.
+    3. combine  the receiver gathers the expert outputs back into arrival order and WRITEs each source its
+                range, which is contiguous in the source's send order too, to where that range starts in
+                the source's return buffer, notify (RETURN, round of the dispatch); the source sums.
+
+Transfers. Rows are the blocks of block transfers (``comm.prepare_blocks``): a pool over this rank's
+staging buffers, a pool descriptor of the peer's buffer built from its published descriptor, one WRITE per
+peer prepared once per (peer, buffers, bytes per row) and posted every call with that call's row ids. So a
+call builds no descriptor list in Python and makes no store round trip (``prepare`` loads the peer's memory
+map from the store every time).
 
 Buffers. Receive buffers are registered once per (purpose, device kind) and grown (re-registered and
 re-published under a key naming their size) when a call needs more. Sizes are a pure function of the count
@@ -32,17 +42,20 @@ remembered, so back-to-back calls never mix.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ...backends.base import Op, Status
+from ...blocks import BlockPool, BlockPoolDesc, BlockTransfer
 from ...descriptors import TensorDesc
 from ...errors import TransferError
 from ...progress import wait_until
+from ..count_rows import HEADER
 from ..engine import DispatchHandle, Received, SkeletonEngine
-from ..layout import Placement, SendLayout
+from ..layout import Placement, SendLayout, exclusive_cumsum, segment_positions
 from ..rows import META_COLUMNS, next_power_of_two, pack_meta, row_bytes, unpack_meta, weighted_sum
 
 if TYPE_CHECKING:
@@ -80,12 +93,31 @@ class _Buffer:
 
 
 @dataclass(frozen=True)
+class _Placement(Placement):
+    """``Placement`` plus ``arrival_slot``: per destination, the row at which this rank's rows start in the
+    destination's arrival buffer (the rows lower ranks send there come first)."""
+
+    arrival_slot: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class _State:
     """What combine needs from a dispatch."""
 
     round: int
-    where: Placement  # host tensors
+    where: _Placement  # host tensors
     num_received: int
+    receive_position: torch.Tensor  # [num_received] int64 on x's device: each arrived row's receive-order row
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """Rows of one kind that travel in one WRITE: read from a registered ``stage`` buffer, written into the peer's
+    receive buffer of ``family``, ``row_bytes`` each."""
+
+    stage: _Buffer
+    family: str
+    row_bytes: int
 
 
 def _settle(device: torch.device) -> None:
@@ -108,44 +140,63 @@ class NixlEngine(SkeletonEngine):
         self._staging: dict[str, _Buffer] = {}
         self._retired: list[_Buffer] = []  # outgrown buffers, kept registered (see _retire)
         self._counts_transfers: dict[tuple[int, int], list] = {}  # (slot parity, width) -> one WRITE per peer
+        self._pools: dict[tuple, BlockPool] = {}  # block pools over staging buffers, see _local_pool
+        self._writes: dict[tuple[str, int], tuple[tuple, BlockTransfer]] = {}  # (purpose, peer) -> (key, WRITE)
         self._early: list[set[tuple[int, int]]] = [set() for _ in range(comm.world_size)]
 
+    def place(self, counts: torch.Tensor, capacity: int | None, fn: str) -> _Placement:
+        """The skeleton's placement plus this rank's slot in every destination's arrival buffer."""
+        where = super().place(counts, capacity, fn)
+        world = self.world_size
+        rows_between = counts[:, HEADER:].reshape(world, world, -1).sum(2)  # [source, destination]
+        slots = exclusive_cumsum(rows_between, dim=0)[self.rank].tolist()
+        return _Placement(**{f.name: getattr(where, f.name) for f in fields(Placement)}, arrival_slot=tuple(slots))
+
     # --- the row moves --------------------------------------------------------------------------
-    def move_rows(self, x: torch.Tensor, layout: SendLayout, topk_weights: torch.Tensor, where: Placement,
+    def move_rows(self, x: torch.Tensor, layout: SendLayout, topk_weights: torch.Tensor, where: _Placement,
                   capacity: int | None) -> Received:
         me, device, hidden = self.rank, x.device, x.shape[1]
         row_bytes = hidden * x.element_size()
         rows_per_rank = where.rows_per_rank.tolist()
-        allocated = [capacity if capacity is not None else n for n in rows_per_rank]
+        num_received = rows_per_rank[me]
         family = f"dispatch/{device.type}"
-        x_buffer = self._ensure_receive(f"{family}/x", [n * row_bytes for n in allocated], device)
-        meta_buffer = self._ensure_receive(f"{family}/meta", [n * _META_BYTES for n in allocated], device)
-        local_x = _rows_or_empty(x_buffer, x.dtype, allocated[me], (hidden,), device)
-        local_meta = _rows_or_empty(meta_buffer, torch.int64, allocated[me], (META_COLUMNS,), device)
+        x_buffer = self._ensure_receive(f"{family}/x", [n * row_bytes for n in rows_per_rank], device)
+        meta_buffer = self._ensure_receive(f"{family}/meta", [n * _META_BYTES for n in rows_per_rank], device)
+        arrived_x = _rows_or_empty(x_buffer, x.dtype, num_received, (hidden,), device)
+        arrived_meta = _rows_or_empty(meta_buffer, torch.int64, num_received, (META_COLUMNS,), device)
 
         num_sent = int(where.pairs_per_rank[me])
         tokens = layout.token_of_row[:num_sent]
-        stage_x = self._stage("dispatch/x", num_sent * row_bytes, device).rows(x.dtype, num_sent, (hidden,))
-        torch.index_select(x, 0, tokens, out=stage_x)
-        stage_meta = self._stage("dispatch/meta", num_sent * _META_BYTES, device).rows(
-            torch.int64, num_sent, (META_COLUMNS,))
-        pack_meta(stage_meta, me, tokens, topk_weights.reshape(-1).index_select(0, layout.order[:num_sent]))
+        stage_x = self._stage("dispatch/x", num_sent * row_bytes, device)
+        staged_x = stage_x.rows(x.dtype, num_sent, (hidden,))
+        torch.index_select(x, 0, tokens, out=staged_x)
+        stage_meta = self._stage("dispatch/meta", num_sent * _META_BYTES, device)
+        staged_meta = stage_meta.rows(torch.int64, num_sent, (META_COLUMNS,))
+        pack_meta(staged_meta, me, tokens, topk_weights.reshape(-1).index_select(0, layout.order[:num_sent]))
         _settle(device)
 
-        sends = self._route(_blocks(where.send_counts, where.send_start, where.destination_start), [
-            (stage_x, local_x, f"{family}/x", row_bytes), (stage_meta, local_meta, f"{family}/meta", _META_BYTES)])
-        senders = [s for s, n in enumerate(where.recv_counts.sum(1).tolist()) if n and s != me]
-        self._move(_ROWS, self._rounds, sends, senders, "dispatch")
+        sent = where.send_counts.sum(1).tolist()  # rows to each destination
+        first = where.send_start[:, 0].tolist()  # where they start in the send order
+        from_source = where.recv_counts.sum(1).tolist()
+        arrival_start = _starts(from_source)
+        for staged, arrived in ((staged_x, arrived_x), (staged_meta, arrived_meta)):
+            arrived[arrival_start[me]:arrival_start[me] + sent[me]].copy_(staged[first[me]:first[me] + sent[me]])
+        streams = [_Stream(stage_x, f"{family}/x", row_bytes), _Stream(stage_meta, f"{family}/meta", _META_BYTES)]
+        streams = [stream for stream in streams if stream.row_bytes]  # rows of H = 0 elements: metadata only
+        ranges = {peer: (first[peer], where.arrival_slot[peer], n) for peer, n in enumerate(sent) if n and peer != me}
+        senders = [s for s, n in enumerate(from_source) if n and s != me]
+        self._move(_ROWS, self._rounds, "dispatch", streams, ranges, senders, "dispatch")
 
-        num_received = rows_per_rank[me]
-        recv_x, meta = local_x.clone(), local_meta.clone()
-        recv_x[num_received:] = 0  # capacity rows past the valid ones: zeros, as the torch engine gives
-        meta[num_received:] = 0
+        position = segment_positions(where.recv_start.reshape(-1), where.recv_counts.reshape(-1),
+                                     num_received).to(device)
+        out_rows = num_received if capacity is None else capacity
+        recv_x = _in_receive_order(arrived_x, position, out_rows)
+        meta = _in_receive_order(arrived_meta, position, out_rows)
         src_rank, src_idx, weights = unpack_meta(meta, topk_weights.dtype)
         return Received(recv_x=recv_x, tokens_per_expert=where.tokens_per_expert.to(device), recv_src_rank=src_rank,
                         recv_src_idx=src_idx, recv_weights=weights,
                         num_recv_rows=torch.tensor(num_received, dtype=torch.int64).to(device),
-                        state=_State(self._rounds, where, num_received))
+                        state=_State(self._rounds, where, num_received, position))
 
     def return_rows(self, expert_out: torch.Tensor, handle: DispatchHandle, num_tokens: int) -> torch.Tensor:
         state: _State = handle.state
@@ -157,14 +208,21 @@ class NixlEngine(SkeletonEngine):
         back = self._ensure_receive(family, [n * row_bytes for n in pairs], device)
         returned = _rows_or_empty(back, expert_out.dtype, pairs[me], (hidden,), device)
         num_received = state.num_received
-        stage = self._stage("combine", num_received * row_bytes, device).rows(expert_out.dtype, num_received, (hidden,))
-        stage.copy_(expert_out[:num_received])
+        stage = self._stage("combine", num_received * row_bytes, device)
+        staged = stage.rows(expert_out.dtype, num_received, (hidden,))
+        # Receive order -> arrival order. Bytes leave through NIXL, so no gradient flows here either way.
+        torch.index_select(expert_out.detach(), 0, state.receive_position, out=staged)
         _settle(device)
 
-        sends = self._route(_blocks(where.recv_counts, where.recv_start, where.return_start),
-                            [(stage, returned, family, row_bytes)])
+        from_source = where.recv_counts.sum(1).tolist()
+        arrival_start = _starts(from_source)
+        target = where.return_start[:, 0].tolist()  # where each source's range starts in its send order
+        own = from_source[me]
+        returned[target[me]:target[me] + own].copy_(staged[arrival_start[me]:arrival_start[me] + own])
+        ranges = {source: (arrival_start[source], target[source], n) for source, n in enumerate(from_source)
+                  if n and source != me and row_bytes}
         senders = [r for r, n in enumerate(where.send_counts.sum(1).tolist()) if n and r != me and row_bytes]
-        self._move(_RETURN, state.round, sends, senders, "combine")
+        self._move(_RETURN, state.round, family, [_Stream(stage, family, row_bytes)], ranges, senders, "combine")
         return weighted_sum(returned, handle.layout, handle.topk_weights)
 
     def all_to_all_v(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -179,21 +237,29 @@ class NixlEngine(SkeletonEngine):
             return torch.empty(num_received, *row_shape, dtype=send.dtype, device=device), recv_counts
         family = f"a2av/{device.type}"
         buffer = self._ensure_receive(family, [n * nbytes for n in where.rows_per_rank.tolist()], device)
-        local = _rows_or_empty(buffer, torch.uint8, num_received, (nbytes,), device)
-        stage = self._stage("a2av", send.shape[0] * nbytes, device).rows(torch.uint8, send.shape[0], (nbytes,))
-        stage.copy_(send.reshape(send.shape[0], nbytes // send.element_size()).view(torch.uint8))
+        # One expert per rank: the arrival order (source major) is the receive order.
+        arrived = _rows_or_empty(buffer, torch.uint8, num_received, (nbytes,), device)
+        stage = self._stage("a2av", send.shape[0] * nbytes, device)
+        staged = stage.rows(torch.uint8, send.shape[0], (nbytes,))
+        staged.copy_(send.reshape(send.shape[0], nbytes // send.element_size()).view(torch.uint8))
         _settle(device)
 
-        sends = self._route(_blocks(where.send_counts, where.send_start, where.destination_start),
-                            [(stage, local, family, nbytes)])
+        sent = where.send_counts.reshape(-1).tolist()
+        first, slot = _starts(sent), where.arrival_slot
+        arrived[slot[me]:slot[me] + sent[me]].copy_(staged[first[me]:first[me] + sent[me]])
+        ranges = {peer: (first[peer], slot[peer], n) for peer, n in enumerate(sent) if n and peer != me}
         senders = [s for s, n in enumerate(recv_counts) if n and s != me]
-        self._move(_ROWS, self._rounds, sends, senders, "all_to_all_v")
-        recv = local.clone().view(send.dtype).view(num_received, *row_shape)
+        self._move(_ROWS, self._rounds, "a2av", [_Stream(stage, family, nbytes)], ranges, senders, "all_to_all_v")
+        recv = arrived.clone().view(send.dtype).view(num_received, *row_shape)
         return recv, recv_counts
 
     def close(self) -> None:
-        """Close the count round's prepared WRITEs and deregister every buffer (local; idempotent)."""
+        """Close the prepared WRITEs and block pools and deregister every buffer (local; idempotent)."""
         self._drop_counts_transfers()
+        self._drop_writes()
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
         buffers = [*self._receive.values(), *self._staging.values(), *self._retired]
         if self._counts is not None:
             buffers += self._counts[1:]
@@ -252,8 +318,12 @@ class NixlEngine(SkeletonEngine):
     def _retire(self, *buffers: _Buffer) -> None:
         """Keep outgrown buffers registered until the communicator closes, so no address a peer has seen is
         freed and handed to the next buffer mid-job. Growth is geometric: at most as much again as the
-        largest buffers."""
+        largest buffers. Block pools over them (and their WRITEs) are closed: nothing is in flight between
+        calls."""
         self._retired.extend(buffers)
+        gone = {id(buffer) for buffer in buffers}
+        for key in [key for key in self._pools if gone.intersection(key[0])]:
+            self._pools.pop(key).close()
 
     def _drop_counts_transfers(self) -> None:
         for transfers in self._counts_transfers.values():
@@ -277,22 +347,6 @@ class NixlEngine(SkeletonEngine):
             self.comm.publish(f"moe/nixl/{family}/{mine.nbytes}", mine.desc)
         return mine
 
-    def _route(self, blocks_by_peer, streams: list[tuple[torch.Tensor, torch.Tensor, str, int]]) -> dict[int, list]:
-        """Copy this rank's own blocks in place; return, per peer, the ``(staged rows, remote range)`` items
-        to WRITE. ``blocks_by_peer`` yields ``(peer, [(count, local start, remote start)])``; ``streams`` are
-        ``(staged rows, this rank's destination rows, buffer family, bytes per row)``, moved block by block."""
-        sends: dict[int, list] = {}
-        for peer, blocks in blocks_by_peer:
-            if peer == self.rank:
-                for count, start, target in blocks:
-                    for stage, local, _, _ in streams:
-                        local[target:target + count].copy_(stage[start:start + count])
-                continue
-            remotes = [(stage, self._peer_buffer(family, peer), row_bytes) for stage, _, family, row_bytes in streams]
-            sends[peer] = [(stage[start:start + count], remote.narrow(target * row_bytes, count * row_bytes))
-                           for count, start, target in blocks for stage, remote, row_bytes in remotes]
-        return sends
-
     def _peer_buffer(self, family: str, peer: int) -> TensorDesc:
         """The descriptor of ``peer``'s current ``family`` buffer (looked up once per size)."""
         size = self._sizes[family][peer]
@@ -312,26 +366,59 @@ class NixlEngine(SkeletonEngine):
         return buffer
 
     # --- moving bytes ---------------------------------------------------------------------------
-    def _move(self, kind: int, round_: int, sends: dict[int, list[tuple[torch.Tensor, TensorDesc]]],
-              senders: list[int], fn: str) -> None:
-        """Post one WRITE (with notify (kind, round)) per peer in ``sends``, then wait until every rank in
-        ``senders`` has notified (kind, round) and our own WRITEs are done. Blocks (sleeping between polls),
-        bounded by the communicator's timeout."""
+    def _move(self, kind: int, round_: int, purpose: str, streams: list[_Stream],
+              ranges: dict[int, tuple[int, int, int]], senders: list[int], fn: str) -> None:
+        """Post one WRITE (with notify (kind, round)) per peer in ``ranges``: ``(first, target, count)`` moves
+        rows ``[first, first + count)`` of every stream's stage buffer to rows ``[target, target + count)`` of
+        the peer's buffer of the stream's family. Then wait until every rank in ``senders`` has notified
+        (kind, round) and our own WRITEs are done. Blocks (sleeping between polls), bounded by the
+        communicator's timeout. The WRITEs stay prepared for the next call (``purpose`` names them)."""
         message = _MAGIC + _MESSAGE.pack(kind, round_)
-        transfers = []
+        posted = []
         try:
-            for blocks in sends.values():
-                items = [(local, remote) for local, remote in blocks if remote.nbytes]
-                if not items:
-                    continue
-                transfer = self.comm.prepare(Op.WRITE, [local for local, _ in items], [remote for _, remote in items],
-                                             notify=message, transport="nixl")
-                transfers.append(transfer)
-                transfer.post()
-            self._await(kind, round_, senders, transfers, fn)
-        finally:
-            for transfer in transfers:
-                transfer.close()
+            for peer, (first, target, count) in ranges.items():
+                write = self._write_to(purpose, peer, streams)
+                write.post(np.arange(first, first + count), np.arange(target, target + count), notify=message)
+                posted.append(write)
+            self._await(kind, round_, senders, posted, fn)
+        except BaseException:
+            self._drop_writes()  # a failed call may leave them in flight: prepare afresh next time
+            raise
+
+    def _write_to(self, purpose: str, peer: int, streams: list[_Stream]) -> BlockTransfer:
+        """The prepared row WRITE from this rank's staging buffers to ``peer``'s buffers of the streams'
+        families, for ``purpose``; prepared again (one store round trip) only when a buffer on either side
+        was replaced or the bytes per row changed."""
+        pool = self._local_pool(streams)
+        descs = [self._peer_buffer(stream.family, peer) for stream in streams]
+        key = (id(pool), tuple((d.addr, d.nbytes, d.epoch, s.row_bytes) for d, s in zip(descs, streams)))
+        cached = self._writes.get((purpose, peer))
+        if cached is not None and cached[0] == key and not cached[1].closed:
+            return cached[1]
+        if cached is not None:
+            cached[1].close()
+        rows = min(d.nbytes // s.row_bytes for d, s in zip(descs, streams))
+        remote = BlockPoolDesc(peer, descs[0].kind, descs[0].device_index, rows,
+                               tuple((d.addr, s.row_bytes, s.row_bytes, d.epoch) for d, s in zip(descs, streams)))
+        write = self.comm.prepare_blocks(Op.WRITE, pool, remote, transport="nixl")
+        self._writes[(purpose, peer)] = (key, write)
+        return write
+
+    def _local_pool(self, streams: list[_Stream]) -> BlockPool:
+        """A block pool whose block ``i`` is row ``i`` of every stream's stage buffer (views inside their
+        registrations: nothing is registered again), made once per (buffers, bytes per row)."""
+        key = (tuple(id(stream.stage) for stream in streams), tuple(stream.row_bytes for stream in streams))
+        pool = self._pools.get(key)
+        if pool is None:
+            rows = min(stream.stage.nbytes // stream.row_bytes for stream in streams)
+            views = [stream.stage.tensor[:rows * stream.row_bytes].view(rows, stream.row_bytes) for stream in streams]
+            pool = self._pools[key] = self.comm.register_blocks(views)
+        return pool
+
+    def _drop_writes(self) -> None:
+        for _, write in self._writes.values():
+            write.close()
+        self._writes.clear()
 
     def _await(self, kind: int, round_: int, senders: list[int], transfers: list, fn: str) -> None:
         """Wait for one (kind, round) notification from each of ``senders`` (others that arrive are kept for
@@ -385,13 +472,21 @@ class NixlEngine(SkeletonEngine):
         return kind, round_
 
 
-def _blocks(counts: torch.Tensor, starts: torch.Tensor, targets: torch.Tensor):
-    """Per peer, the non-empty blocks ``(count, local start, remote start)`` of three ``[W, L]`` tables."""
-    rows = zip(counts.tolist(), starts.tolist(), targets.tolist())
-    for peer, (row_counts, row_starts, row_targets) in enumerate(rows):
-        blocks = [(n, s, t) for n, s, t in zip(row_counts, row_starts, row_targets) if n]
-        if blocks:
-            yield peer, blocks
+def _starts(counts: list[int]) -> list[int]:
+    """Where each of ``counts`` consecutive ranges starts when they are laid end to end."""
+    starts, total = [], 0
+    for count in counts:
+        starts.append(total)
+        total += count
+    return starts
+
+
+def _in_receive_order(arrived: torch.Tensor, position: torch.Tensor, rows: int) -> torch.Tensor:
+    """A new ``[rows, ...]`` tensor holding arrived row ``i`` at row ``position[i]`` (``arrived [n, ...]``,
+    ``position [n]`` int64 on its device) and zeros past ``n``, as the torch engine gives with ``capacity``."""
+    out = torch.empty(rows, *arrived.shape[1:], dtype=arrived.dtype, device=arrived.device)
+    out[arrived.shape[0]:] = 0
+    return out.index_copy_(0, position, arrived)
 
 
 def _rows_or_empty(buffer: _Buffer | None, dtype: torch.dtype, count: int, row_shape: tuple[int, ...],
