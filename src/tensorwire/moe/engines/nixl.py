@@ -42,6 +42,7 @@ remembered, so back-to-back calls never mix.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -166,26 +167,32 @@ class NixlEngine(SkeletonEngine):
         arrived_meta = _rows_or_empty(meta_buffer, torch.int64, num_received, (META_COLUMNS,), device)
 
         num_sent = int(where.pairs_per_rank[me])
-        tokens = layout.token_of_row[:num_sent]
-        stage_x = self._stage("dispatch/x", num_sent * row_bytes, device)
-        staged_x = stage_x.rows(x.dtype, num_sent, (hidden,))
-        torch.index_select(x, 0, tokens, out=staged_x)
-        stage_meta = self._stage("dispatch/meta", num_sent * _META_BYTES, device)
-        staged_meta = stage_meta.rows(torch.int64, num_sent, (META_COLUMNS,))
-        pack_meta(staged_meta, me, tokens, topk_weights.reshape(-1).index_select(0, layout.order[:num_sent]))
-        _settle(device)
-
         sent = where.send_counts.sum(1).tolist()  # rows to each destination
         first = where.send_start[:, 0].tolist()  # where they start in the send order
         from_source = where.recv_counts.sum(1).tolist()
         arrival_start = _starts(from_source)
-        for staged, arrived in ((staged_x, arrived_x), (staged_meta, arrived_meta)):
-            arrived[arrival_start[me]:arrival_start[me] + sent[me]].copy_(staged[first[me]:first[me] + sent[me]])
+        tokens = layout.token_of_row[:num_sent]
+        weights = topk_weights.reshape(-1).index_select(0, layout.order[:num_sent])
+        stage_x = self._stage("dispatch/x", num_sent * row_bytes, device)
+        staged_x = stage_x.rows(x.dtype, num_sent, (hidden,))
+        stage_meta = self._stage("dispatch/meta", num_sent * _META_BYTES, device)
+        staged_meta = stage_meta.rows(torch.int64, num_sent, (META_COLUMNS,))
+        own = slice(first[me], first[me] + sent[me])
+        for part in _around(own, num_sent):  # the peers' rows; this rank's own skip the staging buffer
+            torch.index_select(x, 0, tokens[part], out=staged_x[part])
+            pack_meta(staged_meta[part], me, tokens[part], weights[part])
+        _settle(device)
+
+        def own_rows() -> None:  # gathered while the WRITEs are on their way
+            arrive = slice(arrival_start[me], arrival_start[me] + sent[me])
+            torch.index_select(x, 0, tokens[own], out=arrived_x[arrive])
+            pack_meta(arrived_meta[arrive], me, tokens[own], weights[own])
+
         streams = [_Stream(stage_x, f"{family}/x", row_bytes), _Stream(stage_meta, f"{family}/meta", _META_BYTES)]
         streams = [stream for stream in streams if stream.row_bytes]  # rows of H = 0 elements: metadata only
         ranges = {peer: (first[peer], where.arrival_slot[peer], n) for peer, n in enumerate(sent) if n and peer != me}
         senders = [s for s, n in enumerate(from_source) if n and s != me]
-        self._move(_ROWS, self._rounds, "dispatch", streams, ranges, senders, "dispatch")
+        self._move(_ROWS, self._rounds, "dispatch", streams, ranges, own_rows, senders, "dispatch")
 
         position = segment_positions(where.recv_start.reshape(-1), where.recv_counts.reshape(-1),
                                      num_received).to(device)
@@ -208,21 +215,27 @@ class NixlEngine(SkeletonEngine):
         back = self._ensure_receive(family, [n * row_bytes for n in pairs], device)
         returned = _rows_or_empty(back, expert_out.dtype, pairs[me], (hidden,), device)
         num_received = state.num_received
-        stage = self._stage("combine", num_received * row_bytes, device)
-        staged = stage.rows(expert_out.dtype, num_received, (hidden,))
-        # Receive order -> arrival order. Bytes leave through NIXL, so no gradient flows here either way.
-        torch.index_select(expert_out.detach(), 0, state.receive_position, out=staged)
-        _settle(device)
-
         from_source = where.recv_counts.sum(1).tolist()
         arrival_start = _starts(from_source)
         target = where.return_start[:, 0].tolist()  # where each source's range starts in its send order
-        own = from_source[me]
-        returned[target[me]:target[me] + own].copy_(staged[arrival_start[me]:arrival_start[me] + own])
+        stage = self._stage("combine", num_received * row_bytes, device)
+        staged = stage.rows(expert_out.dtype, num_received, (hidden,))
+        position = state.receive_position  # gathering with it puts receive order back into arrival order
+        outputs = expert_out.detach()  # bytes leave through NIXL: no gradient flows here either way
+        own = slice(arrival_start[me], arrival_start[me] + from_source[me])
+        for part in _around(own, num_received):  # the peers' rows; this rank's own skip the staging buffer
+            torch.index_select(outputs, 0, position[part], out=staged[part])
+        _settle(device)
+
+        def own_rows() -> None:  # gathered while the WRITEs are on their way
+            back_to = slice(target[me], target[me] + from_source[me])
+            torch.index_select(outputs, 0, position[own], out=returned[back_to])
+
         ranges = {source: (arrival_start[source], target[source], n) for source, n in enumerate(from_source)
                   if n and source != me and row_bytes}
         senders = [r for r, n in enumerate(where.send_counts.sum(1).tolist()) if n and r != me and row_bytes]
-        self._move(_RETURN, state.round, family, [_Stream(stage, family, row_bytes)], ranges, senders, "combine")
+        self._move(_RETURN, state.round, family, [_Stream(stage, family, row_bytes)], ranges, own_rows, senders,
+                   "combine")
         return weighted_sum(returned, handle.layout, handle.topk_weights)
 
     def all_to_all_v(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -239,17 +252,23 @@ class NixlEngine(SkeletonEngine):
         buffer = self._ensure_receive(family, [n * nbytes for n in where.rows_per_rank.tolist()], device)
         # One expert per rank: the arrival order (source major) is the receive order.
         arrived = _rows_or_empty(buffer, torch.uint8, num_received, (nbytes,), device)
-        stage = self._stage("a2av", send.shape[0] * nbytes, device)
-        staged = stage.rows(torch.uint8, send.shape[0], (nbytes,))
-        staged.copy_(send.reshape(send.shape[0], nbytes // send.element_size()).view(torch.uint8))
-        _settle(device)
-
         sent = where.send_counts.reshape(-1).tolist()
         first, slot = _starts(sent), where.arrival_slot
-        arrived[slot[me]:slot[me] + sent[me]].copy_(staged[first[me]:first[me] + sent[me]])
+        rows = send.reshape(send.shape[0], nbytes // send.element_size()).view(torch.uint8)
+        stage = self._stage("a2av", send.shape[0] * nbytes, device)
+        staged = stage.rows(torch.uint8, send.shape[0], (nbytes,))
+        own = slice(first[me], first[me] + sent[me])
+        for part in _around(own, send.shape[0]):
+            staged[part].copy_(rows[part])
+        _settle(device)
+
+        def own_rows() -> None:
+            arrived[slot[me]:slot[me] + sent[me]].copy_(rows[own])
+
         ranges = {peer: (first[peer], slot[peer], n) for peer, n in enumerate(sent) if n and peer != me}
         senders = [s for s, n in enumerate(recv_counts) if n and s != me]
-        self._move(_ROWS, self._rounds, "a2av", [_Stream(stage, family, nbytes)], ranges, senders, "all_to_all_v")
+        self._move(_ROWS, self._rounds, "a2av", [_Stream(stage, family, nbytes)], ranges, own_rows, senders,
+                   "all_to_all_v")
         recv = arrived.clone().view(send.dtype).view(num_received, *row_shape)
         return recv, recv_counts
 
@@ -367,12 +386,14 @@ class NixlEngine(SkeletonEngine):
 
     # --- moving bytes ---------------------------------------------------------------------------
     def _move(self, kind: int, round_: int, purpose: str, streams: list[_Stream],
-              ranges: dict[int, tuple[int, int, int]], senders: list[int], fn: str) -> None:
+              ranges: dict[int, tuple[int, int, int]], local_work: Callable[[], None], senders: list[int],
+              fn: str) -> None:
         """Post one WRITE (with notify (kind, round)) per peer in ``ranges``: ``(first, target, count)`` moves
         rows ``[first, first + count)`` of every stream's stage buffer to rows ``[target, target + count)`` of
-        the peer's buffer of the stream's family. Then wait until every rank in ``senders`` has notified
-        (kind, round) and our own WRITEs are done. Blocks (sleeping between polls), bounded by the
-        communicator's timeout. The WRITEs stay prepared for the next call (``purpose`` names them)."""
+        the peer's buffer of the stream's family. Then run ``local_work`` (this rank's own rows: the peers get
+        theirs first), and wait until every rank in ``senders`` has notified (kind, round) and our own WRITEs
+        are done. Blocks (sleeping between polls), bounded by the communicator's timeout. The WRITEs stay
+        prepared for the next call (``purpose`` names them)."""
         message = _MAGIC + _MESSAGE.pack(kind, round_)
         posted = []
         try:
@@ -380,6 +401,7 @@ class NixlEngine(SkeletonEngine):
                 write = self._write_to(purpose, peer, streams)
                 write.post(np.arange(first, first + count), np.arange(target, target + count), notify=message)
                 posted.append(write)
+            local_work()
             self._await(kind, round_, senders, posted, fn)
         except BaseException:
             self._drop_writes()  # a failed call may leave them in flight: prepare afresh next time
@@ -479,6 +501,11 @@ def _starts(counts: list[int]) -> list[int]:
         starts.append(total)
         total += count
     return starts
+
+
+def _around(middle: slice, total: int) -> tuple[slice, slice]:
+    """The rows of ``[0, total)`` before and after ``middle``."""
+    return slice(0, middle.start), slice(middle.stop, total)
 
 
 def _in_receive_order(arrived: torch.Tensor, position: torch.Tensor, rows: int) -> torch.Tensor:
