@@ -194,15 +194,15 @@ class NixlEngine(SkeletonEngine):
         senders = [s for s, n in enumerate(from_source) if n and s != me]
         self._move(_ROWS, self._rounds, "dispatch", streams, ranges, own_rows, senders, "dispatch")
 
-        position = segment_positions(where.recv_start.reshape(-1), where.recv_counts.reshape(-1),
-                                     num_received).to(device)
+        position, tokens_per_expert, num_recv_rows = _upload([
+            segment_positions(where.recv_start.reshape(-1), where.recv_counts.reshape(-1), num_received),
+            where.tokens_per_expert, torch.tensor(num_received, dtype=torch.int64)], device)
         out_rows = num_received if capacity is None else capacity
         recv_x = _in_receive_order(arrived_x, position, out_rows)
         meta = _in_receive_order(arrived_meta, position, out_rows)
         src_rank, src_idx, weights = unpack_meta(meta, topk_weights.dtype)
-        return Received(recv_x=recv_x, tokens_per_expert=where.tokens_per_expert.to(device), recv_src_rank=src_rank,
-                        recv_src_idx=src_idx, recv_weights=weights,
-                        num_recv_rows=torch.tensor(num_received, dtype=torch.int64).to(device),
+        return Received(recv_x=recv_x, tokens_per_expert=tokens_per_expert, recv_src_rank=src_rank,
+                        recv_src_idx=src_idx, recv_weights=weights, num_recv_rows=num_recv_rows,
                         state=_State(self._rounds, where, num_received, position))
 
     def return_rows(self, expert_out: torch.Tensor, handle: DispatchHandle, num_tokens: int) -> torch.Tensor:
@@ -501,6 +501,21 @@ def _starts(counts: list[int]) -> list[int]:
         starts.append(total)
         total += count
     return starts
+
+
+def _upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``host`` int64 tensors (any shapes) on ``device``. To a GPU in one copy from pinned memory that does not
+    wait for the stream (a plain ``.to(device)`` from pageable memory waits for it, once per tensor); the
+    pinned block is the caching host allocator's, which keeps it until the copy has run. Views of one device
+    tensor, not overlapping."""
+    if device.type != "cuda":
+        return [tensor.to(device) for tensor in host]
+    packed = torch.cat([tensor.reshape(-1) for tensor in host]).pin_memory().to(device, non_blocking=True)
+    parts, start = [], 0
+    for tensor in host:
+        parts.append(packed[start:start + tensor.numel()].view(tensor.shape))
+        start += tensor.numel()
+    return parts
 
 
 def _around(middle: slice, total: int) -> tuple[slice, slice]:
