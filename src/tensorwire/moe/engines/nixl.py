@@ -1,7 +1,8 @@
 """The ``"nixl"`` MoE engine: one-sided WRITEs into peers' registered buffers, completed by notifications.
 
-Host and GPU memory alike; the path that crosses machines. Driven by the CPU, so every call synchronises
-with the host (once, to read the counts) and blocks until its rows have arrived.
+Host and GPU memory alike; the path that crosses machines. Driven by the CPU, so every call blocks until its
+rows have arrived, and on a GPU waits for the stream where NIXL is to read what the stream wrote: dispatch to
+read the counts and once its rows are staged, combine once its outputs are staged.
 
 Per call::
 
@@ -13,11 +14,13 @@ Per call::
                 in its send order), the rows and their metadata in one request, into the destination's
                 arrival buffer at this rank's slot (sources lie end to end in rank order: the slot is the
                 number of rows lower ranks send there, from the count matrix), with notify (ROWS, round). A
-                receiver waits for one notification per rank that sends it rows, then scatters the arrived
-                rows (source major) into receive order (local expert major) in the tensors it returns.
+                rank gathers its rows for itself straight into its own slot while its WRITEs are on their
+                way. A receiver waits for one notification per rank that sends it rows, then scatters the
+                arrived rows (source major) into receive order (local expert major) in the tensors it returns.
     3. combine  the receiver gathers the expert outputs back into arrival order and WRITEs each source its
                 range, which is contiguous in the source's send order too, to where that range starts in
-                the source's return buffer, notify (RETURN, round of the dispatch); the source sums.
+                the source's return buffer, notify (RETURN, round of the dispatch); the source sums. (Its own
+                range it gathers straight into its return buffer.)
 
 Transfers. Rows are the blocks of block transfers (``comm.prepare_blocks``): a pool over this rank's
 staging buffers, a pool descriptor of the peer's buffer built from its published descriptor, one WRITE per
@@ -35,8 +38,12 @@ finished round n, and every WRITE of round n+1 waits for all counts of round n+1
 never land before every rank is done with the previous one. Count slots alternate between two rounds
 (a rank that received nothing from a peer may finish a round before that peer has read its counts).
 Return buffers alternate between two dispatches, which is why a dispatch must be combined before the
-second dispatch after it (``check_fresh``). Notifications carry (kind, round): one that arrives early is
-remembered, so back-to-back calls never mix.
+second dispatch after it (``check_fresh``). Inside a round each source writes only its own slot of an
+arrival buffer, and the receiver has read the buffer (into the tensors it returns; on a GPU the next
+dispatch's count read waits for that copy on the stream) before it posts its next counts. A
+staging buffer is refilled, and a prepared WRITE posted again, only by a later call: every call waits until
+its own WRITEs are complete. Notifications carry (kind, round): one that arrives early is remembered, so
+back-to-back calls never mix.
 """
 
 from __future__ import annotations
