@@ -15,7 +15,7 @@ Per call::
                 arrival buffer at this rank's slot (sources lie end to end in rank order: the slot is the
                 number of rows lower ranks send there, from the count matrix), with notify (ROWS, round). A
                 rank gathers its rows for itself straight into its own slot while its WRITEs are on their
-                way. A receiver waits for one notification per rank that sends it rows, then scatters the
+                way. A receiver waits for one notification per rank that sends it rows, then copies the
                 arrived rows (source major) into receive order (local expert major) in the tensors it returns.
     3. combine  the receiver gathers the expert outputs back into arrival order and WRITEs each source its
                 range, which is contiguous in the source's send order too, to where that range starts in
