@@ -489,3 +489,40 @@ def test_user_notifications_do_not_disturb_moe():
     """MoE's notifications travel in their own channel: a user's notification neither breaks a dispatch
     nor gets consumed by it."""
     assert launch(_user_notifications_beside_moe, 2, timeout=90)[0] == b"user-before"
+
+
+# --- the nixl engine's prepared WRITEs ------------------------------------------------------------
+def _counted(method, calls: list[str]):
+    """``method``, noting each call's name in ``calls``."""
+    def counting(*args, **kwargs):
+        calls.append(method.__name__)
+        return method(*args, **kwargs)
+    return counting
+
+
+def _prepares_per_step() -> list[int]:
+    """Four nixl dispatch + combine steps of one shape; how many transfers each step prepared."""
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        world, me = comm.world_size, comm.rank
+        prepared: list[str] = []
+        for name in ("prepare", "prepare_blocks"):
+            setattr(comm, name, _counted(getattr(comm, name), prepared))
+        x, topk_idx, topk_weights = make_inputs(CASES[1], me, world)
+        per_step = []
+        for _ in range(4):
+            before = len(prepared)
+            d = moe.dispatch(x, topk_idx, topk_weights, num_experts=EXPERTS_PER_RANK * world, comm=comm,
+                             backend="nixl")
+            y = moe.combine(d.recv_x.clone(), d)
+            check_close(y, reference_combine(x, topk_idx, topk_weights, scaled=False), "repeated step")
+            per_step.append(len(prepared) - before)
+        comm.barrier()
+    return per_step
+
+
+def test_nixl_prepares_its_writes_once():
+    """A step of a shape seen before prepares nothing (``prepare`` costs a store round trip): the WRITEs are
+    prepared once and posted again with new row ids. Count slots and return buffers alternate between two
+    calls, so the first two steps prepare."""
+    for per_step in launch(_prepares_per_step, 2, timeout=90):
+        assert per_step[0] > 0 and per_step[2:] == [0, 0], per_step

@@ -1,7 +1,8 @@
 """The ``"nixl"`` MoE engine: one-sided WRITEs into peers' registered buffers, completed by notifications.
 
-Host and GPU memory alike; the path that crosses machines. Driven by the CPU, so every call synchronises
-with the host (once, to read the counts) and blocks until its rows have arrived.
+Host and GPU memory alike; the path that crosses machines. Driven by the CPU, so every call blocks until its
+rows have arrived, and on a GPU waits for the stream where NIXL is to read what the stream wrote: dispatch to
+read the counts and once its rows are staged, combine once its outputs are staged.
 
 Per call::
 
@@ -9,11 +10,23 @@ Per call::
                 (host memory) with notify (COUNTS, round % 2) (prepared once, re-posted); it waits for W - 1
                 such notifications. Now every rank holds the whole count matrix, so every rank knows where
                 each of its rows lands.
-    2. rows     each rank WRITEs, per destination, one item per (local expert) block straight to its final
-                place in the destination's receive buffer (no permutation on the receiver), with notify
-                (ROWS, round); a receiver waits for one notification per rank that sends it rows.
-    3. combine  the receiver WRITEs each block of expert outputs back into the source's return buffer at
-                the block's send-order position, notify (RETURN, round of the dispatch); the source sums.
+    2. rows     each rank WRITEs to each destination ONE contiguous range: the rows it sends there (adjacent
+                in its send order), the rows and their metadata in one request, into the destination's
+                arrival buffer at this rank's slot (sources lie end to end in rank order: the slot is the
+                number of rows lower ranks send there, from the count matrix), with notify (ROWS, round). A
+                rank gathers its rows for itself straight into its own slot while its WRITEs are on their
+                way. A receiver waits for one notification per rank that sends it rows, then copies the
+                arrived rows (source major) into receive order (local expert major) in the tensors it returns.
+    3. combine  the receiver gathers the expert outputs back into arrival order and WRITEs each source its
+                range, which is contiguous in the source's send order too, to where that range starts in
+                the source's return buffer, notify (RETURN, round of the dispatch); the source sums. (Its own
+                range it gathers straight into its return buffer.)
+
+Transfers. Rows are the blocks of block transfers (``comm.prepare_blocks``): a pool over this rank's
+staging buffers, a pool descriptor of the peer's buffer built from its published descriptor, one WRITE per
+peer prepared once per (peer, buffers, bytes per row) and posted every call with that call's row ids. So a
+call builds no descriptor list in Python and makes no store round trip (``prepare`` loads the peer's memory
+map from the store every time).
 
 Buffers. Receive buffers are registered once per (purpose, device kind) and grown (re-registered and
 re-published under a key naming their size) when a call needs more. Sizes are a pure function of the count
@@ -25,24 +38,32 @@ finished round n, and every WRITE of round n+1 waits for all counts of round n+1
 never land before every rank is done with the previous one. Count slots alternate between two rounds
 (a rank that received nothing from a peer may finish a round before that peer has read its counts).
 Return buffers alternate between two dispatches, which is why a dispatch must be combined before the
-second dispatch after it (``check_fresh``). Notifications carry (kind, round): one that arrives early is
-remembered, so back-to-back calls never mix.
+second dispatch after it (``check_fresh``). Inside a round each source writes only its own slot of an
+arrival buffer, and the receiver has read the buffer (into the tensors it returns; on a GPU the next
+dispatch's count read waits for that copy on the stream) before it posts its next counts. A
+staging buffer is refilled, and a prepared WRITE posted again, only by a later call: every call waits until
+its own WRITEs are complete. Notifications carry (kind, round): one that arrives early is remembered, so
+back-to-back calls never mix.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ...backends.base import Op, Status
+from ...blocks import BlockPool, BlockPoolDesc, BlockTransfer
 from ...descriptors import TensorDesc
 from ...errors import TransferError
 from ...progress import wait_until
+from ..count_rows import HEADER
 from ..engine import DispatchHandle, Received, SkeletonEngine
-from ..layout import Placement, SendLayout
+from ..layout import Placement, SendLayout, exclusive_cumsum, segment_positions
 from ..rows import META_COLUMNS, next_power_of_two, pack_meta, row_bytes, unpack_meta, weighted_sum
 
 if TYPE_CHECKING:
@@ -80,12 +101,31 @@ class _Buffer:
 
 
 @dataclass(frozen=True)
+class _Placement(Placement):
+    """``Placement`` plus ``arrival_slot``: per destination, the row at which this rank's rows start in the
+    destination's arrival buffer (the rows lower ranks send there come first)."""
+
+    arrival_slot: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class _State:
     """What combine needs from a dispatch."""
 
     round: int
-    where: Placement  # host tensors
+    where: _Placement  # host tensors
     num_received: int
+    receive_position: torch.Tensor  # [num_received] int64 on x's device: each arrived row's receive-order row
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """Rows of one kind that travel in one WRITE: read from a registered ``stage`` buffer, written into the peer's
+    receive buffer of ``family``, ``row_bytes`` each."""
+
+    stage: _Buffer
+    family: str
+    row_bytes: int
 
 
 def _settle(device: torch.device) -> None:
@@ -108,44 +148,73 @@ class NixlEngine(SkeletonEngine):
         self._staging: dict[str, _Buffer] = {}
         self._retired: list[_Buffer] = []  # outgrown buffers, kept registered (see _retire)
         self._counts_transfers: dict[tuple[int, int], list] = {}  # (slot parity, width) -> one WRITE per peer
+        self._pools: dict[tuple, BlockPool] = {}  # block pools over staging buffers, see _local_pool
+        self._writes: dict[tuple[str, int], tuple[tuple, BlockTransfer]] = {}  # (purpose, peer) -> (key, WRITE)
         self._early: list[set[tuple[int, int]]] = [set() for _ in range(comm.world_size)]
 
+    def place(self, counts: torch.Tensor, capacity: int | None, fn: str) -> _Placement:
+        """The skeleton's placement plus this rank's slot in every destination's arrival buffer."""
+        where = super().place(counts, capacity, fn)
+        world = self.world_size
+        rows_between = counts[:, HEADER:].reshape(world, world, -1).sum(2)  # [source, destination]
+        slots = exclusive_cumsum(rows_between, dim=0)[self.rank].tolist()
+        return _Placement(**{f.name: getattr(where, f.name) for f in fields(Placement)}, arrival_slot=tuple(slots))
+
     # --- the row moves --------------------------------------------------------------------------
-    def move_rows(self, x: torch.Tensor, layout: SendLayout, topk_weights: torch.Tensor, where: Placement,
+    def move_rows(self, x: torch.Tensor, layout: SendLayout, topk_weights: torch.Tensor, where: _Placement,
                   capacity: int | None) -> Received:
         me, device, hidden = self.rank, x.device, x.shape[1]
         row_bytes = hidden * x.element_size()
         rows_per_rank = where.rows_per_rank.tolist()
-        allocated = [capacity if capacity is not None else n for n in rows_per_rank]
+        num_received = rows_per_rank[me]
         family = f"dispatch/{device.type}"
-        x_buffer = self._ensure_receive(f"{family}/x", [n * row_bytes for n in allocated], device)
-        meta_buffer = self._ensure_receive(f"{family}/meta", [n * _META_BYTES for n in allocated], device)
-        local_x = _rows_or_empty(x_buffer, x.dtype, allocated[me], (hidden,), device)
-        local_meta = _rows_or_empty(meta_buffer, torch.int64, allocated[me], (META_COLUMNS,), device)
+        x_buffer = self._ensure_receive(f"{family}/x", [n * row_bytes for n in rows_per_rank], device)
+        meta_buffer = self._ensure_receive(f"{family}/meta", [n * _META_BYTES for n in rows_per_rank], device)
+        arrived_x = _rows_or_empty(x_buffer, x.dtype, num_received, (hidden,), device)
+        arrived_meta = _rows_or_empty(meta_buffer, torch.int64, num_received, (META_COLUMNS,), device)
 
         num_sent = int(where.pairs_per_rank[me])
+        sent = where.send_counts.sum(1).tolist()  # rows to each destination
+        first = where.send_start[:, 0].tolist()  # where they start in the send order
+        from_source = where.recv_counts.sum(1).tolist()
+        arrival_start = _starts(from_source)
         tokens = layout.token_of_row[:num_sent]
-        stage_x = self._stage("dispatch/x", num_sent * row_bytes, device).rows(x.dtype, num_sent, (hidden,))
-        torch.index_select(x, 0, tokens, out=stage_x)
-        stage_meta = self._stage("dispatch/meta", num_sent * _META_BYTES, device).rows(
-            torch.int64, num_sent, (META_COLUMNS,))
-        pack_meta(stage_meta, me, tokens, topk_weights.reshape(-1).index_select(0, layout.order[:num_sent]))
+        weights = topk_weights.reshape(-1).index_select(0, layout.order[:num_sent])
+        stage_x = self._stage("dispatch/x", num_sent * row_bytes, device)
+        staged_x = stage_x.rows(x.dtype, num_sent, (hidden,))
+        stage_meta = self._stage("dispatch/meta", num_sent * _META_BYTES, device)
+        staged_meta = stage_meta.rows(torch.int64, num_sent, (META_COLUMNS,))
+        own = slice(first[me], first[me] + sent[me])
+        for part in _around(own, num_sent):  # the peers' rows; this rank's own skip the staging buffer
+            torch.index_select(x, 0, tokens[part], out=staged_x[part])
+            pack_meta(staged_meta[part], me, tokens[part], weights[part])
         _settle(device)
 
-        sends = self._route(_blocks(where.send_counts, where.send_start, where.destination_start), [
-            (stage_x, local_x, f"{family}/x", row_bytes), (stage_meta, local_meta, f"{family}/meta", _META_BYTES)])
-        senders = [s for s, n in enumerate(where.recv_counts.sum(1).tolist()) if n and s != me]
-        self._move(_ROWS, self._rounds, sends, senders, "dispatch")
+        def own_rows() -> None:  # gathered while the WRITEs are on their way
+            arrive = slice(arrival_start[me], arrival_start[me] + sent[me])
+            torch.index_select(x, 0, tokens[own], out=arrived_x[arrive])
+            pack_meta(arrived_meta[arrive], me, tokens[own], weights[own])
 
-        num_received = rows_per_rank[me]
-        recv_x, meta = local_x.clone(), local_meta.clone()
-        recv_x[num_received:] = 0  # capacity rows past the valid ones: zeros, as the torch engine gives
-        meta[num_received:] = 0
+        streams = [_Stream(stage_x, f"{family}/x", row_bytes), _Stream(stage_meta, f"{family}/meta", _META_BYTES)]
+        streams = [stream for stream in streams if stream.row_bytes]  # rows of H = 0 elements: metadata only
+        ranges = {peer: (first[peer], where.arrival_slot[peer], n) for peer, n in enumerate(sent) if n and peer != me}
+        senders = [s for s, n in enumerate(from_source) if n and s != me]
+        self._move(_ROWS, self._rounds, "dispatch", streams, ranges, own_rows, senders, "dispatch")
+
+        # Both directions of the permutation, so that dispatch and combine each gather (a scatter with
+        # index_copy_ takes ~3x as long on the host).
+        position = segment_positions(where.recv_start.reshape(-1), where.recv_counts.reshape(-1), num_received)
+        arrival_row = torch.empty_like(position)
+        arrival_row[position] = torch.arange(num_received)
+        position, arrival_row, tokens_per_expert, num_recv_rows = _upload([
+            position, arrival_row, where.tokens_per_expert, torch.tensor(num_received, dtype=torch.int64)], device)
+        out_rows = num_received if capacity is None else capacity
+        recv_x = _in_receive_order(arrived_x, arrival_row, out_rows)
+        meta = _in_receive_order(arrived_meta, arrival_row, out_rows)
         src_rank, src_idx, weights = unpack_meta(meta, topk_weights.dtype)
-        return Received(recv_x=recv_x, tokens_per_expert=where.tokens_per_expert.to(device), recv_src_rank=src_rank,
-                        recv_src_idx=src_idx, recv_weights=weights,
-                        num_recv_rows=torch.tensor(num_received, dtype=torch.int64).to(device),
-                        state=_State(self._rounds, where, num_received))
+        return Received(recv_x=recv_x, tokens_per_expert=tokens_per_expert, recv_src_rank=src_rank,
+                        recv_src_idx=src_idx, recv_weights=weights, num_recv_rows=num_recv_rows,
+                        state=_State(self._rounds, where, num_received, position))
 
     def return_rows(self, expert_out: torch.Tensor, handle: DispatchHandle, num_tokens: int) -> torch.Tensor:
         state: _State = handle.state
@@ -157,14 +226,27 @@ class NixlEngine(SkeletonEngine):
         back = self._ensure_receive(family, [n * row_bytes for n in pairs], device)
         returned = _rows_or_empty(back, expert_out.dtype, pairs[me], (hidden,), device)
         num_received = state.num_received
-        stage = self._stage("combine", num_received * row_bytes, device).rows(expert_out.dtype, num_received, (hidden,))
-        stage.copy_(expert_out[:num_received])
+        from_source = where.recv_counts.sum(1).tolist()
+        arrival_start = _starts(from_source)
+        target = where.return_start[:, 0].tolist()  # where each source's range starts in its send order
+        stage = self._stage("combine", num_received * row_bytes, device)
+        staged = stage.rows(expert_out.dtype, num_received, (hidden,))
+        position = state.receive_position  # gathering with it puts receive order back into arrival order
+        outputs = expert_out.detach()  # bytes leave through NIXL: no gradient flows here either way
+        own = slice(arrival_start[me], arrival_start[me] + from_source[me])
+        for part in _around(own, num_received):  # the peers' rows; this rank's own skip the staging buffer
+            torch.index_select(outputs, 0, position[part], out=staged[part])
         _settle(device)
 
-        sends = self._route(_blocks(where.recv_counts, where.recv_start, where.return_start),
-                            [(stage, returned, family, row_bytes)])
+        def own_rows() -> None:  # gathered while the WRITEs are on their way
+            back_to = slice(target[me], target[me] + from_source[me])
+            torch.index_select(outputs, 0, position[own], out=returned[back_to])
+
+        ranges = {source: (arrival_start[source], target[source], n) for source, n in enumerate(from_source)
+                  if n and source != me and row_bytes}
         senders = [r for r, n in enumerate(where.send_counts.sum(1).tolist()) if n and r != me and row_bytes]
-        self._move(_RETURN, state.round, sends, senders, "combine")
+        self._move(_RETURN, state.round, family, [_Stream(stage, family, row_bytes)], ranges, own_rows, senders,
+                   "combine")
         return weighted_sum(returned, handle.layout, handle.topk_weights)
 
     def all_to_all_v(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -179,21 +261,35 @@ class NixlEngine(SkeletonEngine):
             return torch.empty(num_received, *row_shape, dtype=send.dtype, device=device), recv_counts
         family = f"a2av/{device.type}"
         buffer = self._ensure_receive(family, [n * nbytes for n in where.rows_per_rank.tolist()], device)
-        local = _rows_or_empty(buffer, torch.uint8, num_received, (nbytes,), device)
-        stage = self._stage("a2av", send.shape[0] * nbytes, device).rows(torch.uint8, send.shape[0], (nbytes,))
-        stage.copy_(send.reshape(send.shape[0], nbytes // send.element_size()).view(torch.uint8))
+        # One expert per rank: the arrival order (source major) is the receive order.
+        arrived = _rows_or_empty(buffer, torch.uint8, num_received, (nbytes,), device)
+        sent = where.send_counts.reshape(-1).tolist()
+        first, slot = _starts(sent), where.arrival_slot
+        rows = send.reshape(send.shape[0], nbytes // send.element_size()).view(torch.uint8)
+        stage = self._stage("a2av", send.shape[0] * nbytes, device)
+        staged = stage.rows(torch.uint8, send.shape[0], (nbytes,))
+        own = slice(first[me], first[me] + sent[me])
+        for part in _around(own, send.shape[0]):
+            staged[part].copy_(rows[part])
         _settle(device)
 
-        sends = self._route(_blocks(where.send_counts, where.send_start, where.destination_start),
-                            [(stage, local, family, nbytes)])
+        def own_rows() -> None:
+            arrived[slot[me]:slot[me] + sent[me]].copy_(rows[own])
+
+        ranges = {peer: (first[peer], slot[peer], n) for peer, n in enumerate(sent) if n and peer != me}
         senders = [s for s, n in enumerate(recv_counts) if n and s != me]
-        self._move(_ROWS, self._rounds, sends, senders, "all_to_all_v")
-        recv = local.clone().view(send.dtype).view(num_received, *row_shape)
+        self._move(_ROWS, self._rounds, "a2av", [_Stream(stage, family, nbytes)], ranges, own_rows, senders,
+                   "all_to_all_v")
+        recv = arrived.clone().view(send.dtype).view(num_received, *row_shape)
         return recv, recv_counts
 
     def close(self) -> None:
-        """Close the count round's prepared WRITEs and deregister every buffer (local; idempotent)."""
+        """Close the prepared WRITEs and block pools and deregister every buffer (local; idempotent)."""
         self._drop_counts_transfers()
+        self._drop_writes()
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
         buffers = [*self._receive.values(), *self._staging.values(), *self._retired]
         if self._counts is not None:
             buffers += self._counts[1:]
@@ -252,8 +348,12 @@ class NixlEngine(SkeletonEngine):
     def _retire(self, *buffers: _Buffer) -> None:
         """Keep outgrown buffers registered until the communicator closes, so no address a peer has seen is
         freed and handed to the next buffer mid-job. Growth is geometric: at most as much again as the
-        largest buffers."""
+        largest buffers. Block pools over them (and their WRITEs) are closed: nothing is in flight between
+        calls."""
         self._retired.extend(buffers)
+        gone = {id(buffer) for buffer in buffers}
+        for key in [key for key in self._pools if gone.intersection(key[0])]:
+            self._pools.pop(key).close()
 
     def _drop_counts_transfers(self) -> None:
         for transfers in self._counts_transfers.values():
@@ -277,22 +377,6 @@ class NixlEngine(SkeletonEngine):
             self.comm.publish(f"moe/nixl/{family}/{mine.nbytes}", mine.desc)
         return mine
 
-    def _route(self, blocks_by_peer, streams: list[tuple[torch.Tensor, torch.Tensor, str, int]]) -> dict[int, list]:
-        """Copy this rank's own blocks in place; return, per peer, the ``(staged rows, remote range)`` items
-        to WRITE. ``blocks_by_peer`` yields ``(peer, [(count, local start, remote start)])``; ``streams`` are
-        ``(staged rows, this rank's destination rows, buffer family, bytes per row)``, moved block by block."""
-        sends: dict[int, list] = {}
-        for peer, blocks in blocks_by_peer:
-            if peer == self.rank:
-                for count, start, target in blocks:
-                    for stage, local, _, _ in streams:
-                        local[target:target + count].copy_(stage[start:start + count])
-                continue
-            remotes = [(stage, self._peer_buffer(family, peer), row_bytes) for stage, _, family, row_bytes in streams]
-            sends[peer] = [(stage[start:start + count], remote.narrow(target * row_bytes, count * row_bytes))
-                           for count, start, target in blocks for stage, remote, row_bytes in remotes]
-        return sends
-
     def _peer_buffer(self, family: str, peer: int) -> TensorDesc:
         """The descriptor of ``peer``'s current ``family`` buffer (looked up once per size)."""
         size = self._sizes[family][peer]
@@ -312,26 +396,62 @@ class NixlEngine(SkeletonEngine):
         return buffer
 
     # --- moving bytes ---------------------------------------------------------------------------
-    def _move(self, kind: int, round_: int, sends: dict[int, list[tuple[torch.Tensor, TensorDesc]]],
-              senders: list[int], fn: str) -> None:
-        """Post one WRITE (with notify (kind, round)) per peer in ``sends``, then wait until every rank in
-        ``senders`` has notified (kind, round) and our own WRITEs are done. Blocks (sleeping between polls),
-        bounded by the communicator's timeout."""
+    def _move(self, kind: int, round_: int, purpose: str, streams: list[_Stream],
+              ranges: dict[int, tuple[int, int, int]], local_work: Callable[[], None], senders: list[int],
+              fn: str) -> None:
+        """Post one WRITE (with notify (kind, round)) per peer in ``ranges``: ``(first, target, count)`` moves
+        rows ``[first, first + count)`` of every stream's stage buffer to rows ``[target, target + count)`` of
+        the peer's buffer of the stream's family. Then run ``local_work`` (this rank's own rows: the peers get
+        theirs first), and wait until every rank in ``senders`` has notified (kind, round) and our own WRITEs
+        are done. Blocks (sleeping between polls), bounded by the communicator's timeout. The WRITEs stay
+        prepared for the next call (``purpose`` names them)."""
         message = _MAGIC + _MESSAGE.pack(kind, round_)
-        transfers = []
+        posted = []
         try:
-            for blocks in sends.values():
-                items = [(local, remote) for local, remote in blocks if remote.nbytes]
-                if not items:
-                    continue
-                transfer = self.comm.prepare(Op.WRITE, [local for local, _ in items], [remote for _, remote in items],
-                                             notify=message, transport="nixl")
-                transfers.append(transfer)
-                transfer.post()
-            self._await(kind, round_, senders, transfers, fn)
-        finally:
-            for transfer in transfers:
-                transfer.close()
+            for peer, (first, target, count) in ranges.items():
+                write = self._write_to(purpose, peer, streams)
+                write.post(np.arange(first, first + count), np.arange(target, target + count), notify=message)
+                posted.append(write)
+            local_work()
+            self._await(kind, round_, senders, posted, fn)
+        except BaseException:
+            self._drop_writes()  # a failed call may leave them in flight: prepare afresh next time
+            raise
+
+    def _write_to(self, purpose: str, peer: int, streams: list[_Stream]) -> BlockTransfer:
+        """The prepared row WRITE from this rank's staging buffers to ``peer``'s buffers of the streams'
+        families, for ``purpose``; prepared again (one store round trip) only when a buffer on either side
+        was replaced or the bytes per row changed."""
+        pool = self._local_pool(streams)
+        descs = [self._peer_buffer(stream.family, peer) for stream in streams]
+        key = (id(pool), tuple((d.addr, d.nbytes, d.epoch, s.row_bytes) for d, s in zip(descs, streams)))
+        cached = self._writes.get((purpose, peer))
+        if cached is not None and cached[0] == key and not cached[1].closed:
+            return cached[1]
+        if cached is not None:
+            cached[1].close()
+        rows = min(d.nbytes // s.row_bytes for d, s in zip(descs, streams))
+        remote = BlockPoolDesc(peer, descs[0].kind, descs[0].device_index, rows,
+                               tuple((d.addr, s.row_bytes, s.row_bytes, d.epoch) for d, s in zip(descs, streams)))
+        write = self.comm.prepare_blocks(Op.WRITE, pool, remote, transport="nixl")
+        self._writes[(purpose, peer)] = (key, write)
+        return write
+
+    def _local_pool(self, streams: list[_Stream]) -> BlockPool:
+        """A block pool whose block ``i`` is row ``i`` of every stream's stage buffer (views inside their
+        registrations: nothing is registered again), made once per (buffers, bytes per row)."""
+        key = (tuple(id(stream.stage) for stream in streams), tuple(stream.row_bytes for stream in streams))
+        pool = self._pools.get(key)
+        if pool is None:
+            rows = min(stream.stage.nbytes // stream.row_bytes for stream in streams)
+            views = [stream.stage.tensor[:rows * stream.row_bytes].view(rows, stream.row_bytes) for stream in streams]
+            pool = self._pools[key] = self.comm.register_blocks(views)
+        return pool
+
+    def _drop_writes(self) -> None:
+        for _, write in self._writes.values():
+            write.close()
+        self._writes.clear()
 
     def _await(self, kind: int, round_: int, senders: list[int], transfers: list, fn: str) -> None:
         """Wait for one (kind, round) notification from each of ``senders`` (others that arrive are kept for
@@ -385,13 +505,43 @@ class NixlEngine(SkeletonEngine):
         return kind, round_
 
 
-def _blocks(counts: torch.Tensor, starts: torch.Tensor, targets: torch.Tensor):
-    """Per peer, the non-empty blocks ``(count, local start, remote start)`` of three ``[W, L]`` tables."""
-    rows = zip(counts.tolist(), starts.tolist(), targets.tolist())
-    for peer, (row_counts, row_starts, row_targets) in enumerate(rows):
-        blocks = [(n, s, t) for n, s, t in zip(row_counts, row_starts, row_targets) if n]
-        if blocks:
-            yield peer, blocks
+def _starts(counts: list[int]) -> list[int]:
+    """Where each of ``counts`` consecutive ranges starts when they are laid end to end."""
+    starts, total = [], 0
+    for count in counts:
+        starts.append(total)
+        total += count
+    return starts
+
+
+def _upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``host`` int64 tensors (any shapes) on ``device``. To a GPU in one copy from pinned memory that does not
+    wait for the stream (a plain ``.to(device)`` from pageable memory waits for it, once per tensor); the
+    pinned block is the caching host allocator's, which keeps it until the copy has run. Views of one device
+    tensor, not overlapping."""
+    if device.type != "cuda":
+        return [tensor.to(device) for tensor in host]
+    packed = torch.cat([tensor.reshape(-1) for tensor in host]).pin_memory().to(device, non_blocking=True)
+    parts, start = [], 0
+    for tensor in host:
+        parts.append(packed[start:start + tensor.numel()].view(tensor.shape))
+        start += tensor.numel()
+    return parts
+
+
+def _around(middle: slice, total: int) -> tuple[slice, slice]:
+    """The rows of ``[0, total)`` before and after ``middle``."""
+    return slice(0, middle.start), slice(middle.stop, total)
+
+
+def _in_receive_order(arrived: torch.Tensor, arrival_row: torch.Tensor, rows: int) -> torch.Tensor:
+    """A new ``[rows, ...]`` tensor whose row ``j`` is ``arrived[arrival_row[j]]`` for ``j < n`` (``arrived
+    [n, ...]``, ``arrival_row [n]`` int64 on its device) and zeros past ``n``, as the torch engine gives with
+    ``capacity``."""
+    out = torch.empty(rows, *arrived.shape[1:], dtype=arrived.dtype, device=arrived.device)
+    out[arrived.shape[0]:] = 0
+    torch.index_select(arrived, 0, arrival_row, out=out[:arrived.shape[0]])
+    return out
 
 
 def _rows_or_empty(buffer: _Buffer | None, dtype: torch.dtype, count: int, row_shape: tuple[int, ...],
