@@ -54,7 +54,7 @@ KNOWN_PRIVATE_REACHES: dict[str, set[str]] = {
     # that watches the cuda engine's GPU waits.
     "tensorwire.moe.collectives": {"_rendezvous"},
     "tensorwire.moe.selection": {"_backends", "_dependents"},
-    "tensorwire.moe.engines.nixl": {"_inbox"},
+    "tensorwire.moe.engines.nixl_arrivals": {"_inbox"},
     "tensorwire.moe.engines.cuda_waits": {"_runtime"},
     # The KV benchmark's raw-NIXL baseline swaps agent metadata through the communicator's store (the p2p
     # benchmark lends its own store to tw.init instead); a public store accessor would remove it.

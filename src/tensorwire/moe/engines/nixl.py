@@ -28,10 +28,8 @@ peer prepared once per (peer, buffers, bytes per row) and posted every call with
 call builds no descriptor list in Python and makes no store round trip (``prepare`` loads the peer's memory
 map from the store every time).
 
-Buffers. Receive buffers are registered once per (purpose, device kind) and grown (re-registered and
-re-published under a key naming their size) when a call needs more. Sizes are a pure function of the count
-matrix every rank holds, so every rank knows every peer's current size without asking, and looks a
-grown buffer up once. Send staging buffers are registered too (NIXL reads from registered memory).
+Buffers (``nixl_buffers.py``): receive buffers grown in lockstep on every rank (sizes follow from the count
+matrix), staging buffers NIXL reads from; notifications and the wait for them: ``nixl_arrivals.py``.
 
 Why nothing is overwritten while still in use: a rank posts the counts of round n+1 only after it has
 finished round n, and every WRITE of round n+1 waits for all counts of round n+1; so rows of the next call
@@ -48,7 +46,6 @@ back-to-back calls never mix.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
@@ -56,48 +53,21 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ...backends.base import Op, Status
-from ...blocks import BlockPool, BlockPoolDesc, BlockTransfer
-from ...descriptors import TensorDesc
-from ...errors import TransferError
-from ...progress import wait_until
+from ...backends.base import Op
+from ...blocks import BlockPoolDesc, BlockTransfer
 from ..count_rows import HEADER
 from ..engine import DispatchHandle, Received, SkeletonEngine
 from ..layout import Placement, SendLayout, exclusive_cumsum, segment_positions
 from ..rows import META_COLUMNS, next_power_of_two, pack_meta, row_bytes, unpack_meta, weighted_sum
+from .nixl_arrivals import COUNTS, RETURN, ROWS, Arrivals, message
+from .nixl_buffers import Buffer, NixlBuffers, Stream, rows_or_empty
 
 if TYPE_CHECKING:
     from ...communicator import Communicator
 
 __all__ = ["NixlEngine"]
 
-_MAGIC = b"twmoe"
-_MESSAGE = struct.Struct("<BQ")  # kind, round
-_COUNTS, _ROWS, _RETURN = 1, 2, 3
-_KIND_NAMES = {_COUNTS: "count row", _ROWS: "rows", _RETURN: "expert outputs"}
-_MIN_BUFFER_BYTES = 4096
 _META_BYTES = META_COLUMNS * 8
-
-
-class _Buffer:
-    """A registered byte buffer of this rank (``tensor [nbytes]`` uint8)."""
-
-    def __init__(self, comm: Communicator, nbytes: int, device: torch.device) -> None:
-        self.nbytes = nbytes
-        self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.registration = comm.register(self.tensor)
-        self.desc: TensorDesc = self.registration.descs[0]
-
-    def rows(self, dtype: torch.dtype, count: int, row_shape: tuple[int, ...]) -> torch.Tensor:
-        """The first ``count`` rows of ``row_shape`` and ``dtype``, as a view."""
-        row_elements = 1
-        for size in row_shape:
-            row_elements *= size
-        nbytes = count * row_elements * torch.empty((), dtype=dtype).element_size()
-        return self.tensor[:nbytes].view(dtype).view(count, *row_shape)
-
-    def close(self) -> None:
-        self.registration.close()
 
 
 @dataclass(frozen=True)
@@ -118,16 +88,6 @@ class _State:
     receive_position: torch.Tensor  # [num_received] int64 on x's device: each arrived row's receive-order row
 
 
-@dataclass(frozen=True)
-class _Stream:
-    """Rows of one kind that travel in one WRITE: read from a registered ``stage`` buffer, written into the peer's
-    receive buffer of ``family``, ``row_bytes`` each."""
-
-    stage: _Buffer
-    family: str
-    row_bytes: int
-
-
 def _settle(device: torch.device) -> None:
     """NIXL reads and writes from the CPU's point in time: let the stream finish what fills the buffers."""
     if device.type == "cuda":
@@ -139,18 +99,12 @@ class NixlEngine(SkeletonEngine):
 
     def __init__(self, comm: Communicator) -> None:
         super().__init__(comm)
-        comm._inbox.open_channel(_MAGIC)  # MoE notifications never mix with the user's
+        self._arrivals = Arrivals(comm)
+        self._buffers = NixlBuffers(comm)
         self._rounds = 0  # count exchanges so far: the same on every rank
-        self._counts: tuple[int, _Buffer, _Buffer] | None = None  # (slot width, slots, my row)
-        self._receive: dict[str, _Buffer] = {}
-        self._sizes: dict[str, list[int]] = {}  # every rank's receive buffer size, per family
-        self._remote: dict[tuple[str, int], tuple[int, TensorDesc]] = {}
-        self._staging: dict[str, _Buffer] = {}
-        self._retired: list[_Buffer] = []  # outgrown buffers, kept registered (see _retire)
+        self._counts: tuple[int, Buffer, Buffer] | None = None  # (slot width, slots, my row)
         self._counts_transfers: dict[tuple[int, int], list] = {}  # (slot parity, width) -> one WRITE per peer
-        self._pools: dict[tuple, BlockPool] = {}  # block pools over staging buffers, see _local_pool
         self._writes: dict[tuple[str, int], tuple[tuple, BlockTransfer]] = {}  # (purpose, peer) -> (key, WRITE)
-        self._early: list[set[tuple[int, int]]] = [set() for _ in range(comm.world_size)]
 
     def place(self, counts: torch.Tensor, capacity: int | None, fn: str) -> _Placement:
         """The skeleton's placement plus this rank's slot in every destination's arrival buffer."""
@@ -168,10 +122,10 @@ class NixlEngine(SkeletonEngine):
         rows_per_rank = where.rows_per_rank.tolist()
         num_received = rows_per_rank[me]
         family = f"dispatch/{device.type}"
-        x_buffer = self._ensure_receive(f"{family}/x", [n * row_bytes for n in rows_per_rank], device)
-        meta_buffer = self._ensure_receive(f"{family}/meta", [n * _META_BYTES for n in rows_per_rank], device)
-        arrived_x = _rows_or_empty(x_buffer, x.dtype, num_received, (hidden,), device)
-        arrived_meta = _rows_or_empty(meta_buffer, torch.int64, num_received, (META_COLUMNS,), device)
+        x_buffer = self._buffers.receive(f"{family}/x", [n * row_bytes for n in rows_per_rank], device)
+        meta_buffer = self._buffers.receive(f"{family}/meta", [n * _META_BYTES for n in rows_per_rank], device)
+        arrived_x = rows_or_empty(x_buffer, x.dtype, num_received, (hidden,), device)
+        arrived_meta = rows_or_empty(meta_buffer, torch.int64, num_received, (META_COLUMNS,), device)
 
         num_sent = int(where.pairs_per_rank[me])
         sent = where.send_counts.sum(1).tolist()  # rows to each destination
@@ -180,9 +134,9 @@ class NixlEngine(SkeletonEngine):
         arrival_start = _starts(from_source)
         tokens = layout.token_of_row[:num_sent]
         weights = topk_weights.reshape(-1).index_select(0, layout.order[:num_sent])
-        stage_x = self._stage("dispatch/x", num_sent * row_bytes, device)
+        stage_x = self._buffers.stage("dispatch/x", num_sent * row_bytes, device)
         staged_x = stage_x.rows(x.dtype, num_sent, (hidden,))
-        stage_meta = self._stage("dispatch/meta", num_sent * _META_BYTES, device)
+        stage_meta = self._buffers.stage("dispatch/meta", num_sent * _META_BYTES, device)
         staged_meta = stage_meta.rows(torch.int64, num_sent, (META_COLUMNS,))
         own = slice(first[me], first[me] + sent[me])
         for part in _around(own, num_sent):  # the peers' rows; this rank's own skip the staging buffer
@@ -195,11 +149,11 @@ class NixlEngine(SkeletonEngine):
             torch.index_select(x, 0, tokens[own], out=arrived_x[arrive])
             pack_meta(arrived_meta[arrive], me, tokens[own], weights[own])
 
-        streams = [_Stream(stage_x, f"{family}/x", row_bytes), _Stream(stage_meta, f"{family}/meta", _META_BYTES)]
+        streams = [Stream(stage_x, f"{family}/x", row_bytes), Stream(stage_meta, f"{family}/meta", _META_BYTES)]
         streams = [stream for stream in streams if stream.row_bytes]  # rows of H = 0 elements: metadata only
         ranges = {peer: (first[peer], where.arrival_slot[peer], n) for peer, n in enumerate(sent) if n and peer != me}
         senders = [s for s, n in enumerate(from_source) if n and s != me]
-        self._move(_ROWS, self._rounds, "dispatch", streams, ranges, own_rows, senders, "dispatch")
+        self._move(ROWS, self._rounds, "dispatch", streams, ranges, own_rows, senders, "dispatch")
 
         # Both directions of the permutation, so that dispatch and combine each gather (a scatter with
         # index_copy_ takes ~3x as long on the host).
@@ -223,13 +177,13 @@ class NixlEngine(SkeletonEngine):
         where = state.where
         pairs = where.pairs_per_rank.tolist()  # rows each rank dispatched = rows it gets back
         family = f"combine{handle.dispatch_index % 2}/{device.type}"
-        back = self._ensure_receive(family, [n * row_bytes for n in pairs], device)
-        returned = _rows_or_empty(back, expert_out.dtype, pairs[me], (hidden,), device)
+        back = self._buffers.receive(family, [n * row_bytes for n in pairs], device)
+        returned = rows_or_empty(back, expert_out.dtype, pairs[me], (hidden,), device)
         num_received = state.num_received
         from_source = where.recv_counts.sum(1).tolist()
         arrival_start = _starts(from_source)
         target = where.return_start[:, 0].tolist()  # where each source's range starts in its send order
-        stage = self._stage("combine", num_received * row_bytes, device)
+        stage = self._buffers.stage("combine", num_received * row_bytes, device)
         staged = stage.rows(expert_out.dtype, num_received, (hidden,))
         position = state.receive_position  # gathering with it puts receive order back into arrival order
         outputs = expert_out.detach()  # bytes leave through NIXL: no gradient flows here either way
@@ -245,7 +199,7 @@ class NixlEngine(SkeletonEngine):
         ranges = {source: (arrival_start[source], target[source], n) for source, n in enumerate(from_source)
                   if n and source != me and row_bytes}
         senders = [r for r, n in enumerate(where.send_counts.sum(1).tolist()) if n and r != me and row_bytes]
-        self._move(_RETURN, state.round, family, [_Stream(stage, family, row_bytes)], ranges, own_rows, senders,
+        self._move(RETURN, state.round, family, [Stream(stage, family, row_bytes)], ranges, own_rows, senders,
                    "combine")
         return weighted_sum(returned, handle.layout, handle.topk_weights)
 
@@ -260,13 +214,13 @@ class NixlEngine(SkeletonEngine):
         if nbytes == 0:
             return torch.empty(num_received, *row_shape, dtype=send.dtype, device=device), recv_counts
         family = f"a2av/{device.type}"
-        buffer = self._ensure_receive(family, [n * nbytes for n in where.rows_per_rank.tolist()], device)
+        buffer = self._buffers.receive(family, [n * nbytes for n in where.rows_per_rank.tolist()], device)
         # One expert per rank: the arrival order (source major) is the receive order.
-        arrived = _rows_or_empty(buffer, torch.uint8, num_received, (nbytes,), device)
+        arrived = rows_or_empty(buffer, torch.uint8, num_received, (nbytes,), device)
         sent = where.send_counts.reshape(-1).tolist()
         first, slot = _starts(sent), where.arrival_slot
         rows = send.reshape(send.shape[0], nbytes // send.element_size()).view(torch.uint8)
-        stage = self._stage("a2av", send.shape[0] * nbytes, device)
+        stage = self._buffers.stage("a2av", send.shape[0] * nbytes, device)
         staged = stage.rows(torch.uint8, send.shape[0], (nbytes,))
         own = slice(first[me], first[me] + sent[me])
         for part in _around(own, send.shape[0]):
@@ -278,7 +232,7 @@ class NixlEngine(SkeletonEngine):
 
         ranges = {peer: (first[peer], slot[peer], n) for peer, n in enumerate(sent) if n and peer != me}
         senders = [s for s, n in enumerate(recv_counts) if n and s != me]
-        self._move(_ROWS, self._rounds, "a2av", [_Stream(stage, family, nbytes)], ranges, own_rows, senders,
+        self._move(ROWS, self._rounds, "a2av", [Stream(stage, family, nbytes)], ranges, own_rows, senders,
                    "all_to_all_v")
         recv = arrived.clone().view(send.dtype).view(num_received, *row_shape)
         return recv, recv_counts
@@ -287,15 +241,8 @@ class NixlEngine(SkeletonEngine):
         """Close the prepared WRITEs and block pools and deregister every buffer (local; idempotent)."""
         self._drop_counts_transfers()
         self._drop_writes()
-        for pool in self._pools.values():
-            pool.close()
-        self._pools.clear()
-        buffers = [*self._receive.values(), *self._staging.values(), *self._retired]
-        if self._counts is not None:
-            buffers += self._counts[1:]
-        self._receive, self._staging, self._retired, self._counts = {}, {}, [], None
-        for buffer in buffers:
-            buffer.close()
+        counts, self._counts = self._counts, None
+        self._buffers.close(*(counts[1:] if counts is not None else ()))
 
     # --- the count exchange ---------------------------------------------------------------------
     def exchange_counts(self, row: torch.Tensor, fn: str) -> torch.Tensor:
@@ -318,42 +265,32 @@ class NixlEngine(SkeletonEngine):
             # names the parity, not the round: a peer is never two rounds ahead (it needs our counts of
             # the round in between), so the parity tells the rounds apart.
             offset = (parity * world + me) * stride * 8
-            message = _MAGIC + _MESSAGE.pack(_COUNTS, parity)
+            notify = message(COUNTS, parity)
             transfers = self._counts_transfers[(parity, width)] = [
-                self.comm.prepare(Op.WRITE, own, self._peer_buffer("counts", peer).narrow(offset, width * 8),
-                                  notify=message, transport="nixl") for peer in peers]
+                self.comm.prepare(Op.WRITE, own, self._buffers.peer("counts", peer).narrow(offset, width * 8),
+                                  notify=notify, transport="nixl") for peer in peers]
         try:
             for transfer in transfers:
                 transfer.post()
-            self._await(_COUNTS, parity, peers, transfers, fn)
+            self._arrivals.wait(COUNTS, parity, peers, transfers, fn)
         except BaseException:
             self._drop_counts_transfers()  # a failed round may leave them in flight: prepare afresh next time
             raise
         return table[parity, :, :width].clone()
 
-    def _counts_space(self, width: int) -> tuple[int, _Buffer, _Buffer]:
+    def _counts_space(self, width: int) -> tuple[int, Buffer, Buffer]:
         """The counts buffers, grown in lockstep (every rank asks for the same width in the same call)."""
         stride = max(64, next_power_of_two(width))
         if self._counts is None or self._counts[0] < stride:
             self._drop_counts_transfers()
             if self._counts is not None:
-                self._retire(self._counts[1], self._counts[2])
-            slots = _Buffer(self.comm, 2 * self.world_size * stride * 8, torch.device("cpu"))
-            mine = _Buffer(self.comm, stride * 8, torch.device("cpu"))
+                self._buffers.retire(self._counts[1], self._counts[2])
+            slots = Buffer(self.comm, 2 * self.world_size * stride * 8, torch.device("cpu"))
+            mine = Buffer(self.comm, stride * 8, torch.device("cpu"))
             self._counts = (stride, slots, mine)
-            self._sizes["counts"] = [slots.nbytes] * self.world_size
+            self._buffers.sizes["counts"] = [slots.nbytes] * self.world_size
             self.comm.publish(f"moe/nixl/counts/{slots.nbytes}", slots.desc)
         return self._counts
-
-    def _retire(self, *buffers: _Buffer) -> None:
-        """Keep outgrown buffers registered until the communicator closes, so no address a peer has seen is
-        freed and handed to the next buffer mid-job. Growth is geometric: at most as much again as the
-        largest buffers. Block pools over them (and their WRITEs) are closed: nothing is in flight between
-        calls."""
-        self._retired.extend(buffers)
-        gone = {id(buffer) for buffer in buffers}
-        for key in [key for key in self._pools if gone.intersection(key[0])]:
-            self._pools.pop(key).close()
 
     def _drop_counts_transfers(self) -> None:
         for transfers in self._counts_transfers.values():
@@ -361,42 +298,8 @@ class NixlEngine(SkeletonEngine):
                 transfer.close()
         self._counts_transfers.clear()
 
-    # --- buffers --------------------------------------------------------------------------------
-    def _ensure_receive(self, family: str, need: list[int], device: torch.device) -> _Buffer | None:
-        """This rank's receive buffer of ``family``, grown if ``need[self.rank]`` bytes do not fit; also
-        grows this rank's record of every peer's size (the same rule runs on every rank)."""
-        sizes = self._sizes.setdefault(family, [0] * self.world_size)
-        for rank, nbytes in enumerate(need):
-            if nbytes > sizes[rank]:
-                sizes[rank] = max(_MIN_BUFFER_BYTES, next_power_of_two(nbytes))
-        mine = self._receive.get(family)
-        if sizes[self.rank] and (mine is None or mine.nbytes != sizes[self.rank]):
-            if mine is not None:
-                self._retire(mine)
-            mine = self._receive[family] = _Buffer(self.comm, sizes[self.rank], device)
-            self.comm.publish(f"moe/nixl/{family}/{mine.nbytes}", mine.desc)
-        return mine
-
-    def _peer_buffer(self, family: str, peer: int) -> TensorDesc:
-        """The descriptor of ``peer``'s current ``family`` buffer (looked up once per size)."""
-        size = self._sizes[family][peer]
-        cached = self._remote.get((family, peer))
-        if cached is None or cached[0] != size:
-            desc = self.comm.lookup(f"moe/nixl/{family}/{size}", peer)[0]
-            cached = self._remote[(family, peer)] = (size, desc)
-        return cached[1]
-
-    def _stage(self, name: str, nbytes: int, device: torch.device) -> _Buffer:
-        """A registered local buffer of at least ``nbytes`` (rows are gathered into it for NIXL to read)."""
-        buffer = self._staging.get(name)
-        if buffer is None or buffer.nbytes < nbytes or buffer.tensor.device != device:
-            if buffer is not None:
-                self._retire(buffer)
-            buffer = self._staging[name] = _Buffer(self.comm, max(_MIN_BUFFER_BYTES, next_power_of_two(nbytes)), device)
-        return buffer
-
     # --- moving bytes ---------------------------------------------------------------------------
-    def _move(self, kind: int, round_: int, purpose: str, streams: list[_Stream],
+    def _move(self, kind: int, round_: int, purpose: str, streams: list[Stream],
               ranges: dict[int, tuple[int, int, int]], local_work: Callable[[], None], senders: list[int],
               fn: str) -> None:
         """Post one WRITE (with notify (kind, round)) per peer in ``ranges``: ``(first, target, count)`` moves
@@ -405,25 +308,25 @@ class NixlEngine(SkeletonEngine):
         theirs first), and wait until every rank in ``senders`` has notified (kind, round) and our own WRITEs
         are done. Blocks (sleeping between polls), bounded by the communicator's timeout. The WRITEs stay
         prepared for the next call (``purpose`` names them)."""
-        message = _MAGIC + _MESSAGE.pack(kind, round_)
+        notify = message(kind, round_)
         posted = []
         try:
             for peer, (first, target, count) in ranges.items():
                 write = self._write_to(purpose, peer, streams)
-                write.post(np.arange(first, first + count), np.arange(target, target + count), notify=message)
+                write.post(np.arange(first, first + count), np.arange(target, target + count), notify=notify)
                 posted.append(write)
             local_work()
-            self._await(kind, round_, senders, posted, fn)
+            self._arrivals.wait(kind, round_, senders, posted, fn)
         except BaseException:
             self._drop_writes()  # a failed call may leave them in flight: prepare afresh next time
             raise
 
-    def _write_to(self, purpose: str, peer: int, streams: list[_Stream]) -> BlockTransfer:
+    def _write_to(self, purpose: str, peer: int, streams: list[Stream]) -> BlockTransfer:
         """The prepared row WRITE from this rank's staging buffers to ``peer``'s buffers of the streams'
         families, for ``purpose``; prepared again (one store round trip) only when a buffer on either side
         was replaced or the bytes per row changed."""
-        pool = self._local_pool(streams)
-        descs = [self._peer_buffer(stream.family, peer) for stream in streams]
+        pool = self._buffers.pool(streams)
+        descs = [self._buffers.peer(stream.family, peer) for stream in streams]
         key = (id(pool), tuple((d.addr, d.nbytes, d.epoch, s.row_bytes) for d, s in zip(descs, streams)))
         cached = self._writes.get((purpose, peer))
         if cached is not None and cached[0] == key and not cached[1].closed:
@@ -437,72 +340,10 @@ class NixlEngine(SkeletonEngine):
         self._writes[(purpose, peer)] = (key, write)
         return write
 
-    def _local_pool(self, streams: list[_Stream]) -> BlockPool:
-        """A block pool whose block ``i`` is row ``i`` of every stream's stage buffer (views inside their
-        registrations: nothing is registered again), made once per (buffers, bytes per row)."""
-        key = (tuple(id(stream.stage) for stream in streams), tuple(stream.row_bytes for stream in streams))
-        pool = self._pools.get(key)
-        if pool is None:
-            rows = min(stream.stage.nbytes // stream.row_bytes for stream in streams)
-            views = [stream.stage.tensor[:rows * stream.row_bytes].view(rows, stream.row_bytes) for stream in streams]
-            pool = self._pools[key] = self.comm.register_blocks(views)
-        return pool
-
     def _drop_writes(self) -> None:
         for _, write in self._writes.values():
             write.close()
         self._writes.clear()
-
-    def _await(self, kind: int, round_: int, senders: list[int], transfers: list, fn: str) -> None:
-        """Wait for one (kind, round) notification from each of ``senders`` (others that arrive are kept for
-        their own call) and for ``transfers`` to complete. A posted NIXL WRITE only progresses while its
-        status is polled, so both are polled in one loop: waiting for the peers alone would deadlock."""
-        wanted = (kind, round_)
-        pending = []
-        for sender in senders:
-            if wanted in self._early[sender]:
-                self._early[sender].remove(wanted)
-            else:
-                pending.append(sender)
-        in_flight = list(transfers)
-
-        def ready() -> bool:
-            for transfer in list(in_flight):
-                state = transfer.status()
-                if state is Status.ERROR:
-                    raise TransferError(f"{fn}: the WRITE of {_KIND_NAMES[kind]} to rank {transfer.peer} failed; "
-                                        "the peer may have exited")
-                if state is Status.DONE:
-                    in_flight.remove(transfer)
-            for sender in list(pending):
-                while (message := self.comm._inbox.try_pop(sender, _MAGIC)) is not None:
-                    got = self._parse(message, sender, fn)
-                    if got == wanted:
-                        pending.remove(sender)
-                        break
-                    if got in self._early[sender]:
-                        raise TransferError(
-                            f"{fn}: rank {sender} delivered {_KIND_NAMES[got[0]]} of round {got[1]} twice")
-                    self._early[sender].add(got)
-            return not pending and not in_flight
-
-        def describe() -> str:
-            if pending:
-                return (f"{fn}: rank(s) {pending} did not deliver their {_KIND_NAMES[kind]} of round {round_}; "
-                        "every rank must make the same MoE calls in the same order")
-            return f"{fn}: WRITEs of {_KIND_NAMES[kind]} to rank(s) {[t.peer for t in in_flight]} did not complete"
-
-        wait_until(ready, self.comm.timeout_s, describe, self.comm.config)
-
-    @staticmethod
-    def _parse(message: bytes, sender: int, fn: str) -> tuple[int, int]:
-        if len(message) != len(_MAGIC) + _MESSAGE.size or not message.startswith(_MAGIC):
-            raise TransferError(
-                f"{fn}: rank {sender} sent a malformed tensorwire.moe notification ({message[:24]!r}); "
-                "messages starting with b'twmoe' are reserved for tensorwire.moe"
-            )
-        kind, round_ = _MESSAGE.unpack_from(message, len(_MAGIC))
-        return kind, round_
 
 
 def _starts(counts: list[int]) -> list[int]:
@@ -543,9 +384,3 @@ def _in_receive_order(arrived: torch.Tensor, arrival_row: torch.Tensor, rows: in
     torch.index_select(arrived, 0, arrival_row, out=out[:arrived.shape[0]])
     return out
 
-
-def _rows_or_empty(buffer: _Buffer | None, dtype: torch.dtype, count: int, row_shape: tuple[int, ...],
-                   device: torch.device) -> torch.Tensor:
-    if buffer is None:
-        return torch.zeros(count, *row_shape, dtype=dtype, device=device)
-    return buffer.rows(dtype, count, row_shape)
