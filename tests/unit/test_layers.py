@@ -50,11 +50,11 @@ KNOWN_CIRCLES: list[tuple[frozenset[str], str]] = []
 # allowed. Seen as ``<name>._attr`` where the name is comm, _comm, communicator or _communicator.
 KNOWN_PRIVATE_REACHES: dict[str, set[str]] = {
     # MoE: the store under collectives' process groups, the transports selection checks for cuda and the set
-    # of dependents it adds each engine to, the notification inbox of the nixl engine, the progress thread
-    # that watches the cuda engine's GPU waits.
+    # of dependents it adds each engine to, the notification inbox and the liveness view (through the runtime)
+    # of the nixl engine's waits, the progress thread that watches the cuda engine's GPU waits.
     "tensorwire.moe.collectives": {"_rendezvous"},
     "tensorwire.moe.selection": {"_backends", "_dependents"},
-    "tensorwire.moe.engines.nixl_arrivals": {"_inbox"},
+    "tensorwire.moe.engines.nixl_arrivals": {"_inbox", "_runtime"},
     "tensorwire.moe.engines.cuda_waits": {"_runtime"},
     # The KV benchmark's raw-NIXL baseline swaps agent metadata through the communicator's store (the p2p
     # benchmark lends its own store to tw.init instead); a public store accessor would remove it.

@@ -49,8 +49,9 @@ class Arrivals:
     def wait(self, kind: int, round_: int, senders: list[int], transfers: list, fn: str) -> None:
         """Wait for one (kind, round) notification from each of ``senders`` (others that arrive are kept for
         their own call) and for ``transfers`` to complete. Blocks (sleeping), bounded by the communicator's
-        timeout. A posted NIXL WRITE only progresses while its status is polled, so both are polled in one loop:
-        waiting for the peers alone would deadlock."""
+        timeout; ``PeerLostError`` once one of those ranks is gone (within ``TENSORWIRE_LIVENESS_S``). A posted
+        NIXL WRITE only progresses while its status is polled, so both are polled in one loop: waiting for the
+        peers alone would deadlock."""
         wanted = (kind, round_)
         pending = []
         for sender in senders:
@@ -79,7 +80,14 @@ class Arrivals:
                         "every rank must make the same MoE calls in the same order")
             return f"{fn}: WRITEs of {_KIND_NAMES[kind]} to rank(s) {[t.peer for t in in_flight]} did not complete"
 
-        wait_until(ready, self._comm.timeout_s, describe, self._comm.config)
+        runtime = self._comm._runtime
+
+        def alive() -> None:  # a sender or WRITE target that is gone ends the wait now, not at the timeout
+            for rank in {*pending, *(transfer.peer for transfer in in_flight)}:
+                runtime.liveness.check(rank, describe)
+            runtime.between_polls()
+
+        wait_until(ready, self._comm.timeout_s, describe, self._comm.config, alive)
 
     def _arrived(self, sender: int, wanted: tuple[int, int], fn: str) -> bool:
         """Take ``sender``'s notifications until ``wanted``; keep the others for their own call."""
