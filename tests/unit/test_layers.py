@@ -49,10 +49,11 @@ KNOWN_CIRCLES: list[tuple[frozenset[str], str]] = []
 # Communicator at run time through private attributes, which no import shows; these, and no others, are
 # allowed. Seen as ``<name>._attr`` where the name is comm, _comm, communicator or _communicator.
 KNOWN_PRIVATE_REACHES: dict[str, set[str]] = {
-    # MoE: the store under collectives' process groups, the transports selection checks for cuda and the set
+    # MoE: the store under collectives' process groups (and the liveness view their host waits poll, through
+    # the runtime), the transports selection checks for cuda and the set
     # of dependents it adds each engine to, the notification inbox and the liveness view (through the runtime)
     # of the nixl engine's waits, the progress thread that watches the cuda engine's GPU waits.
-    "tensorwire.moe.collectives": {"_rendezvous"},
+    "tensorwire.moe.collectives": {"_rendezvous", "_runtime"},
     "tensorwire.moe.selection": {"_backends", "_dependents"},
     "tensorwire.moe.engines.nixl_arrivals": {"_inbox", "_runtime"},
     "tensorwire.moe.engines.cuda_waits": {"_runtime"},

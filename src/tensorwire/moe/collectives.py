@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..errors import BackendUnavailableError, TransferError, WaitTimeoutError
+from ..errors import BackendUnavailableError, PeerLostError, TransferError, WaitTimeoutError
+from ..progress import wait_until
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
@@ -87,14 +88,32 @@ def shutdown(comm: Communicator) -> None:
                 method()
 
 
-def _wait(work: Any, comm: Communicator, what: str) -> None:
-    """Complete ``work``: host collectives block until done (bounded by the communicator's timeout);
-    NCCL collectives make the current stream wait (no host block)."""
+def _wait(work: Any, comm: Communicator, what: str, on_host: bool) -> None:
+    """Complete ``work``: host collectives block until done (sleeping, bounded by the communicator's timeout,
+    ended with ``PeerLostError`` once a peer is gone: Gloo's own wait notices a closed connection but not a cut
+    link); NCCL collectives make the current stream wait (no host block)."""
+    runtime = comm._runtime
+    peers = [rank for rank in range(comm.world_size) if rank != comm.rank]
     try:
+        if on_host:
+            for rank in peers:
+                runtime.liveness.watch(rank)
+
+            def alive() -> None:
+                for rank in peers:
+                    runtime.liveness.check(rank, what)
+                runtime.between_polls()
+
+            wait_until(work.is_completed, comm.timeout_s, lambda: f"{what}: a peer may be slow, stuck or dead",
+                       comm.config, alive)
         work.wait(datetime.timedelta(seconds=comm.timeout_s))
     except RuntimeError as e:
         text = str(e)
-        if "imeout" in text or "timed out" in text:
+        gone = [(rank, reason) for rank in peers if (reason := runtime.peer_lost(rank, fresh=True)) is not None]
+        if gone:
+            raise PeerLostError(f"{what}: rank {gone[0][0]} is gone ({gone[0][1]}); torch.distributed said: "
+                                f"{text.splitlines()[0] if text else type(e).__name__}") from e
+        if "imeout" in text or "timed out" in text:  # Gloo and NCCL say it in words only
             raise WaitTimeoutError(f"{what}: not done after {comm.timeout_s:.3g}s ({text.splitlines()[0]}); "
                                    "a peer may be slow, stuck or dead") from e
         raise TransferError(f"{what} failed: {text.splitlines()[0] if text else type(e).__name__}") from e
@@ -106,7 +125,7 @@ def all_gather(comm: Communicator, row: torch.Tensor) -> torch.Tensor:
     group = process_group(comm, row.device)
     row = row.contiguous()
     parts = [torch.empty_like(row) for _ in range(comm.world_size)]
-    _wait(group.allgather([parts], [row]), comm, "all_gather over torch.distributed")
+    _wait(group.allgather([parts], [row]), comm, "all_gather over torch.distributed", row.device.type == "cpu")
     return torch.stack(parts)
 
 
@@ -117,4 +136,4 @@ def all_to_all(comm: Communicator, output: torch.Tensor, input: torch.Tensor,
     shape, on one device. Collective; host tensors block, CUDA tensors are stream-ordered (NCCL)."""
     group = process_group(comm, input.device)
     work = group.alltoall_base(output, input.contiguous(), list(output_splits), list(input_splits))
-    _wait(work, comm, "all_to_all over torch.distributed")
+    _wait(work, comm, "all_to_all over torch.distributed", input.device.type == "cpu")
