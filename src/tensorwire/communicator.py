@@ -117,6 +117,7 @@ class Communicator:
         self._registrations: weakref.WeakSet[Registration] = weakref.WeakSet()
         self._dependents: weakref.WeakSet = weakref.WeakSet()  # objects with close() (MoE engines): closed first
         self._publish_memory_map()
+        self._handed_out = True  # from here on a leak is the user's (see __del__)
 
     @property
     def closed(self) -> bool:
@@ -425,7 +426,7 @@ class Communicator:
         # Only a warning: closing is a departure the other ranks (and rank 0's store) wait for, which a
         # finalizer must not block on; the process's exit releases what is left.
         runtime = getattr(self, "_runtime", None)
-        if runtime is not None and not runtime.closed:
+        if getattr(self, "_handed_out", False) and not runtime.closed:
             warnings.warn(f"tensorwire: rank {self.rank}'s Communicator was garbage-collected without close(); "
                           "call comm.close() or use 'with tw.init() as comm'", ResourceWarning, stacklevel=2)
 

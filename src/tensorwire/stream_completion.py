@@ -155,6 +155,9 @@ class Doorbell:
 
     def __init__(self, owner: Transfer, words: cuda.HostWords, timeout_s: float) -> None:
         self._owner = owner
+        # Bound now: rings are served after the owner's close() (until the GPU work that rings has run),
+        # which clears the owner's request.
+        self._backend, self._request, self._notify = owner._backend, owner._request, owner._notify
         self._words = words
         self.timeout_s = timeout_s
         self.unwaited = False  # rung, and its wait_on not enqueued yet
@@ -200,14 +203,17 @@ class Doorbell:
 
     def _serve(self) -> bool:
         owner, words = self._owner, self._words
-        if owner._stuck is not None:  # the request timed out: release every stream that rings, post nothing more
-            # (every call on the handle raises ``_stuck``: close it and prepare a new one)
-            if words.values[DOORBELL]:
-                words.values[DOORBELL] = 0
-                words.values[DONE_FLAG] = 1
+        if owner._stuck is not None:  # timed out or revoked: release every stream that rings (and the ring in
+            # flight, if any: a revocation waits for it to finish), post nothing more (every call on the handle
+            # raises ``_stuck``: close it and prepare a new one)
+            with owner._stream_lock:
+                if words.values[DOORBELL] or self._in_flight:
+                    self._in_flight = False
+                    words.values[DOORBELL] = 0
+                    words.values[DONE_FLAG] = 1
             return owner._drained()
         if self._in_flight:
-            state = owner._backend.status(owner._request)
+            state = self._backend.status(self._request)
         elif self._pick_up():
             state = self._post()
         else:
@@ -235,11 +241,10 @@ class Doorbell:
         return True
 
     def _post(self) -> Status:
-        owner = self._owner
         try:
-            return owner._backend.post(owner._request, owner._notify)
+            return self._backend.post(self._request, self._notify)
         except Exception as e:  # noqa: BLE001 - release the stream: an error must not hang the GPU
-            owner._async_error = e
+            self._owner._async_error = e
             return Status.ERROR
 
     def _complete(self, state: Status) -> bool:
@@ -268,6 +273,7 @@ class Doorbell:
                 return  # served in time
             owner._stuck = timed_out(owner, "post(stream=)", self.timeout_s,  # before the release
                                      "; this transfer is failed now: close it and prepare a new one")
+            self._in_flight = False  # released here: the stuck handle never polls that request again
             self._words.values[DOORBELL] = 0
             self._words.values[DONE_FLAG] = 1
         warn_from_progress_thread(str(owner._stuck))

@@ -311,7 +311,9 @@ class Transfer(Closeable):
         timeout, and ended early when the peer is gone), so once ``close`` returns no byte of it lands: NIXL
         cannot cancel a READ or WRITE that UCX has started. A peer that is gone moves no more bytes; one that is
         alive but did not complete within the timeout is warned about (``RuntimeWarning``): its bytes may still
-        land. Never raises for the transfer's own failure."""
+        land. A stream post enqueued before ``close`` whose ring comes later is still served (the request is
+        released once the GPU work enqueued before ``close`` has run). Never raises for the transfer's own
+        failure."""
         if self.closed:
             return
         if self._state is Status.IN_PROGRESS and not self._posted_on_stream and self._request is not None:

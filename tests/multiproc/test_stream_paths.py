@@ -218,3 +218,35 @@ def test_close_releases_the_streams_still_waiting(stream, monkeypatch):
         stream.synchronize(5)
     assert comm.closed and x.closed
     assert any("close() released 2 stream wait(s)" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+def test_a_ring_that_comes_after_close_still_moves_the_bytes(comm, stream):
+    """close() while the stream has not reached its post(stream=) yet: the ring is served when it comes."""
+    source, destination, reg = _buffers(comm)
+    producer_done = cuda.HostWords(1)
+    with reg:
+        x = _prepare(comm, tw.READ, source, destination, reg)
+        stream.wait_value(producer_done.addr(0), 1)
+        x.post(stream=stream)
+        x.wait(stream=stream)
+        seen = _snapshot_on(stream, destination)
+        x.close()
+        source.fill_(9)
+        producer_done.values[0] = 1
+        stream.synchronize(5)
+        assert bool((seen[0] == 9).all()), f"the ring after close moved {seen[0][:4]}"
+
+
+def test_a_revoked_transfer_releases_the_stream_of_its_ring_in_flight(comm, stream):
+    """The peer deregisters the memory while a stream post is in flight: the stream goes on once the copy has
+    finished (not at the timeout, not never), and the handle raises RevokedError."""
+    source, destination, reg = _buffers(comm)
+    with reg, _prepare(comm, tw.WRITE, source, destination, reg) as x:
+        with fake.hold():
+            x.post(stream=stream)
+            x.wait(stream=stream, timeout=60)
+            time.sleep(NOT_YET_S)  # the ring is picked up and in flight
+            x._revoke(tw.RevokedError("revoked"))
+        stream.synchronize(5)
+        with pytest.raises(tw.RevokedError):
+            x.post(stream=stream)

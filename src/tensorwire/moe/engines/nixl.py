@@ -37,8 +37,10 @@ never land before every rank is done with the previous one. Count slots alternat
 (a rank that received nothing from a peer may finish a round before that peer has read its counts).
 Return buffers alternate between two dispatches, which is why a dispatch must be combined before the
 second dispatch after it (``check_fresh``). Inside a round each source writes only its own slot of an
-arrival buffer, and the receiver has read the buffer (into the tensors it returns; on a GPU the next
-dispatch's count read waits for that copy on the stream) before it posts its next counts. A
+arrival buffer, and the receiver has read the buffer (into the tensors it returns; on a GPU the next call
+waits for that copy on the current stream before it posts its counts: dispatch's count row is read from the
+device, all_to_all_v synchronises the stream first; calls on one device use one stream) before it posts its
+next counts. A
 staging buffer is refilled, and a prepared WRITE posted again, only by a later call: every call waits until
 its own WRITEs are complete. Notifications carry (kind, round): one that arrives early is remembered, so
 back-to-back calls never mix.
@@ -208,6 +210,9 @@ class NixlEngine(SkeletonEngine):
         row_shape = tuple(send.shape[1:])
         nbytes = row_bytes(send)
         counts = torch.tensor(send_counts, dtype=torch.int64)
+        # Its count row is made on the host, so reading it waits for no stream: let the stream finish the copies
+        # out of the arrival buffers (the last call's) before the peers, told our counts, write the next rows.
+        _settle(device)
         where = self.place(self.count_round(counts, 0, nbytes, None, world, "all_to_all_v"), None, "all_to_all_v")
         recv_counts = where.recv_counts.reshape(-1).tolist()
         num_received = sum(recv_counts)
