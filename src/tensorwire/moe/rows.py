@@ -47,6 +47,12 @@ def unpack_meta(meta: torch.Tensor, weight_dtype: torch.dtype) -> tuple[torch.Te
     return meta[:, 0].contiguous(), meta[:, 1].contiguous(), weights
 
 
+# float32 rows weighted_sum gathers at once, per device type: a GPU wants few ops (each eager op is a launch,
+# ~5 us), a CPU wants the rows to stay in its caches (measured on 2 cores, T=2048, K=8, H=1024: 4 MiB chunks
+# 2x faster than one 64 MiB chunk, and than the per-k loop).
+_COMBINE_CHUNK_BYTES = {"cuda": 256 << 20, "cpu": 4 << 20}
+
+
 def weighted_sum(returned: torch.Tensor, layout: SendLayout, topk_weights: torch.Tensor,
                  usable: torch.Tensor | None = None) -> torch.Tensor:
     """``y [T, H]``: ``y[t] = sum over valid k, in k order, of topk_weights[t, k] * returned[position(t, k)]``,
@@ -55,19 +61,29 @@ def weighted_sum(returned: torch.Tensor, layout: SendLayout, topk_weights: torch
     ``returned [R, H]`` holds the expert outputs in this rank's send order (rows past the valid ones may
     be garbage, even NaN: they are selected away, never multiplied in). ``usable [T, K]`` bool further
     masks pairs (e.g. dropped by a capacity overflow). Device ops only: no host sync, graph-safe.
+
+    All K rows of a chunk of tokens are gathered in one op and weighted in two, then added in k order: 5 + K
+    ops per chunk instead of 5 per k (an eager GPU step pays a launch for each), with the same float32
+    arithmetic. A chunk's float32 rows take at most ``_COMBINE_CHUNK_BYTES`` of the device type.
     """
     num_tokens, topk = layout.num_tokens, layout.topk
     hidden = returned.shape[1]
     result = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=returned.device)
     if returned.shape[0] == 0 or num_tokens == 0:
         return result.to(returned.dtype)
-    valid = layout.valid if usable is None else layout.valid & usable
+    dropped = ~(layout.valid if usable is None else layout.valid & usable)
     position = layout.position_of_pair.clamp(max=returned.shape[0] - 1)
     weights = topk_weights.to(torch.float32)
-    for k in range(topk):
-        rows = returned.index_select(0, position[:, k]).to(torch.float32)
-        contribution = rows * weights[:, k].unsqueeze(1)
-        result += torch.where(valid[:, k].unsqueeze(1), contribution, 0.0)
+    budget = _COMBINE_CHUNK_BYTES.get(returned.device.type, _COMBINE_CHUNK_BYTES["cpu"])
+    chunk = max(1, budget // max(1, topk * hidden * 4))
+    for start in range(0, num_tokens, chunk):
+        tokens = slice(start, min(num_tokens, start + chunk))
+        rows = returned.index_select(0, position[tokens].reshape(-1)).to(torch.float32)
+        rows = rows.view(-1, topk, hidden).mul_(weights[tokens].unsqueeze(2))
+        rows.masked_fill_(dropped[tokens].unsqueeze(2), 0.0)  # after the product: garbage rows may be NaN
+        out = result[tokens]
+        for k in range(topk):
+            out += rows[:, k]
     return result.to(returned.dtype)
 
 
