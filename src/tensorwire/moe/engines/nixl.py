@@ -60,7 +60,7 @@ from ...blocks import BlockPoolDesc, BlockTransfer
 from ..count_rows import HEADER
 from ..engine import DispatchHandle, Received, SkeletonEngine
 from ..layout import Placement, SendLayout, exclusive_cumsum, segment_positions
-from ..rows import META_COLUMNS, next_power_of_two, pack_meta, row_bytes, unpack_meta, weighted_sum
+from ..rows import META_COLUMNS, in_receive_order, next_power_of_two, pack_meta, row_bytes, unpack_meta, weighted_sum
 from .nixl_arrivals import COUNTS, RETURN, ROWS, Arrivals, message
 from .nixl_buffers import Buffer, NixlBuffers, Stream, rows_or_empty
 
@@ -165,8 +165,8 @@ class NixlEngine(SkeletonEngine):
         position, arrival_row, tokens_per_expert, num_recv_rows = _upload([
             position, arrival_row, where.tokens_per_expert, torch.tensor(num_received, dtype=torch.int64)], device)
         out_rows = num_received if capacity is None else capacity
-        recv_x = _in_receive_order(arrived_x, arrival_row, out_rows)
-        meta = _in_receive_order(arrived_meta, arrival_row, out_rows)
+        recv_x = in_receive_order(arrived_x, arrival_row, out_rows)
+        meta = in_receive_order(arrived_meta, arrival_row, out_rows)
         src_rank, src_idx, weights = unpack_meta(meta, topk_weights.dtype)
         return Received(recv_x=recv_x, tokens_per_expert=tokens_per_expert, recv_src_rank=src_rank,
                         recv_src_idx=src_idx, recv_weights=weights, num_recv_rows=num_recv_rows,
@@ -378,14 +378,3 @@ def _upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor
 def _around(middle: slice, total: int) -> tuple[slice, slice]:
     """The rows of ``[0, total)`` before and after ``middle``."""
     return slice(0, middle.start), slice(middle.stop, total)
-
-
-def _in_receive_order(arrived: torch.Tensor, arrival_row: torch.Tensor, rows: int) -> torch.Tensor:
-    """A new ``[rows, ...]`` tensor whose row ``j`` is ``arrived[arrival_row[j]]`` for ``j < n`` (``arrived
-    [n, ...]``, ``arrival_row [n]`` int64 on its device) and zeros past ``n``, as the torch engine gives with
-    ``capacity``."""
-    out = torch.empty(rows, *arrived.shape[1:], dtype=arrived.dtype, device=arrived.device)
-    out[arrived.shape[0]:] = 0
-    torch.index_select(arrived, 0, arrival_row, out=out[:arrived.shape[0]])
-    return out
-

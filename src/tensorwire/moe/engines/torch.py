@@ -17,7 +17,7 @@ from .. import collectives
 from ..count_rows import HEADER
 from ..engine import DispatchHandle, Received, SkeletonEngine
 from ..layout import Placement, SendLayout, segment_positions
-from ..rows import META_COLUMNS, pack_meta, row_bytes, unpack_meta, weighted_sum
+from ..rows import META_COLUMNS, in_receive_order, pack_meta, row_bytes, unpack_meta, weighted_sum
 
 __all__ = ["TorchEngine"]
 
@@ -57,9 +57,12 @@ class TorchEngine(SkeletonEngine):
         # (source, expert) to where the receive order puts it.
         final = segment_positions(where.recv_start.reshape(-1).to(x.device),
                                   where.recv_counts.reshape(-1).to(x.device), num_received)
+        # Gathered through the inverse permutation: a scatter (index_copy_) takes ~3x as long on the host.
+        arrival_row = torch.empty_like(final)
+        arrival_row[final] = torch.arange(num_received, device=x.device)
         out_rows = num_received if capacity is None else capacity
-        recv_x = torch.zeros(out_rows, hidden, dtype=x.dtype, device=x.device).index_copy_(0, final, raw_x)
-        meta = torch.zeros(out_rows, META_COLUMNS, dtype=torch.int64, device=x.device).index_copy_(0, final, raw_meta)
+        recv_x = in_receive_order(raw_x, arrival_row, out_rows)
+        meta = in_receive_order(raw_meta, arrival_row, out_rows)
         src_rank, src_idx, weights = unpack_meta(meta, topk_weights.dtype)
         return Received(recv_x=recv_x, tokens_per_expert=where.tokens_per_expert.to(x.device),
                         recv_src_rank=src_rank, recv_src_idx=src_idx, recv_weights=weights,
