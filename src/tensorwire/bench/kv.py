@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, TransferError
-from .command import header, write_json
+from .command import at_least, header, write_json
 from .kv_report import COPY, format_report, plot_kv
 from .record import Record, compare_with, records_to_json
 from .timing import Budget, CudaEventClock, HostClock, Timing, measure, quantile, time_call
@@ -398,6 +398,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-llama", action="store_true", help="skip the Llama-3-70B TP8 layout")
     parser.add_argument("--no-raw", action="store_true", help="skip the raw NIXL references")
     parser.add_argument("--time", type=float, default=None, help="seconds of timed calls per path (default 0.2)")
+    parser.add_argument("--timeout", type=at_least(float), default=None, metavar="S",
+                        help="give up after this many seconds (default 1800)")
     parser.add_argument("--json", default=None, help="write the records (and the command) as JSON here")
     parser.add_argument("--plot", default=None, help="write a PNG of GB/s per path here (needs matplotlib)")
 
@@ -411,7 +413,8 @@ def config_from(args: argparse.Namespace) -> KvBenchConfig:
         raise InvalidArgumentError("bench kv: --memory cuda, but torch sees no GPU here; pass --memory cpu")
     config = KvBenchConfig(memory=memory, llama=not args.no_llama, raw=not args.no_raw)
     overrides = {"blocks": split(args.blocks, int), "block_bytes": split(args.block_bytes, int),
-                 "ops": split(args.ops, str.upper), "patterns": split(args.patterns, str), "time_s": args.time}
+                 "ops": split(args.ops, str.upper), "patterns": split(args.patterns, str), "time_s": args.time,
+                 "timeout_s": args.timeout}
     return replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 
