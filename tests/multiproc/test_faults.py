@@ -178,6 +178,41 @@ def test_a_dead_peer_is_peer_lost_and_wait_after_a_failed_post_raises():
     assert close_s < BOUND_S
 
 
+def _block_reads_from_a_dead_peer():
+    """A decode rank READs KV blocks from a prefill rank that is killed between two requests."""
+    comm = tw.init()  # the default 300 s timeout: the bound must not depend on it
+    blocks = torch.full((64, 2048), comm.rank + 1, dtype=torch.int32)
+    with comm.register_blocks(blocks) as pool:
+        comm.publish_blocks("kv", pool)
+        remote = comm.lookup_blocks("kv", 1 - comm.rank, timeout=WAIT)
+        x = comm.prepare_blocks(tw.READ, pool, remote, transport="nixl")
+        ids = list(range(0, 64, 2))
+        x.post(ids, ids)
+        x.wait(timeout=WAIT)  # connected and working before the peer dies
+        comm.barrier(timeout=WAIT)
+        if comm.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        errors = []
+        t0 = time.monotonic()
+        while not errors and time.monotonic() - t0 < BOUND_S:
+            try:
+                x.post(ids, ids)
+                x.wait(timeout=WAIT)
+            except tw.TensorwireError as e:
+                errors.append((type(e).__name__, time.monotonic() - t0))
+        x.close()
+    t1 = time.monotonic()
+    comm.close()
+    return errors, time.monotonic() - t1
+
+
+def test_a_block_transfer_from_a_killed_peer_is_peer_lost_in_bounded_time():
+    errors, close_s = launch(_block_reads_from_a_dead_peer, 2, env=ENV, may_die=(1,))[0]
+    print(f"\nblock READ from a killed peer: {errors}; close {close_s:.2f}s")
+    assert errors and errors[0][0] == "PeerLostError", errors
+    assert errors[0][1] < BOUND_S and close_s < BOUND_S
+
+
 def test_wait_after_a_failed_post_raises_instead_of_reporting_the_last_success():
     """The backend refuses the second post: the wait that follows must raise (it used to return, since the
     first post had completed)."""
