@@ -10,6 +10,7 @@ never see the ``Communicator`` itself.
 from __future__ import annotations
 
 import math
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -79,6 +80,20 @@ class Runtime:
     def peer_lost(self, rank: int, fresh: bool = False) -> str | None:
         """Why ``rank`` is gone, or None while it is alive (this rank never is)."""
         return None if rank == self.rank else self.liveness.lost(rank, fresh=fresh)
+
+    def gone_among(self, ranks, seconds: float) -> tuple[int, str] | None:
+        """The first of ``ranks`` found gone, with why, looking for up to ``seconds`` (sleeping between looks):
+        for an error that a peer's death may have caused, reported before the liveness view has seen it (a
+        transport noticed the closed connection first). None if all look alive after that. Blocks."""
+        deadline = time.monotonic() + seconds
+        while True:
+            for rank in ranks:
+                reason = self.peer_lost(rank, fresh=True)
+                if reason is not None:
+                    return rank, reason
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
 
     def start_threads(self) -> None:
         """Start the progress and deadline threads now, ahead of a latency-sensitive first stream wait."""

@@ -109,9 +109,9 @@ def _wait(work: Any, comm: Communicator, what: str, on_host: bool) -> None:
         work.wait(datetime.timedelta(seconds=comm.timeout_s))
     except RuntimeError as e:
         text = str(e)
-        gone = [(rank, reason) for rank in peers if (reason := runtime.peer_lost(rank, fresh=True)) is not None]
-        if gone:
-            raise PeerLostError(f"{what}: rank {gone[0][0]} is gone ({gone[0][1]}); torch.distributed said: "
+        gone = runtime.gone_among(peers, comm.config.liveness_s)  # Gloo may see a closed connection first
+        if gone is not None:
+            raise PeerLostError(f"{what}: rank {gone[0]} is gone ({gone[1]}); torch.distributed said: "
                                 f"{text.splitlines()[0] if text else type(e).__name__}") from e
         if "imeout" in text or "timed out" in text:  # Gloo and NCCL say it in words only
             raise WaitTimeoutError(f"{what}: not done after {comm.timeout_s:.3g}s ({text.splitlines()[0]}); "

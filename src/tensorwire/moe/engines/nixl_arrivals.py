@@ -11,7 +11,7 @@ import struct
 from typing import TYPE_CHECKING
 
 from ...backends.base import Status
-from ...errors import TransferError
+from ...errors import PeerLostError, TransferError
 from ...progress import wait_until
 
 if TYPE_CHECKING:
@@ -65,8 +65,8 @@ class Arrivals:
             for transfer in list(in_flight):
                 state = transfer.status()
                 if state is Status.ERROR:
-                    raise TransferError(f"{fn}: the WRITE of {_KIND_NAMES[kind]} to rank {transfer.peer} failed; "
-                                        "the peer may have exited")
+                    self._raise_failed(transfer.peer, f"{fn}: the WRITE of {_KIND_NAMES[kind]} to rank "
+                                                      f"{transfer.peer} failed")
                 if state is Status.DONE:
                     in_flight.remove(transfer)
             for sender in list(pending):
@@ -88,6 +88,15 @@ class Arrivals:
             runtime.between_polls()
 
         wait_until(ready, self._comm.timeout_s, describe, self._comm.config, alive)
+
+    def _raise_failed(self, peer: int, what: str) -> None:
+        """A WRITE to ``peer`` failed: ``PeerLostError`` if the peer is gone (NIXL may report its death before
+        the liveness view has seen it: looked for up to the liveness period), else ``TransferError``."""
+        runtime = self._comm._runtime
+        gone = runtime.gone_among([peer], runtime.config.liveness_s)
+        if gone is not None:
+            raise PeerLostError(f"{what}: rank {peer} is gone ({gone[1]})")
+        raise TransferError(f"{what}; the peer may have exited")
 
     def _arrived(self, sender: int, wanted: tuple[int, int], fn: str) -> bool:
         """Take ``sender``'s notifications until ``wanted``; keep the others for their own call."""
