@@ -47,23 +47,22 @@ def info() -> BackendInfo:
 
 
 @contextlib.contextmanager
-def hold() -> Iterator[None]:
+def _while_set(flag: threading.Event) -> Iterator[None]:
+    flag.set()
+    try:
+        yield
+    finally:
+        flag.clear()
+
+
+def hold() -> contextlib.AbstractContextManager[None]:
     """Keep every fake copy of this process in flight while inside (a peer that does not answer)."""
-    _held.set()
-    try:
-        yield
-    finally:
-        _held.clear()
+    return _while_set(_held)
 
 
-@contextlib.contextmanager
-def fail() -> Iterator[None]:
+def fail() -> contextlib.AbstractContextManager[None]:
     """Make every fake copy of this process that completes while inside end in ``Status.ERROR``."""
-    _failing.set()
-    try:
-        yield
-    finally:
-        _failing.clear()
+    return _while_set(_failing)
 
 
 @dataclass
