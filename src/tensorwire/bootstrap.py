@@ -74,8 +74,10 @@ class Rendezvous:
         if token is None and env.world_size > 1:
             _warn_once("unauthenticated", (
                 "tensorwire: this job is unauthenticated (TENSORWIRE_JOB_TOKEN is not set): any process that reaches "
-                f"the store at {env.master_addr}:{env.master_port} can forge memory maps, descriptors and barrier "
-                "entries; set the same random TENSORWIRE_JOB_TOKEN on every rank (see the README)"), stacklevel=4)
+                f"the store at {env.master_addr}:{env.master_port} can read every rank's memory map (addresses, NIXL "
+                "agent metadata, shm file names) and with it READ and WRITE the registered memory over NIXL and send "
+                "notifications as a rank, and can forge maps, descriptors and barrier entries; set the same random "
+                "TENSORWIRE_JOB_TOKEN on every rank (see the README)"), stacklevel=4)
         if store is None:
             before = socket_fds()
             store = self._connect()

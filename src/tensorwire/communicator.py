@@ -31,6 +31,7 @@ from .descriptors import MemoryKind, TensorDesc
 from .environment import resolve_environment
 from .errors import InvalidArgumentError, PeerLostError, WaitTimeoutError
 from .memory_map import host_identity
+from .network import ucx_net_devices
 from .notifications import Notifications
 from .peers import Peers
 from .progress import Inbox
@@ -94,7 +95,8 @@ class Communicator:
         self.timeout_s = timeout_s
         self._rendezvous = Rendezvous(env, timeout_s, store, token=cfg.job_token, liveness_s=cfg.liveness_s)
         self._local_map = LocalMemoryMap()
-        self._nixl = NixlBackend(env.rank, progress_wakeup_ms=cfg.progress_wakeup_ms)
+        self._nixl = NixlBackend(env.rank, progress_wakeup_ms=cfg.progress_wakeup_ms, token=cfg.job_token,
+                                 net_devices=ucx_net_devices(self._rendezvous.liveness.address[0])[0])
         self._backends: dict[str, Backend] = {"nixl": self._nixl, "local": LocalBackend(self._local_map.view),
                                               "shm": ShmBackend(authenticated=cfg.job_token is not None),
                                               "fake": FakeBackend()}

@@ -93,7 +93,7 @@ def job_token_status() -> tuple[bool, str]:
     """``(authenticated, reason)`` for this process's environment, for diagnostics; never raises.
 
     ``authenticated`` is True when ``TENSORWIRE_JOB_TOKEN`` holds a usable token, i.e. every value this
-    process puts in the job's store carries an HMAC and every value it reads must carry a valid one."""
+    process puts in the job's store is encrypted and authenticated, and every value it reads must open."""
     try:
         token = _read_token()
     except InvalidArgumentError as e:
@@ -101,6 +101,8 @@ def job_token_status() -> tuple[bool, str]:
     if token is None:
         return False, (
             f"{_TOKEN_VARIABLE} is not set: the job is unauthenticated, so any process that reaches the store port "
-            f"can forge memory maps, descriptors and barrier entries; set the same token on every rank: {_MAKE_TOKEN}"
+            "can read the memory maps (addresses, NIXL metadata, shm names), READ and WRITE registered memory with "
+            f"them, and forge maps, descriptors and barrier entries; set the same token on every rank: {_MAKE_TOKEN}"
         )
-    return True, f"{_TOKEN_VARIABLE} is set: values in the store are authenticated (HMAC-SHA256, bound to their key)"
+    return True, (f"{_TOKEN_VARIABLE} is set: values in the store are encrypted and authenticated (AES-256-GCM, "
+                  "bound to their key), NIXL agents have unguessable names and only members' notifications count")

@@ -1,68 +1,96 @@
-"""Values sealed with the job token: what tensorwire puts in the store, bound to the key it is stored under.
+"""Values sealed with the job token: encrypted and authenticated, bound to the key they are stored under.
 
-``b"TWA" | version u8 | HMAC-SHA256(token, key length u32 | key | value) | value``. ``unseal`` refuses, with
-``AuthenticationError`` naming the key and the fix, a value that does not verify; without a token (an
-unauthenticated job) values are stored and read as they are. Pure functions: no store, no I/O.
+``b"TWE" | version u8 | nonce (12 bytes) | AES-256-GCM(value) with its 16-byte tag``. The cipher key is derived
+from the job token with HKDF-SHA256 (so the token itself never keys anything directly and other uses of it,
+such as the liveness handshake's HMAC, get independent keys); the associated data is the store key, length
+first, so a value copied under another key does not open. Encryption, not only a MAC: a memory map carries
+addresses, NIXL agent metadata (UCX worker addresses, remote keys) and shm file names, which are exactly what
+a process outside the job needs to reach our memory; sealed, the store shows it only sizes.
+
+``unseal`` refuses, with ``AuthenticationError`` naming the key and the fix, a value that does not open. Without
+a token (an unauthenticated job) values are stored and read as they are. Freshness (an old sealed value written
+back) is not decided here: a sealed value opens for as long as the token lives; the readers that care
+(memory maps) compare what they open with what they have seen and with what the owner says.
+
+Pure functions over ``cryptography``'s AEAD: no store, no I/O. Not in scope: hiding value sizes.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import functools
+import os
 import struct
 
 from .errors import AuthenticationError
 
-__all__ = ["seal", "unseal"]
+__all__ = ["seal", "unseal", "SEALED_OVERHEAD"]
 
-_SEAL_MAGIC = b"TWA"
-_SEAL_VERSION = 1
-_SEAL_HEADER = struct.Struct("<3sB32s")  # magic, version, HMAC-SHA256
+_MAGIC = b"TWE"
+_VERSION = 2
+_HEADER = struct.Struct("<3sB12s")  # magic, version, GCM nonce
+_TAG_BYTES = 16
+SEALED_OVERHEAD = _HEADER.size + _TAG_BYTES  # bytes a sealed value adds to its plaintext
+_KEY_INFO = b"tensorwire/store-values/aes-256-gcm/v2"
 _FIX_TOKEN = ("set the same TENSORWIRE_JOB_TOKEN on every rank of the job (tw.testing.launch does; see the README), "
               "and keep the store port away from processes outside the job")
 
 
-def _mac(token: bytes, key: str, value: bytes) -> bytes:
+@functools.lru_cache(maxsize=8)
+def _cipher(token: bytes):
+    """The AEAD keyed from ``token`` (derived once per token: HKDF costs more than a seal)."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_KEY_INFO).derive(token)
+    return AESGCM(key)
+
+
+def _associated(key: str) -> bytes:
     encoded = key.encode()
     # The key's length comes first so that (key, value) pairs cannot be re-split into another valid pair.
-    return hmac.new(token, struct.pack("<I", len(encoded)) + encoded + value, hashlib.sha256).digest()
+    return struct.pack("<I", len(encoded)) + encoded
 
 
 def seal(token: bytes, key: str, value: bytes) -> bytes:
-    """``value`` as stored under ``key`` in a job with ``token``: the MAC binds it to that key."""
-    return _SEAL_HEADER.pack(_SEAL_MAGIC, _SEAL_VERSION, _mac(token, key, value)) + value
+    """``value`` encrypted and authenticated for ``key`` in a job with ``token`` (a fresh random nonce each call:
+    96 bits, so a collision needs ~2^48 values under one token)."""
+    nonce = os.urandom(12)
+    return _HEADER.pack(_MAGIC, _VERSION, nonce) + _cipher(token).encrypt(nonce, bytes(value), _associated(key))
 
 
 def _is_sealed(blob: bytes) -> bool:
-    return len(blob) >= _SEAL_HEADER.size and blob[:3] == _SEAL_MAGIC
+    return len(blob) >= SEALED_OVERHEAD and blob[:3] == _MAGIC
 
 
 def unseal(token: bytes | None, key: str, blob: bytes) -> bytes:
     """The value ``seal`` sealed under ``key``; ``AuthenticationError`` naming the key and the fix when it does not
-    verify. Without a token (an unauthenticated job) values are taken as they are."""
+    open. Without a token (an unauthenticated job) values are taken as they are."""
+    from cryptography.exceptions import InvalidTag
+
     blob = bytes(blob)
     if token is None:
         if _is_sealed(blob):
             raise AuthenticationError(
-                f"store value {key!r} carries a job-token MAC but this process has no TENSORWIRE_JOB_TOKEN; it was not "
-                f"used: {_FIX_TOKEN}"
+                f"store value {key!r} is sealed with a job token but this process has no TENSORWIRE_JOB_TOKEN; it was "
+                f"not used: {_FIX_TOKEN}"
             )
         return blob
     if not _is_sealed(blob):
         raise AuthenticationError(
-            f"store value {key!r} ({len(blob)} bytes) has no job-token MAC: it was written by a process outside this "
-            f"job or by a rank without TENSORWIRE_JOB_TOKEN; it was not used: {_FIX_TOKEN}"
+            f"store value {key!r} ({len(blob)} bytes) is not sealed: it was written by a process outside this job or "
+            f"by a rank without TENSORWIRE_JOB_TOKEN; it was not used: {_FIX_TOKEN}"
         )
-    _, version, mac = _SEAL_HEADER.unpack_from(blob)
-    if version != _SEAL_VERSION:
+    _, version, nonce = _HEADER.unpack_from(blob)
+    if version != _VERSION:
         raise AuthenticationError(
-            f"store value {key!r} is sealed in format version {version}, this tensorwire reads {_SEAL_VERSION}; it was "
-            "not used: run the same tensorwire version on every rank"
+            f"store value {key!r} is sealed in format version {version}, this tensorwire reads {_VERSION}; it was not "
+            "used: run the same tensorwire version on every rank"
         )
-    value = blob[_SEAL_HEADER.size:]
-    if not hmac.compare_digest(mac, _mac(token, key, value)):
+    try:
+        return _cipher(token).decrypt(nonce, blob[_HEADER.size:], _associated(key))
+    except InvalidTag:
         raise AuthenticationError(
-            f"store value {key!r} ({len(blob)} bytes) fails its MAC check: written by a process without this job's "
-            f"token (or with another job's), altered, or copied from another key; it was not used: {_FIX_TOKEN}"
-        )
-    return value
+            f"store value {key!r} ({len(blob)} bytes) does not open with this job's token: written by a process "
+            f"without it (or with another job's), altered, or copied from another key; it was not used: {_FIX_TOKEN}"
+        ) from None

@@ -1,7 +1,17 @@
 """NIXL backend: one-sided READ/WRITE through the ``nixl`` package (UCX underneath).
 
-One NIXL agent per communicator, named ``tensorwire-rank<r>``. Scope: DRAM and VRAM on the UCX
-backend; metadata exchange is the communicator's job (``metadata`` / ``load_peer``).
+One NIXL agent per communicator. Scope: DRAM and VRAM on the UCX backend; metadata exchange is the
+communicator's job (``metadata`` / ``load_peer``).
+
+Members only. An agent's name is ``tw<rank>-<nonce>-<tag>``: a fresh random nonce per agent, and with a job token
+``tag = HMAC-SHA256(token, label | rank | nonce)`` (truncated to 128 bits). A name cannot be guessed from a rank, and
+only a process holding the token can make one that claims a rank: ``load_peer`` refuses metadata whose agent
+does not prove the rank it is loaded for, and ``notifications`` drops (and counts, warning once per name) what
+arrives from an agent that does not prove a rank, so a stranger's message never reaches ``wait_notification``
+and never costs a member's messages of the same batch. Without a token the name still carries a random nonce
+(a rank alone does not name an agent) but proves nothing: such a job is unauthenticated (see ``config.py``).
+UCX's TCP transport listens on the job's interface only (``network.ucx_net_devices``), unless the user set
+``UCX_NET_DEVICES``.
 
 Progress. NIXL's Python wrapper builds its agent with ``pthrDelay = 0``, which makes UCX's progress
 thread ``poll()`` with a zero timeout: a whole core per agent, idle. We rebuild the bindings agent with a
@@ -19,31 +29,56 @@ request bookkeeping then races (seen as segfaults under MoE traffic).
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
 import importlib
 import logging
+import os
+import re
+import secrets
 import sys
+import warnings
 from typing import Any
 
 import numpy as np
 
 from ..descriptors import MemoryKind
-from ..errors import BackendUnavailableError, PeerLostError, TransferError
+from ..errors import AuthenticationError, BackendUnavailableError, PeerLostError, TransferError
 from .base import BackendInfo, Capabilities, Op, Poster, Segment, Status
 from .block_copy import BlockBindings, BlockLayout
 
-__all__ = ["NixlBackend", "info", "agent_name", "quiet_nixl_logging"]
+__all__ = ["NixlBackend", "info", "agent_name", "member_rank", "quiet_nixl_logging"]
 
 _MEM_TYPE = {MemoryKind.CPU: "DRAM", MemoryKind.CUDA: "VRAM"}
-_AGENT_PREFIX = "tensorwire-rank"
+_NAME_LABEL = b"tensorwire nixl agent/"
+_NAME = re.compile(r"tw(\d{1,9})-([0-9a-f]{16})(?:-([0-9a-f]{32}))?")
 
 
-def agent_name(rank: int) -> str:
-    return f"{_AGENT_PREFIX}{rank}"
+def _tag(token: bytes, rank: int, nonce: str) -> str:
+    return hmac.new(token, _NAME_LABEL + f"{rank}/{nonce}".encode(), hashlib.sha256).hexdigest()[:32]
 
 
-def _rank_of(name: str | bytes) -> int:
-    name = name.decode() if isinstance(name, bytes) else name
-    return int(name[len(_AGENT_PREFIX):])
+def agent_name(rank: int, token: bytes | None) -> str:
+    """A fresh agent name for ``rank``: unguessable, and with ``token`` a proof that its maker holds the token."""
+    nonce = secrets.token_hex(8)
+    return f"tw{rank}-{nonce}" + (f"-{_tag(token, rank, nonce)}" if token is not None else "")
+
+
+def member_rank(name: str | bytes, token: bytes | None) -> int | None:
+    """The rank an agent name proves (with ``token``: its tag verifies), or None for a name no member makes."""
+    try:
+        name = name.decode() if isinstance(name, bytes) else name
+    except UnicodeDecodeError:
+        return None
+    match = _NAME.fullmatch(name)
+    if match is None:
+        return None
+    rank, nonce, tag = int(match[1]), match[2], match[3]
+    if token is None:
+        return rank if tag is None else None
+    if tag is None or not hmac.compare_digest(tag, _tag(token, rank, nonce)):
+        return None
+    return rank
 
 
 def _import_nixl() -> tuple[Any, Any]:
@@ -133,13 +168,22 @@ class NixlBackend:
     capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.CPU, MemoryKind.CUDA}), remote=True,
                                 stream_ordered=False, message_channel=True)
 
-    def __init__(self, rank: int, *, progress_wakeup_ms: float = 10.0) -> None:
+    def __init__(self, rank: int, *, progress_wakeup_ms: float = 10.0, token: bytes | None = None,
+                 net_devices: str | None = None) -> None:
+        """``token``: the job token (agent names prove membership with it); ``net_devices``: the network devices
+        UCX may listen on (``network.ucx_net_devices``; None: UCX's default, every interface)."""
         api, bindings = _import_nixl()
         self._errors = _error_classes(bindings)
         self.rank = rank
-        self.agent_name = agent_name(rank)
+        self._token = token
+        self.agent_name = agent_name(rank, token)
+        self._names: dict[int, str] = {}  # rank -> the agent name its loaded metadata proved
+        self._strangers: dict[str, int] = {}  # agent names that proved no rank -> notifications dropped
+        if "UCX_NET_DEVICES" in os.environ:
+            net_devices = None  # the user's choice stands
+        self.net_devices = net_devices
         try:
-            self.agent = _make_agent(api, bindings, self.agent_name, progress_wakeup_ms)
+            self.agent = _make_agent(api, bindings, self.agent_name, progress_wakeup_ms, net_devices=net_devices)
         except Exception as e:  # noqa: BLE001 - NIXL raises plain RuntimeError/its own classes
             raise BackendUnavailableError(
                 f"nixl: creating agent {self.agent_name!r} with the UCX backend failed: {e}; "
@@ -173,11 +217,35 @@ class NixlBackend:
         return True  # what the peer registered: the communicator checked the ranges against its map
 
     def load_peer(self, rank: int, metadata: bytes) -> None:
+        """Load ``rank``'s agent metadata; ``AuthenticationError`` when its agent's name does not prove ``rank``
+        (nothing is kept of it)."""
         try:
-            self.agent.add_remote_agent(metadata)
+            name = self.agent.add_remote_agent(metadata)
         except Exception as e:  # noqa: BLE001
             raise self._translate(e, f"loading the metadata of rank {rank}", peer=rank) from e
+        name = name.decode() if isinstance(name, bytes) else name
+        if member_rank(name, self._token) != rank:
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001 - refused either way
+                pass
+            raise AuthenticationError(
+                f"nixl: the memory map of rank {rank} names NIXL agent {name[:64]!r}, which does not prove rank {rank} "
+                "with this job's token; it was not loaded. Set the same TENSORWIRE_JOB_TOKEN on every rank")
+        old = self._names.get(rank)
+        if old is not None and old != name:  # the rank's agent was replaced: no request goes to the old one
+            try:
+                self.agent.remove_remote_agent(old)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self._names[rank] = name
         self._loaded_peers.add(rank)
+
+    def _name_of(self, peer: int) -> str:
+        try:
+            return self._names[peer]
+        except KeyError:
+            raise TransferError(f"nixl: rank {peer}'s metadata is not loaded; prepare a transfer to it first") from None
 
     def loaded_peers(self) -> frozenset[int]:
         """The ranks whose metadata this agent holds (it can send them notifications)."""
@@ -194,7 +262,7 @@ class NixlBackend:
                 [(s.addr, s.nbytes, max(s.device_index, 0)) for s in remote], _MEM_TYPE[remote_kind]
             )
             return self.agent.initialize_xfer(
-                op.value, local_descs, remote_descs, agent_name(peer), notify or b""
+                op.value, local_descs, remote_descs, self._name_of(peer), notify or b""
             )
         except Exception as e:  # noqa: BLE001
             raise self._translate(e, f"preparing a {op.value} with rank {peer}", peer=peer) from e
@@ -234,7 +302,7 @@ class NixlBackend:
         try:
             local_list = self.agent.prep_xfer_dlist("", _strided_rows(local), _MEM_TYPE[local.kind])
             try:
-                remote_list = self.agent.prep_xfer_dlist(agent_name(peer), _strided_rows(remote),
+                remote_list = self.agent.prep_xfer_dlist(self._name_of(peer), _strided_rows(remote),
                                                          _MEM_TYPE[remote.kind])
             except Exception:
                 self.agent.release_dlist_handle(local_list)
@@ -308,16 +376,38 @@ class NixlBackend:
             raise self._translate(e, "releasing a transfer") from e
 
     def notifications(self) -> list[tuple[int, bytes]]:
+        """``(sender rank, message)`` of what arrived, in order per sender. Messages from an agent that proves no
+        rank are dropped here (``strangers()`` counts them; one ``RuntimeWarning`` per name)."""
         try:
             new = self.agent.get_new_notifs()
         except Exception as e:  # noqa: BLE001
             raise self._translate(e, "reading notifications") from e
-        return [(_rank_of(name), bytes(msg)) for name, msgs in new.items() for msg in msgs]
+        arrived = []
+        for name, messages in new.items():
+            rank = member_rank(name, self._token)
+            if rank is None:
+                self._dropped(name, len(messages))
+                continue
+            arrived += [(rank, bytes(message)) for message in messages]
+        return arrived
+
+    def _dropped(self, name: Any, count: int) -> None:
+        name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+        if name not in self._strangers:
+            warnings.warn(
+                f"tensorwire: dropped {count} NIXL notification(s) from agent {name[:64]!r}, which is not a member of "
+                f"this job (its name proves no rank{' with the job token' if self._token else ''}); a process "
+                "outside the job reached this rank's NIXL agent", RuntimeWarning, stacklevel=3)
+        self._strangers[name] = self._strangers.get(name, 0) + count
+
+    def strangers(self) -> dict[str, int]:
+        """Agent names that sent notifications without proving a rank -> how many were dropped."""
+        return dict(self._strangers)
 
     def send_notification(self, peer: int, message: bytes) -> None:
         """A standalone notification to ``peer`` (whose metadata is loaded), delivered in order."""
         try:
-            self.agent.send_notif(agent_name(peer), message)
+            self.agent.send_notif(self._name_of(peer), message)
         except Exception as e:  # noqa: BLE001
             raise self._translate(e, f"notifying rank {peer}", peer=peer) from e
 
@@ -381,10 +471,13 @@ def _error_classes(bindings: Any) -> frozenset[str]:
     return frozenset(n for n in dir(bindings) if n.startswith("nixl") and n.endswith("Error"))
 
 
-def _make_agent(api: Any, bindings: Any, name: str, progress_wakeup_ms: float, sync_mode: str = "STRICT") -> Any:
+def _make_agent(api: Any, bindings: Any, name: str, progress_wakeup_ms: float, sync_mode: str = "STRICT",
+                net_devices: str | None = None) -> Any:
     """A ``nixl_agent`` whose UCX progress thread sleeps between events instead of spinning.
 
-    ``sync_mode`` is NIXL's thread-synchronisation mode (``"NONE"``, ``"RW"`` or ``"STRICT"``)."""
+    ``sync_mode`` is NIXL's thread-synchronisation mode (``"NONE"``, ``"RW"`` or ``"STRICT"``); ``net_devices``
+    restricts the network devices UCX uses (its ``NET_DEVICES`` setting, handed to the engine, not the process
+    environment)."""
     agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, backends=[]))
     config = bindings.nixlAgentConfig()
     config.useProgThread = True
@@ -395,5 +488,8 @@ def _make_agent(api: Any, bindings: Any, name: str, progress_wakeup_ms: float, s
     # Swap in the bindings agent before any backend exists, so that the UCX engine and its progress
     # thread are created with our config; every nixl_agent method goes through ``agent.agent``.
     agent.agent = bindings.nixlAgent(name, config)
-    agent.create_backend("UCX", {"ucx_error_handling_mode": "peer", "num_workers": "1"})
+    params = {"ucx_error_handling_mode": "peer", "num_workers": "1"}
+    if net_devices:
+        params["engine_config"] = f"NET_DEVICES={net_devices}"
+    agent.create_backend("UCX", params)
     return agent
