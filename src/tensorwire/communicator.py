@@ -233,11 +233,12 @@ class Communicator:
             backend = self._backends[self._peers.choose_transport(peer, pairs, transport)]
             uses_cuda = MemoryKind.CUDA in next(iter(kinds))
             channel_less = backend is not self._nixl and peer != self.rank
-            if (backend is self._nixl and uses_cuda) or (notify is not None and channel_less):
-                # Also for a transport whose notifications travel through NIXL: a first NIXL contact made
-                # later, while the peer's stream waits for that very notification, can wait forever.
-                self._peers.touch_remote_allocations(peer, pairs)
-            request = backend.prepare(op, [s for s, _ in pairs], [r for _, r in pairs], peer, notify)
+            with self._peers.lost_as_such(peer, "prepare"):
+                if (backend is self._nixl and uses_cuda) or (notify is not None and channel_less):
+                    # Also for a transport whose notifications travel through NIXL: a first NIXL contact made
+                    # later, while the peer's stream waits for that very notification, can wait forever.
+                    self._peers.touch_remote_allocations(peer, pairs)
+                request = backend.prepare(op, [s for s, _ in pairs], [r for _, r in pairs], peer, notify)
         nbytes = sum(s.nbytes for s, _ in pairs)
         transfer = Transfer(self._runtime, op, peer, nbytes, backend, request, notify, uses_cuda)
         transfer._remote_epochs = {d.epoch for d in remote_descs if d.nbytes}
@@ -340,9 +341,10 @@ class Communicator:
         pairs = list(zip(pool.layout.spans(), remote.layout().spans()))
         backend = self._backends[self._peers.choose_transport(peer, pairs, transport, "prepare_blocks")]
         uses_cuda = MemoryKind.CUDA in (pool.layout.kind, remote.kind)
-        if backend is self._nixl and uses_cuda:
-            self._peers.touch_remote_allocations(peer, pairs)
-        request = backend.prepare_blocks(op, pool.layout, remote.layout(), peer)
+        with self._peers.lost_as_such(peer, "prepare_blocks"):
+            if backend is self._nixl and uses_cuda:
+                self._peers.touch_remote_allocations(peer, pairs)
+            request = backend.prepare_blocks(op, pool.layout, remote.layout(), peer)
         core = Transfer(self._runtime, op, peer, 0, backend, request, None, uses_cuda)
         core._remote_epochs = {region[3] for region in remote.regions}
         self._runtime.transfers.add(core)

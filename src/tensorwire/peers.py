@@ -13,9 +13,10 @@ peer: the peer is this rank -> ``local``; same host and GPU memory on both sides
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from . import cuda
 from .backends import registry
@@ -23,7 +24,7 @@ from .backends.base import Backend, Segment, Status
 from .backends.nixl import NixlBackend
 from .bootstrap import Rendezvous
 from .descriptors import MemoryKind, TensorDesc
-from .errors import BackendUnavailableError, InvalidArgumentError
+from .errors import BackendUnavailableError, InvalidArgumentError, PeerLostError, TransferError
 from .memory_map import MemoryMap, PeerView, typed_decoding
 from .progress import wait_until
 from .runtime import Runtime
@@ -99,10 +100,25 @@ class Peers:
         host = memory_map.sections.pop("host").decode()
         for name, metadata in memory_map.sections.items():
             if name in self._backends and (not self._backends[name].capabilities.same_host_only or host == self.host):
-                with typed_decoding(f"{source}, section {name!r}"):
+                loading = f"prepare: loading rank {rank}'s {name} metadata"
+                with typed_decoding(f"{source}, section {name!r}"), self.lost_as_such(rank, loading):
                     self._backends[name].load_peer(rank, metadata)
         self._views[rank] = PeerView(epoch, host, memory_map.regions)
         return True
+
+    @contextlib.contextmanager
+    def lost_as_such(self, rank: int, what: str) -> Iterator[None]:
+        """A backend's failure with ``rank`` is ``PeerLostError`` when ``rank`` is gone (a dead peer's metadata
+        or endpoint fails in the backend's own words: NIXL says ``NIXL_ERR_BACKEND``); looks for the death for up
+        to the liveness period, as a transport may see it before the liveness view does."""
+        try:
+            yield
+        except (TransferError, BackendUnavailableError) as e:
+            gone = self._runtime.gone_among([rank], self._runtime.config.liveness_s)
+            if gone is not None:
+                raise PeerLostError(f"{what}: rank {rank} is gone ({gone[1]}); it exited, crashed or closed its "
+                                    "communicator. Its memory cannot be reached: drop what refers to it") from e
+            raise
 
     def check_remote_ranges(self, peer: int, remote_descs: list[TensorDesc], fn: str = "prepare") -> None:
         """Every non-empty remote range must lie inside memory ``peer`` registered (refreshing the view), in the

@@ -521,3 +521,30 @@ def test_a_silent_holder_keeps_deregistered_memory_quarantined_until_it_answers_
     assert released_s is not None, f"the quarantine outlived the holder's {then} by {BOUND_S}s"
     if then == "returns":
         assert holder == "RevokedError", holder
+
+
+def _prepare_after_the_peer_died():
+    """Rank 0 looked rank 1's memory up but never touched it; rank 1 is killed; then rank 0 prepares and reads."""
+    comm = tw.init()
+    buf, out = rank_values(comm.rank, 4096), sentinel(4096)
+    reg = comm.register([buf, out])
+    comm.publish("kv", reg.descs[:1])
+    remote = comm.lookup("kv", 1 - comm.rank, timeout=WAIT)[0]
+    comm.barrier(timeout=WAIT)
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)  # dead by now; whether the liveness view has seen it yet is up to the calls below
+    errors = []
+    for call in (lambda: comm.prepare(tw.READ, out, remote, transport="nixl"),
+                 lambda: comm.read(out, remote, timeout=WAIT)):
+        try:
+            call()
+        except tw.TensorwireError as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    comm.close()
+    return errors
+
+
+def test_prepare_and_read_after_the_peer_died_are_peer_lost():
+    errors = launch(_prepare_after_the_peer_died, 2, env=ENV, may_die=(1,))[0]
+    assert len(errors) == 2 and all(e.startswith("PeerLostError") and "rank 1" in e for e in errors), errors
