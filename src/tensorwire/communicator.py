@@ -150,7 +150,14 @@ class Communicator:
         self._publish_memory_map()
         return registration
 
-    def _deregister(self, registration: Registration, handles: list) -> None:
+    def _deregister(self, registration: Registration, handles: list | None) -> None:
+        """Unmap, republish, revoke peers' transfers (blocks for their answers), release; ``handles=None``: a
+        ``close()`` again after the peers' answers timed out waits for them once more."""
+        epochs = sorted({d.epoch for d in registration.descs})
+        if handles is None:
+            if not self.closed:
+                self._revocations.retry(epochs)
+            return
         for s in registration.segments:
             self._local_map.remove(s)
         if self.closed:
@@ -160,8 +167,7 @@ class Communicator:
             # to them are revoked, then the backends let go (see tensorwire.revocation).
             self._publish_memory_map()
         tensors = registration._tensors  # kept alive by the release while peers may still post (quarantine)
-        epochs = sorted({d.epoch for d in registration.descs})
-        self._revocations.revoke(epochs, lambda: (self._release_handles(handles), tensors.clear()),
+        self._revocations.revoke(epochs, self._epoch, lambda: (self._release_handles(handles), tensors.clear()),
                                  wait=not self._closing)
 
     def _release_handles(self, handles: list[dict]) -> None:
@@ -243,6 +249,8 @@ class Communicator:
         transfer = Transfer(self._runtime, op, peer, nbytes, backend, request, notify, uses_cuda)
         transfer._remote_epochs = {d.epoch for d in remote_descs if d.nbytes}
         self._runtime.transfers.add(transfer)
+        if peer != self.rank:
+            self._revocations.listen()  # from now on this rank must answer revocations whatever its threads do
         for registration in registrations:
             registration.transfers.add(transfer)
         return transfer
@@ -348,6 +356,8 @@ class Communicator:
         core = Transfer(self._runtime, op, peer, 0, backend, request, None, uses_cuda)
         core._remote_epochs = {region[3] for region in remote.regions}
         self._runtime.transfers.add(core)
+        if peer != self.rank:
+            self._revocations.listen()
         for registration in set(pool._holders):
             registration.transfers.add(core)
         transfer = BlockTransfer(core, pool, remote)
@@ -408,6 +418,7 @@ class Communicator:
             attempt(registration.close)
         attempt(self._publish_memory_map)  # peers see every range gone (revocation) before the agent goes
         self._runtime.closed = True
+        attempt(self._revocations.stop)  # its thread ends before the backends go
         attempt(self._runtime.release_stream_waits)
         self._runtime.close(attempt)
         for backend in self._backends.values():

@@ -24,7 +24,14 @@ from .backends.base import Backend, Segment, Status
 from .backends.nixl import NixlBackend
 from .bootstrap import Rendezvous
 from .descriptors import MemoryKind, TensorDesc
-from .errors import BackendUnavailableError, InvalidArgumentError, PeerLostError, TransferError
+from .errors import (
+    AuthenticationError,
+    BackendUnavailableError,
+    InvalidArgumentError,
+    PeerLostError,
+    RevokedError,
+    TransferError,
+)
 from .memory_map import MemoryMap, PeerView, typed_decoding
 from .progress import wait_until
 from .runtime import Runtime
@@ -50,6 +57,8 @@ class Peers:
         self._local_regions = local_regions
         self._views: dict[int, PeerView] = {}
         self._touched: set[tuple] = set()  # remote ranges NIXL has mapped (see touch_remote_allocations)
+        self._revoked: dict[int, set[int]] = {}  # rank -> registration epochs it revoked (tensorwire.revocation)
+        self._floor: dict[int, int] = {}  # rank -> the map epoch its last revocation announced: nothing older counts
         self._warned: set[str] = set()
 
     def publish(self, rank: int, epoch: int, regions: list[TensorDesc]) -> None:
@@ -60,6 +69,13 @@ class Peers:
         sections.update({name: backend.metadata() for name, backend in self._backends.items()
                          if backend.capabilities.remote})
         self._rendezvous.set(f"memmap/{rank}", MemoryMap(epoch, sections, regions).pack())
+
+    def revoked(self, rank: int, epochs: list[int], map_epoch: int) -> None:
+        """``rank`` revoked these registration epochs and published map ``map_epoch`` without them: a later
+        ``prepare`` of them is refused (``RevokedError``) whatever the store holds, and a map of ``rank`` older than
+        ``map_epoch`` (an old value written back into the store) is not loaded. Called from the pump."""
+        self._revoked.setdefault(rank, set()).update(epochs)
+        self._floor[rank] = max(self._floor.get(rank, 0), map_epoch)
 
     def host_of(self, rank: int) -> str:
         """The host of a peer whose view is loaded (``view`` first)."""
@@ -90,6 +106,18 @@ class Peers:
                 raise InvalidArgumentError(
                     f"prepare: a descriptor of rank {rank} names epoch {min_epoch}, but rank {rank}'s memory map "
                     f"is at epoch {epoch}; the descriptor is corrupt or was not made by that rank: look it up again")
+            return False
+        floor = self._floor.get(rank, 0)
+        if epoch < floor:
+            # The owner published ``floor`` before it told this rank so; an older map in the store now was
+            # written back by someone else (or the store lost the newer one). Never use it: it may name memory
+            # the owner has freed and reused.
+            if time.monotonic() > give_up_at:
+                raise AuthenticationError(
+                    f"prepare: the store holds memory map epoch {epoch} of rank {rank}, older than epoch {floor} that "
+                    f"rank {rank} announced when it revoked memory: an old value was written back (a replay by a "
+                    "process that reaches the store) or the store lost the newer one; it was not used. Keep the store "
+                    "port away from processes outside the job, and look the descriptors up again")
             return False
         view = self._views.get(rank)
         # With a job token a newer view is authentic: an older map (a replayed value) never replaces it. Without
@@ -128,9 +156,14 @@ class Peers:
         else:
             view = self.view(peer, max(d.epoch for d in remote_descs), self._runtime.timeout_s)
             regions, epoch = view.regions, view.epoch
+        revoked = self._revoked.get(peer, ())
         for i, d in enumerate(remote_descs):
             if not d.nbytes:
                 continue
+            if d.epoch in revoked:
+                raise RevokedError(
+                    f"{fn}: remote item {i} [0x{d.addr:x}, +{d.nbytes}) comes from registration epoch {d.epoch} of "
+                    f"rank {peer}, which rank {peer} deregistered (revoked); look the descriptor up again")
             holders = [region for region in regions if region.contains(d)]
             if not holders:
                 raise InvalidArgumentError(

@@ -16,7 +16,7 @@ import torch
 
 from .backends.base import Segment
 from .descriptors import MemoryKind, TensorDesc
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, WaitTimeoutError
 from .lifetime import Closeable
 
 __all__ = ["Registration", "LocalMemoryMap", "as_tensor_list", "segment_of"]
@@ -64,6 +64,7 @@ class Registration(Closeable):
         self._handles = handles
         self.descs: list[TensorDesc] = descs
         self.closed = False
+        self._unanswered = False  # closed, but a live peer has not acknowledged the revocation yet
         self.transfers: weakref.WeakSet = weakref.WeakSet()  # prepared on this memory: closed with it
 
     @property
@@ -71,15 +72,26 @@ class Registration(Closeable):
         return list(self._tensors)
 
     def close(self) -> None:
-        """Deregister the memory, closing the transfers prepared on it. Local, non-collective; a peer must
-        not address it afterwards."""
+        """Deregister the memory, closing the transfers prepared on it. Not collective; blocks until every peer
+        that may hold a transfer to it has acknowledged the revocation or is gone (at most
+        ``2 * TENSORWIRE_LIVENESS_S``; see ``tensorwire.revocation``): once it returns no peer can write into the
+        memory and it may be reused at once. ``WaitTimeoutError`` when a live peer did not answer in time: the
+        memory stays registered (do not reuse it); calling ``close()`` again waits for the answers once more."""
         if self.closed:
+            if self._unanswered:
+                self._deregister(self, None)  # None: wait again for the peers' answers
+                self._unanswered = False
             return
         self.closed = True
         for transfer in list(self.transfers):  # no post may touch memory the backend no longer holds
             transfer.close()
-        self._deregister(self, self._handles)
-        self._tensors = []
+        try:
+            self._deregister(self, self._handles)
+        except WaitTimeoutError:
+            self._unanswered = True
+            raise
+        finally:
+            self._tensors = []
 
     def _leak_message(self) -> str:
         return (f"a Registration of {len(self.segments)} tensor(s) was garbage-collected without close(); "

@@ -1,37 +1,32 @@
-"""Revocation: when a rank deregisters memory, the transfers its peers prepared to it stop before they can
-write into it.
+"""Revocation: when a rank deregisters memory, the transfers its peers prepared to it stop before it returns.
 
 Protocol (notifications on the channel ``b"twrev"``; the owner is the rank that deregisters):
 
 1. The owner publishes its memory map without the ranges (a new ``prepare`` of them fails).
-2. It sends ``R <epochs>`` to every rank that may hold a transfer to them: every rank it has a liveness
-   connection with, or that opened one (each rank that prepared a transfer to this one connected to it first;
-   ``Liveness.peers``), or whose NIXL metadata it loaded.
-3. A rank handles ``R`` when it next pumps its notifications (any wait that sleeps: transfer waits,
-   ``wait_notification``, ``prepare``; the progress thread's notification watches). Every transfer of it to
-   those epochs is failed (``RevokedError`` from every later call: its CPU post never reaches the backend, and
-   the doorbell of a stream post is released without posting); it waits (bounded) until none of them is in
-   flight, then answers ``A <epochs>``.
-4. The owner does not wait: it keeps the tensors and their backend registrations (*quarantine*) until every
-   such rank has answered (handled by whichever of its threads pumps notifications next: its waits, its next
-   deregistration) or is gone, or the communicator closes; then it releases them from the backends and drops
-   the tensors.
+2. It sends ``R <new map epoch> <epochs>`` to every rank that may hold a transfer to them: every rank it has a
+   liveness connection with, or that opened one (each rank that prepared a transfer to this one connected to it
+   first; ``Liveness.peers``), or whose NIXL metadata it loaded.
+3. A holder handles ``R`` at once, on its revocation thread (below), whatever its user threads do: every
+   transfer of it to those epochs is failed (``RevokedError`` from every later call, however tight a
+   ``post()``/``wait()`` loop: its CPU post never reaches the backend, and the doorbell of a stream post is
+   released without posting); it remembers the epochs and the owner's new map epoch (a later ``prepare`` of a
+   revoked registration is refused, and an older map of the owner's, written back into the store, is not
+   accepted); it waits (bounded by ``liveness_s``) until none of those transfers is in flight, then answers
+   ``A <epochs>``.
+4. The owner's ``Registration.close()`` / ``BlockPool.close()`` returns once every such rank has answered or is
+   gone, and only then lets the backends release the memory. So when ``close()`` returns no peer can write into
+   the memory any more, and the owner may reuse it at once (what a KV cache that frees and reuses blocks needs).
+   A rank that stays alive without answering within ``2 * liveness_s`` (stopped, or stuck holding the GIL)
+   makes ``close()`` raise ``WaitTimeoutError`` naming it; the memory then stays registered and its tensors
+   referenced (*quarantine*) until that rank answers or is gone, or the communicator closes, and must not be
+   reused before (a later ``close()`` of the communicator, or the quarantine's own release, lets go).
 
-So a late write lands in memory that is still allocated, never in freed memory, and ``Registration.close`` never
-blocks on a peer. A rank busy outside tensorwire is not stopped before it handles the revocation (a check on
-every post would cost the hot path); its transfer fails at the first post after that.
-
-Bounds. The owner's deregistration returns without waiting for any peer (a store round trip to publish the map,
-one notification per rank). The memory is released by the owner's first sleeping wait (or next deregistration)
-after the last rank answered (a rank answers from its own first sleeping wait after ``R`` arrived) or is gone
-(a dead rank is noticed within ``liveness_s`` by those same waits), and at the latest when the owner's
-communicator closes. There is no timeout: a rank that stays alive without calling into tensorwire keeps the
-memory quarantined for as long as it is silent, because its prepared transfer could still post, and once the
-backends let go of the memory nothing stops those bytes (UCX's cma and CUDA IPC write to the address itself,
-and the allocator reuses it). ``quarantined()`` counts such deregistrations.
-
-The hot path costs nothing: a revoked transfer's bound post call is cleared, so its next post takes the
-slow path, which raises.
+The revocation thread. A holder must answer while its user threads are busy outside tensorwire, or spin in a
+tight loop of transfers that never sleeps. One daemon thread per communicator, started with its first transfer to
+another rank, pumps the notification inbox every ``_LISTEN_PERIOD_S`` (one ``get_new_notifs`` call: ~100
+cheap wake-ups a second, ~0 CPU) and handles ``twrev`` messages as they arrive; user notifications it pumps are
+only queued (``wait_notification`` reads them as before). The hot path costs nothing: a revoked transfer's bound
+post call is cleared, so its next post takes the slow path, which raises.
 """
 
 from __future__ import annotations
@@ -42,7 +37,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .backends.base import Status
-from .errors import RevokedError
+from .errors import RevokedError, WaitTimeoutError
 
 if TYPE_CHECKING:
     from .backends.nixl import NixlBackend
@@ -54,10 +49,11 @@ __all__ = ["Revocations", "CHANNEL"]
 
 CHANNEL = b"twrev"
 _REVOKE, _ACK = b"R", b"A"
+_LISTEN_PERIOD_S = 0.01  # how often the revocation thread looks for notifications
 
 
-def _message(kind: bytes, epochs: list[int]) -> bytes:
-    return CHANNEL + kind + struct.pack(f"<{len(epochs)}I", *epochs)
+def _message(kind: bytes, numbers: list[int]) -> bytes:
+    return CHANNEL + kind + struct.pack(f"<{len(numbers)}I", *numbers)
 
 
 def _parse(message: bytes) -> tuple[bytes, list[int]]:
@@ -76,13 +72,17 @@ class Revocations:
         self._awaiting: dict[tuple[int, ...], set[int]] = {}  # epochs revoked by this rank -> ranks yet to answer
         self._quarantine: dict[tuple[int, ...], Any] = {}  # epochs -> what to release once every rank answered
         self._next_pump = 0.0
-        self._pumping = False
+        self._pump_lock = threading.Lock()  # one pump at a time (the revocation thread, waits, the progress thread)
+        self._listener: threading.Thread | None = None
+        self._stop = threading.Event()
 
     # --- holder side ------------------------------------------------------------------------------
     def handle(self, sender: int, message: bytes) -> None:
         """A ``twrev`` notification (called by the inbox's pump)."""
-        kind, epochs = _parse(message)
-        if kind == _REVOKE:
+        kind, numbers = _parse(message)
+        if kind == _REVOKE and numbers:
+            map_epoch, epochs = numbers[0], numbers[1:]
+            self._peers.revoked(sender, epochs, map_epoch)
             self._revoke_transfers(sender, set(epochs))
             try:
                 self._reach(sender)  # holds nothing of it maybe, but the owner waits for the answer
@@ -90,7 +90,23 @@ class Revocations:
             except Exception:  # noqa: BLE001 - the owner is gone or unreachable: nothing to tell
                 pass
         elif kind == _ACK:
-            self._answered(sender, tuple(epochs))
+            self._answered(sender, tuple(numbers))
+
+    def listen(self) -> None:
+        """Start the revocation thread (idempotent): from now on revocations are handled within
+        ``_LISTEN_PERIOD_S`` whatever the user's threads do."""
+        if self._listener is not None or self._runtime.closed:
+            return
+        self._listener = threading.Thread(target=self._listen, name=f"tensorwire-revocations-{self._runtime.rank}",
+                                          daemon=True)
+        self._listener.start()
+
+    def _listen(self) -> None:
+        while not self._stop.wait(_LISTEN_PERIOD_S):
+            try:
+                self.pump(force=True)
+            except Exception:  # noqa: BLE001 - a failed pump (a peer gone mid-answer) is retried next period
+                continue
 
     def _revoke_transfers(self, owner: int, epochs: set[int]) -> None:
         bound = self._runtime.config.liveness_s
@@ -112,31 +128,32 @@ class Revocations:
                     break
                 time.sleep(0.0005)
 
-    def pump(self) -> None:
-        """Handle what has arrived (rate-limited: at most every 10 ms); for waits that sleep anyway. Also
-        releases what waited only for ranks that are gone since (a dead rank never answers, and the owner may
-        never deregister again)."""
+    def pump(self, force: bool = False) -> None:
+        """Handle what has arrived (rate-limited to every 10 ms unless ``force``); for waits that sleep anyway.
+        Also releases what waited only for ranks that are gone since (a dead rank never answers). Returns at once
+        when another thread is pumping (a handler's store wait polls this again: no nesting either)."""
         now = time.monotonic()
-        if now >= self._next_pump and not self._runtime.closed and not self._pumping:
+        if (now < self._next_pump and not force) or self._runtime.closed or not self._pump_lock.acquire(False):
+            return
+        try:
             self._next_pump = now + 0.01
-            self._pumping = True  # a handler's store wait polls this again: do not nest
-            try:
-                self._inbox.pump()
-                if self._awaiting:
-                    self._sweep()
-            finally:
-                self._pumping = False
+            self._inbox.pump()
+            if self._awaiting:
+                self._sweep()
+        finally:
+            self._pump_lock.release()
 
     # --- owner side -------------------------------------------------------------------------------
-    def revoke(self, epochs: list[int], release: Any, wait: bool = True) -> None:
-        """Tell every rank that may hold transfers to ``epochs``, and ``release()`` (backend deregistration,
-        dropping the tensors) once all of them have answered or are gone: at once when none may hold any, else
-        from the pump that handles the last answer. Never blocks on a peer. ``wait=False`` (the communicator
-        closes): release now; the backends go with the communicator."""
+    def revoke(self, epochs: list[int], map_epoch: int, release: Any, wait: bool = True) -> None:
+        """Tell every rank that may hold transfers to ``epochs`` (``map_epoch``: the map just published without
+        them), wait until each has answered or is gone, then ``release()`` (backend deregistration, dropping the
+        tensors). Blocks: at most ``2 * liveness_s``, else ``WaitTimeoutError`` naming the silent ranks (the
+        memory stays quarantined until they answer or are gone). ``wait=False`` (the communicator closes):
+        release now; the backends go with the communicator."""
         rank = self._runtime.rank
         key = tuple(sorted(epochs))
         self._revoke_transfers(rank, set(epochs))  # this rank's own transfers to them
-        self._inbox.pump()  # answers to earlier revocations: release what they held
+        self.pump(force=True)  # answers to earlier revocations: release what they held
         self._sweep()
         targets = (set(self._runtime.liveness.peers()) | set(self._nixl.loaded_peers())) - {rank}
         pending = set()
@@ -145,7 +162,7 @@ class Revocations:
                 if not wait and target not in self._nixl.loaded_peers():
                     continue  # closing: no store round trips for ranks this one never talked to
                 self._reach(target)
-                self._nixl.send_notification(target, _message(_REVOKE, list(key)))
+                self._nixl.send_notification(target, _message(_REVOKE, [map_epoch, *key]))
                 pending.add(target)
             except Exception:  # noqa: BLE001 - gone or unreachable: it posts nothing more
                 continue
@@ -155,6 +172,38 @@ class Revocations:
         with self._lock:
             self._awaiting[key] = pending
             self._quarantine[key] = release
+        self._await_answers(key)
+
+    def _await_answers(self, key: tuple[int, ...]) -> None:
+        bound = 2 * self._runtime.config.liveness_s
+        deadline = time.monotonic() + bound
+        pause = 0.0002
+        while True:
+            self.pump(force=True)
+            self._sweep()
+            with self._lock:
+                left = self._awaiting.get(key)
+                if left is None:
+                    return
+                silent = sorted(left)
+            if time.monotonic() >= deadline:
+                raise WaitTimeoutError(
+                    f"close: rank(s) {silent} did not acknowledge the revocation of registration epoch(s) "
+                    f"{list(key)} within {bound:.3g}s (2 x TENSORWIRE_LIVENESS_S) although alive: stopped, or stuck "
+                    "outside Python. Their prepared transfers could still reach this memory, so it stays registered "
+                    "(quarantined) until they answer or are gone: do not reuse it before; close() again waits more")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+
+    def retry(self, epochs: list[int]) -> bool:
+        """For a ``close()`` again after ``revoke`` timed out: wait for the answers once more (False: nothing
+        was quarantined under ``epochs``)."""
+        key = tuple(sorted(epochs))
+        with self._lock:
+            if key not in self._awaiting:
+                return False
+        self._await_answers(key)
+        return True
 
     def _reach(self, rank: int) -> None:
         """Load ``rank``'s NIXL metadata once if it is not loaded (a store round trip, bounded by the liveness
@@ -193,8 +242,15 @@ class Revocations:
         if release is not None:
             release()
 
+    def stop(self) -> None:
+        """Stop the revocation thread (the communicator closes; before its backends go)."""
+        self._stop.set()
+        if self._listener is not None and self._listener is not threading.current_thread():
+            self._listener.join(timeout=self._runtime.config.liveness_s + 1.0)
+
     def close(self) -> None:
-        """The communicator closes: the backends go, and what was quarantined with them."""
+        """The communicator closes: the backends went, and what was quarantined goes with them."""
+        self.stop()
         with self._lock:
             self._quarantine.clear()
             self._awaiting.clear()
