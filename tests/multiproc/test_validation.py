@@ -8,11 +8,16 @@ call raised; the parametrized tests below check them one by one, so a failure na
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import time
 
 import pytest
 import torch
 
 import tensorwire as tw
+from tensorwire.backends import fake
+from tensorwire.testing import free_port
 from tensorwire.testing.data import assert_equal, rank_values, sentinel
 from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch
 
@@ -182,31 +187,64 @@ def _provoke_errors():
     return seen
 
 
-def _post_in_flight():
+def _stopped(pid: int, timeout: float = 10.0) -> None:
+    """Return once process ``pid`` is stopped (``T`` in /proc/<pid>/stat), after a SIGSTOP sent to it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rpartition(")")[2].split()[0] in ("T", "t"):
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} did not stop within {timeout}s of SIGSTOP")
+        time.sleep(0.001)
+
+
+def _post_in_flight_to_a_stopped_peer(directory: str):
+    """Rank 0 WRITEs over NIXL (TCP) to rank 1 while rank 1 is stopped (SIGSTOP): at least 64 MiB and twice what
+    the kernel's socket buffers can hold, so the WRITE cannot complete before rank 1 runs again (SIGCONT), whatever
+    the machine's speed."""
     comm = tw.init(timeout=INIT_TIMEOUT)
-    big = torch.zeros(64 << 20, dtype=torch.uint8)  # 64 MiB over TCP: tens of milliseconds in flight
+    buffered = 0
+    for name in ("tcp_rmem", "tcp_wmem"):
+        with open(f"/proc/sys/net/ipv4/{name}") as f:
+            buffered += int(f.read().split()[2])  # the most a socket may buffer
+    big = torch.full((max(64 << 20, 2 * buffered),), comm.rank + 1, dtype=torch.uint8)
     reg = comm.register(big)
     comm.publish("big", reg.descs)
     remote = comm.lookup("big", 1 - comm.rank, timeout=WAIT)
+    if comm.rank == 1:
+        with open(os.path.join(directory, "rank1.pid"), "w") as f:
+            f.write(str(os.getpid()))
     comm.barrier(timeout=WAIT)
     observed = []
     if comm.rank == 0:
+        with open(os.path.join(directory, "rank1.pid")) as f:
+            peer_pid = int(f.read())
         with comm.prepare(tw.WRITE, big, remote) as x:
-            for _ in range(5):
-                x.post()
-                status = x.status()
+            for _ in range(3):
+                os.kill(peer_pid, signal.SIGSTOP)
                 try:
+                    _stopped(peer_pid)
                     x.post()
-                except tw.InvalidArgumentError as e:
-                    observed.append((status, e))
-                else:
-                    observed.append((status, NO_ERROR))
+                    status = x.status()
+                    try:
+                        x.post()
+                    except tw.InvalidArgumentError as e:
+                        observed.append((status, e))
+                    else:
+                        observed.append((status, NO_ERROR))
+                    after = x.status()
+                finally:
+                    os.kill(peer_pid, signal.SIGCONT)
+                observed.append((after, "status after the refused post"))
                 x.wait(timeout=WAIT)
                 assert x.status() is tw.Status.DONE
-            # After wait() the transfer may be posted again.
-            x.post()
+            x.post()  # after wait() the transfer may be posted again
             x.wait(timeout=WAIT)
     comm.barrier(timeout=30)
+    if comm.rank == 1:
+        assert_equal(big[:1 << 20], torch.ones(1 << 20, dtype=torch.uint8), "rank 0's WRITEs, first MiB")
+        assert_equal(big[-(1 << 20):], torch.ones(1 << 20, dtype=torch.uint8), "rank 0's WRITEs, last MiB")
     comm.close()
     return observed
 
@@ -326,16 +364,44 @@ def test_remote_desc_of_closed_registration_is_rejected(observed):
     assert "outside what rank 1 has registered" in str(got)
 
 
+def _refused_while_in_flight(status, err) -> None:
+    assert status is tw.Status.IN_PROGRESS, f"the first post was not in flight: {status}"
+    assert isinstance(err, tw.InvalidArgumentError), f"re-post while in flight gave {err!r}"
+    assert "still in flight" in str(err) and "call wait()" in str(err), str(err)
+
+
 def test_post_while_in_flight_is_rejected():
-    """post() of a transfer still in flight raises InvalidArgumentError ('still in flight'); after wait() it may be
-    posted again. UCX_TLS=tcp makes a 64 MiB WRITE take long enough to be caught in flight on any CPU machine."""
-    rank0, _ = launch(_post_in_flight, 2, env={"UCX_TLS": "tcp"})
-    in_flight = [(s, e) for s, e in rank0 if s is tw.Status.IN_PROGRESS]
-    assert in_flight, f"no post was ever seen in flight: {rank0}"
-    for status, err in in_flight:
-        assert isinstance(err, tw.InvalidArgumentError), f"re-post while {status} gave {err!r}"
-        assert "still in flight" in str(err) and "call wait()" in str(err)
-    for status, err in rank0:
-        assert status in (tw.Status.IN_PROGRESS, tw.Status.DONE), status
-        if status is tw.Status.DONE:
-            assert err == NO_ERROR, f"re-post after completion was refused: {err!r}"
+    """post() of a transfer still in flight raises InvalidArgumentError ('still in flight') and changes nothing;
+    after wait() it may be posted again. The fake transport's hold() keeps every copy in flight until it is
+    left, so each re-post meets a transfer in flight, on any machine."""
+    with tw.init(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), device="cpu",
+                 timeout=WAIT) as comm:
+        source, destination = rank_values(0, N, torch.int64), sentinel(N, torch.int64)
+        with comm.register([source, destination]) as reg, \
+                comm.prepare(tw.WRITE, source, reg.descs[1], transport="fake") as x:
+            for round_ in range(3):
+                before = destination.clone()
+                source.copy_(rank_values(0, N, torch.int64, offset=100 * round_))
+                with fake.hold():
+                    x.post()
+                    status = x.status()
+                    with pytest.raises(tw.InvalidArgumentError) as refused:
+                        x.post()
+                    _refused_while_in_flight(status, refused.value)
+                    assert x.status() is tw.Status.IN_PROGRESS, "the refused post changed the transfer's state"
+                    assert_equal(destination, before, f"round {round_}: bytes landed while held")
+                x.wait(timeout=WAIT)
+                assert x.status() is tw.Status.DONE
+                assert_equal(destination, source, f"round {round_}: the WRITE after wait")
+            x.post()  # after wait() the transfer may be posted again
+            x.wait(timeout=WAIT)
+
+
+def test_post_while_in_flight_over_nixl_is_rejected(tmp_path):
+    """The same over NIXL between two processes: rank 0's re-post of a WRITE to a stopped rank 1 (it cannot
+    complete) is refused, and the transfer stays in flight until rank 1 runs again."""
+    rank0, _ = launch(_post_in_flight_to_a_stopped_peer, 2, str(tmp_path), env={"UCX_TLS": "tcp"})
+    assert len(rank0) == 6, rank0
+    for (status, err), (after, _) in zip(rank0[0::2], rank0[1::2]):
+        _refused_while_in_flight(status, err)
+        assert after is tw.Status.IN_PROGRESS, f"the refused post changed the transfer's state: {after}"

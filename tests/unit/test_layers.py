@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("values and the environment", ["tensorwire.config", "tensorwire.lifetime", "tensorwire.descriptors",
                                     "tensorwire.cuda", "tensorwire.deadlines", "tensorwire.liveness",
                                     "tensorwire.environment", "tensorwire.sealing", "tensorwire.network",
-                                    "tensorwire.store_sockets", "tensorwire.bootstrap"]),
+                                    "tensorwire.store_sockets", "tensorwire.bootstrap", "tensorwire.sealed_store"]),
     ("memory maps and waiting", ["tensorwire.memory_map", "tensorwire.progress"]),
     ("backends", ["tensorwire.backends", "tensorwire.backends.*"]),
     ("communicator", ["tensorwire.communicator", "tensorwire.registration", "tensorwire.transfer",

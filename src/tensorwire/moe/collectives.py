@@ -1,9 +1,11 @@
 """torch.distributed collectives on a communicator, without ``init_process_group``: the ``torch`` engine's.
 
-A communicator already owns a store (``comm._rendezvous.store``, a ``PrefixStore`` over the job's
-``TCPStore``). This module builds a process group over a further-prefixed view of it (``pg/gloo/`` for host
-tensors, ``pg/nccl/`` for CUDA tensors), once per communicator and kind, the first time a collective needs
-it; every rank does so in the same collective call, which is what a group's rendezvous requires.
+A communicator already owns a store, behind its ``Rendezvous``. This module builds a process group over a
+``SealedStore`` view of it (keys under ``pg/gloo/`` for host tensors, ``pg/nccl/`` for CUDA tensors), so that
+the group's rendezvous values (Gloo's socket addresses, NCCL's unique id) are sealed with the job token like
+every other value the job stores, and a forged one ends the group's creation with ``AuthenticationError``. A
+group is built once per communicator and kind, the first time a collective needs it; every rank does so in the
+same collective call, which is what a group's rendezvous requires.
 
 The groups are cached in a ``WeakKeyDictionary`` keyed by the communicator, so they go when it goes;
 ``shutdown(comm)`` aborts them eagerly (the ``torch`` engine calls it when the communicator closes). Collectives call
@@ -26,6 +28,7 @@ import torch.distributed as dist
 
 from ..errors import BackendUnavailableError, PeerLostError, TransferError, WaitTimeoutError
 from ..progress import wait_until
+from ..sealed_store import SealedStore
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
@@ -66,7 +69,8 @@ def process_group(comm: Communicator, device: torch.device) -> Any:
                 f"torch backend unavailable for {device.type} tensors: {reason}; "
                 f"pass backend={other}"
             )
-        store = dist.PrefixStore(f"pg/{kind}/", comm._rendezvous.store)
+        peers = tuple(rank for rank in range(comm.world_size) if rank != comm.rank)
+        store = SealedStore(comm._rendezvous, f"pg/{kind}/", peers, comm.timeout_s)
         timeout = datetime.timedelta(seconds=comm.timeout_s)
         if kind == "gloo":
             group = dist.ProcessGroupGloo(store, comm.rank, comm.world_size, timeout)
