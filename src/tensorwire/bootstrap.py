@@ -203,6 +203,13 @@ class Rendezvous:
         self._watchdog.close()
         if self._calls is not None:
             self._calls.close()
+        for sock in self._store_sockets:
+            sock.close()  # our duplicates of the store connection's descriptor
+        self._store_sockets = []
+        # Drop the store now rather than with this object (which the communicator's callbacks keep in reference
+        # cycles): the last reference to tensorwire's own TCPStore closes its connection and, on rank 0, stops
+        # the store's server thread and closes its sockets. A store passed to init stays with its owner.
+        self.store = self._raw = None
 
     # --- ranks ----------------------------------------------------------------------------------
     def _claim_rank(self) -> None:
