@@ -323,12 +323,12 @@ class Rendezvous:
                 return self._calls.run(fn, bound)
             except TimeoutError as e:
                 if self._lost is None:
-                    self._lost = f"{self._store_name()} gave no answer within {bound:.3g}s; it is stuck or gone"
+                    self._lost = self._silent(bound)
                 raise PeerLostError(f"{what}: {self._lost}") from e
             except Exception as e:  # noqa: BLE001 - torch's store raises DistStoreError/DistNetworkError/RuntimeError
                 self._raise_typed(e, what, timeout_s)
         key = object()
-        self._watchdog.arm(key, time.monotonic() + bound, lambda: self._cut(f"no answer within {bound:.3g}s"))
+        self._watchdog.arm(key, time.monotonic() + bound, lambda: self._cut(bound))
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - as above
@@ -362,10 +362,16 @@ class Rendezvous:
             return f"the store hosted by rank 0 at {self.env.master_addr}:{self.env.master_port}"
         return "the store passed to init (store=)"
 
-    def _cut(self, why: str) -> None:
-        """The watchdog: the store did not answer in time. Shut our connection down (the blocked call returns
-        with an error) and remember why; runs on the watchdog's thread."""
-        self._lost = f"{self._store_name()} gave {why}; its host is gone or the link to it is cut"
+    def _silent(self, bound_s: float) -> str:
+        """Why the store counts as lost when a call got no answer: silence alone cannot tell a stopped or
+        overloaded host (still alive) from a dead one or a cut link, so the message names them all."""
+        return (f"{self._store_name()} did not answer within {bound_s:.3g}s (stopped, overloaded or unreachable); "
+                "if its host is only slow, raise TENSORWIRE_LIVENESS_S")
+
+    def _cut(self, bound_s: float) -> None:
+        """The watchdog: the store did not answer within ``bound_s``. Shut our connection down (the blocked call
+        returns with an error) and remember why; runs on the watchdog's thread."""
+        self._lost = self._silent(bound_s)
         for sock in self._store_sockets:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
