@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .deadlines import CallThread, Deadlines
 from .environment import Environment, hostname
 from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, WaitTimeoutError
-from .liveness import Liveness
+from .liveness import Liveness, probe
 from .sealing import seal, unseal
 from .store_sockets import listen_socket, local_address, socket_fds, store_client_sockets
 
@@ -223,14 +223,36 @@ class Rendezvous:
             # A claim without this job's MAC is not a rank of this job: take the rank over instead of being
             # locked out by it (another claimer of this job racing for it still finds ours and is refused).
             found = self._compare_set(key, found, mine)
+        who = None
         if found != mine:
             who = self._open(key, found).decode(errors="replace") if self._verifies(key, found) else "unknown"
+        else:
+            # The key was empty, but it can be emptied by anyone who reaches the store: a rank that still runs
+            # answers on the liveness socket it published (alive/<rank>, sealed). Give the claim back to it.
+            who = self._running_holder()
+            if who is not None:
+                self._compare_set(key, mine, b"")
+        if who is not None:
             raise InvalidArgumentError(
                 f"init: rank {env.rank} of {env.world_size} is already taken by another process in the job at "
-                f"{env.master_addr}:{env.master_port} ({who}); start each rank once (check RANK/WORLD_SIZE, "
-                "OMPI_COMM_WORLD_RANK or SLURM_PROCID), or use another MASTER_PORT if an earlier job still runs there"
+                f"{env.master_addr}:{env.master_port} ({who}); this process ({holder.decode()}) is refused: start "
+                "each rank once (check RANK/WORLD_SIZE, OMPI_COMM_WORLD_RANK or SLURM_PROCID), or use another "
+                "MASTER_PORT if an earlier job still runs there"
             )
         self._claim = mine
+
+    def _running_holder(self) -> str | None:
+        """Who still runs as this rank according to its verified ``alive/<rank>`` record and a probe of the
+        liveness socket it names (``liveness.probe``: bounded by ``liveness_s``), or None. A record that does not
+        verify, or a socket nobody of this job answers on (the rank closed or died), is no holder."""
+        key = f"alive/{self.env.rank}"
+        if not self.check(key):
+            return None
+        blob = self._call(lambda: self.store.get(key), f"reading {key!r}")
+        if not self._verifies(key, blob):
+            return None
+        host, port = self._open(key, blob).decode().split()
+        return probe((host, int(port)), self.env.rank, self._token, self.liveness_s)
 
     def _release_rank(self) -> None:
         if self._claim is not None:
