@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .deadlines import CallThread, Deadlines
 from .environment import Environment, hostname
 from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, WaitTimeoutError
-from .liveness import Liveness
+from .liveness import Liveness, probe
 from .sealing import seal, unseal
 from .store_sockets import listen_socket, local_address, socket_fds, store_client_sockets
 
@@ -205,6 +205,13 @@ class Rendezvous:
         self._watchdog.close()
         if self._calls is not None:
             self._calls.close()
+        for sock in self._store_sockets:
+            sock.close()  # our duplicates of the store connection's descriptor
+        self._store_sockets = []
+        # Drop the store now rather than with this object (which the communicator's callbacks keep in reference
+        # cycles): the last reference to tensorwire's own TCPStore closes its connection and, on rank 0, stops
+        # the store's server thread and closes its sockets. A store passed to init stays with its owner.
+        self.store = self._raw = None
 
     # --- ranks ----------------------------------------------------------------------------------
     def _claim_rank(self) -> None:
@@ -218,14 +225,36 @@ class Rendezvous:
             # A claim without this job's MAC is not a rank of this job: take the rank over instead of being
             # locked out by it (another claimer of this job racing for it still finds ours and is refused).
             found = self._compare_set(key, found, mine)
+        who = None
         if found != mine:
             who = self._open(key, found).decode(errors="replace") if self._verifies(key, found) else "unknown"
+        else:
+            # The key was empty, but it can be emptied by anyone who reaches the store: a rank that still runs
+            # answers on the liveness socket it published (alive/<rank>, sealed). Give the claim back to it.
+            who = self._running_holder()
+            if who is not None:
+                self._compare_set(key, mine, b"")
+        if who is not None:
             raise InvalidArgumentError(
                 f"init: rank {env.rank} of {env.world_size} is already taken by another process in the job at "
-                f"{env.master_addr}:{env.master_port} ({who}); start each rank once (check RANK/WORLD_SIZE, "
-                "OMPI_COMM_WORLD_RANK or SLURM_PROCID), or use another MASTER_PORT if an earlier job still runs there"
+                f"{env.master_addr}:{env.master_port} ({who}); this process ({holder.decode()}) is refused: start "
+                "each rank once (check RANK/WORLD_SIZE, OMPI_COMM_WORLD_RANK or SLURM_PROCID), or use another "
+                "MASTER_PORT if an earlier job still runs there"
             )
         self._claim = mine
+
+    def _running_holder(self) -> str | None:
+        """Who still runs as this rank according to its verified ``alive/<rank>`` record and a probe of the
+        liveness socket it names (``liveness.probe``: bounded by ``liveness_s``), or None. A record that does not
+        verify, or a socket nobody of this job answers on (the rank closed or died), is no holder."""
+        key = f"alive/{self.env.rank}"
+        if not self.check(key):
+            return None
+        blob = self._call(lambda: self.store.get(key), f"reading {key!r}")
+        if not self._verifies(key, blob):
+            return None
+        host, port = self._open(key, blob).decode().split()
+        return probe((host, int(port)), self.env.rank, self._token, self.liveness_s)
 
     def _release_rank(self) -> None:
         if self._claim is not None:
@@ -318,12 +347,12 @@ class Rendezvous:
                 return self._calls.run(fn, bound)
             except TimeoutError as e:
                 if self._lost is None:
-                    self._lost = f"{self._store_name()} gave no answer within {bound:.3g}s; it is stuck or gone"
+                    self._lost = self._silent(bound)
                 raise PeerLostError(f"{what}: {self._lost}") from e
             except Exception as e:  # noqa: BLE001 - torch's store raises DistStoreError/DistNetworkError/RuntimeError
                 self._raise_typed(e, what, timeout_s)
         key = object()
-        self._watchdog.arm(key, time.monotonic() + bound, lambda: self._cut(f"no answer within {bound:.3g}s"))
+        self._watchdog.arm(key, time.monotonic() + bound, lambda: self._cut(bound))
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - as above
@@ -357,10 +386,16 @@ class Rendezvous:
             return f"the store hosted by rank 0 at {self.env.master_addr}:{self.env.master_port}"
         return "the store passed to init (store=)"
 
-    def _cut(self, why: str) -> None:
-        """The watchdog: the store did not answer in time. Shut our connection down (the blocked call returns
-        with an error) and remember why; runs on the watchdog's thread."""
-        self._lost = f"{self._store_name()} gave {why}; its host is gone or the link to it is cut"
+    def _silent(self, bound_s: float) -> str:
+        """Why the store counts as lost when a call got no answer: silence alone cannot tell a stopped or
+        overloaded host (still alive) from a dead one or a cut link, so the message names them all."""
+        return (f"{self._store_name()} did not answer within {bound_s:.3g}s (stopped, overloaded or unreachable); "
+                "if its host is only slow, raise TENSORWIRE_LIVENESS_S")
+
+    def _cut(self, bound_s: float) -> None:
+        """The watchdog: the store did not answer within ``bound_s``. Shut our connection down (the blocked call
+        returns with an error) and remember why; runs on the watchdog's thread."""
+        self._lost = self._silent(bound_s)
         for sock in self._store_sockets:
             try:
                 sock.shutdown(socket.SHUT_RDWR)

@@ -26,6 +26,18 @@ handshake on from its own polling calls, never blocking on the other: a connecti
 time (it was busy outside tensorwire) finds its connection closed before the acceptance and simply reconnects;
 a peer that is gone refuses that (``ECONNREFUSED``) or does not answer it, and only then counts as gone.
 
+Local trouble is not a verdict. A peer counts as gone only on evidence from its side: end-of-file, a reset, a
+refused connection or a timeout on its connection. Failing to open a socket here (no descriptor to spare,
+``EMFILE``/``ENFILE``, or no memory, ``ENOMEM``/``ENOBUFS``) raises ``TransferError`` from ``check``/``watch``,
+saying so and how to fix it, and the next check tries again. Connections that have not finished their handshake
+are capped per listener (``_MAX_PENDING``; the oldest is closed), so that whoever floods the port costs this
+process a bounded number of descriptors.
+
+A probe. A process about to claim a rank asks the listener published for that rank whether it still runs
+(``probe``): it sends ``b"TWP"``, the rank and a fresh nonce; the listener, polled as for any handshake, answers
+with who it is (host and pid) and, with a token, ``HMAC-SHA256(token, probe label | nonce | rank | who)``, then
+closes. The connection is never counted for a rank.
+
 Non-goals: the connections are authenticated once, when they open; after that nothing travels on them to
 protect, and whoever sits on the path can still reset one (a denial of service, like deleting store values). A
 peer that is alive but stuck (e.g. stopped with SIGSTOP) counts as alive: its waits end with their timeouts.
@@ -38,6 +50,8 @@ import errno
 import hashlib
 import hmac
 import math
+import os
+import resource
 import secrets
 import socket
 import struct
@@ -45,9 +59,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from .errors import PeerLostError
+from .environment import hostname
+from .errors import PeerLostError, TransferError
 
-__all__ = ["Liveness", "tune"]
+__all__ = ["Liveness", "probe", "tune"]
 
 _HELLO = struct.Struct("<3sI")  # magic, the connecting rank: a claim, verified by the answer below
 _MAGIC = b"TWL"
@@ -56,6 +71,14 @@ _ANSWER_BYTES = 32  # HMAC-SHA256(token, _ANSWER_LABEL | nonce | connecting rank
 _ANSWER_LABEL = b"tensorwire liveness answer/"
 _ACCEPTED = b"K"  # the listener verified the answer: from now on end-of-file means it is gone
 _CHECK_PERIOD_S = 0.01  # a peer's socket is looked at no more often than this
+_MAX_PENDING = 64  # accepted connections whose handshake has not finished, per listener: beyond, the oldest goes
+_PROBE_MAGIC = b"TWP"  # a process about to claim the listener's own rank asks whether it still runs
+_PROBE_LABEL = b"tensorwire liveness probe/"  # HMAC-SHA256(token, label | nonce | rank u32 | who)
+_MAX_PROBE_REPLY = len(_PROBE_MAGIC) + 32 + 256
+# Errors that say something about the peer: only these on its connection make it gone. Any other failure to
+# open or use a socket is this process's (or host's) trouble and no verdict.
+_PEER_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT,
+                          errno.EHOSTUNREACH, errno.EHOSTDOWN, errno.ENETUNREACH})
 
 
 def tune(sock: socket.socket, liveness_s: float) -> None:
@@ -98,10 +121,74 @@ def _send_now(sock: socket.socket, data: bytes) -> None:
         raise OSError(errno.EAGAIN, "a handshake message did not fit in the socket's buffer")
 
 
+def _from_peer(error: OSError) -> bool:
+    """Whether ``error`` on a connection is evidence from the peer's side (else it is local trouble)."""
+    return isinstance(error, TimeoutError) or error.errno in _PEER_ERRNOS
+
+
+def _local_trouble(error: OSError) -> str:
+    """What a local failure to open a socket means, and the fix."""
+    if error.errno == errno.EMFILE:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = hard if hard != resource.RLIM_INFINITY else max(soft * 4, 65536)
+        return (f"this process is out of file descriptors (EMFILE: soft limit RLIMIT_NOFILE={soft}, hard {hard}); "
+                f"raise it before starting (ulimit -n {wanted}) or close "
+                "descriptors it does not need")
+    if error.errno == errno.ENFILE:
+        return ("this host's file table is full (ENFILE); close descriptors elsewhere or raise the system limit "
+                "(sysctl fs.file-max)")
+    if error.errno in (errno.ENOMEM, errno.ENOBUFS):
+        return (f"this host is out of memory for sockets ({errno.errorcode[error.errno]}); free memory or lower "
+                "this process's use")
+    return f"{errno.errorcode.get(error.errno, error.errno)}: {error.strerror or error}"
+
+
+def _probe_answer(token: bytes, nonce: bytes, rank: int, who: bytes) -> bytes:
+    return hmac.new(token, _PROBE_LABEL + nonce + struct.pack("<I", rank) + who, hashlib.sha256).digest()
+
+
+def probe(address: tuple[str, int], rank: int, token: bytes | None, timeout_s: float) -> str | None:
+    """Who runs the liveness listener of ``rank`` at ``address`` (host and pid, as it says), or None when no
+    process of this job listens there any more (refused, reset, closed, unreachable, or an answer that does not
+    verify under ``token``). A listener that accepts the connection but does not answer within ``timeout_s``
+    (its process is stopped, or busy outside tensorwire) counts as running. Blocks at most ``timeout_s``."""
+    where = f"{address[0]}:{address[1]}"
+    nonce = secrets.token_bytes(_NONCE_BYTES)
+    deadline = time.monotonic() + timeout_s
+    try:
+        sock = socket.create_connection(address, timeout=timeout_s)
+    except OSError:
+        return None
+    reply = b""
+    with sock:
+        try:
+            sock.sendall(_HELLO.pack(_PROBE_MAGIC, rank) + nonce)
+            while len(reply) < _MAX_PROBE_REPLY:
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                data = sock.recv(_MAX_PROBE_REPLY - len(reply))
+                if not data:
+                    break
+                reply += data
+        except TimeoutError:
+            return (f"a process whose liveness socket at {where} accepts connections but did not answer within "
+                    f"{timeout_s:g}s (stopped, or busy outside tensorwire)")
+        except OSError:
+            return None
+    mac_bytes = 0 if token is None else 32
+    if not reply.startswith(_PROBE_MAGIC) or len(reply) <= len(_PROBE_MAGIC) + mac_bytes:
+        return None
+    mac, who = reply[len(_PROBE_MAGIC):len(_PROBE_MAGIC) + mac_bytes], reply[len(_PROBE_MAGIC) + mac_bytes:]
+    if token is not None and not hmac.compare_digest(mac, _probe_answer(token, nonce, rank, who)):
+        return None  # not this job's listener: the port now belongs to someone else
+    verified = "authenticated with the job token" if token is not None else "unauthenticated job"
+    return f"{who.decode(errors='replace')}, whose liveness socket at {where} answered ({verified})"
+
+
 class _Handshake(enum.Enum):
     PENDING = "pending"  # waiting for the other end's next message
     COUNTED = "counted"  # verified: the connection counts for its rank
     REFUSED = "refused"  # closed: not a rank of this job, a wrong answer, end-of-file or silent too long
+    PROBED = "probed"  # a probe for this listener's own rank, answered and closed
 
 
 class _Incoming:
@@ -112,6 +199,7 @@ class _Incoming:
         self.received = b""
         self.rank: int | None = None  # claimed by the hello
         self.nonce = b""  # the challenge sent (with a token)
+        self.probe = False  # a probe (``probe``), not a rank's connection
 
 
 class _Outgoing:
@@ -142,6 +230,8 @@ class Liveness:
         self._outgoing: dict[socket.socket, _Outgoing] = {}  # opened, not accepted by the listener yet (token)
         self._offered: set[int] = set()  # ranks that opened a connection to this one, verified or not
         self._lost: dict[int, str] = {}
+        self._trouble: dict[int, str] = {}  # why the last try to connect to a rank failed here (no verdict)
+        self._who = f"{hostname()} pid {os.getpid()}".encode()  # what a probe is told
         self._next_check: dict[int, float] = {}
         self._next_resolve: dict[int, float] = {}
         self._lock = threading.Lock()
@@ -152,15 +242,18 @@ class Liveness:
         """Raise ``PeerLostError`` (naming ``what``, a string or a callable that makes one) if ``rank`` is known to
         be gone; otherwise return at once. Rate-limited: a peer's sockets are looked at every ``_CHECK_PERIOD_S``
         at most."""
-        reason = self.lost(rank)
-        if reason is not None:
+        reason = self.lost(rank, fresh=rank in self._trouble)
+        if reason is None:
+            self._raise_trouble(rank, what)
+        else:
             what = what() if callable(what) else what
             raise PeerLostError(f"{what}: rank {rank} is gone ({reason}); it exited, crashed, closed its "
                                 f"communicator or its network broke (noticed within TENSORWIRE_LIVENESS_S="
                                 f"{self.liveness_s:g}s)")
 
     def lost(self, rank: int, fresh: bool = False) -> str | None:
-        """Why ``rank`` is gone, or None while it is alive or not known yet. ``fresh`` skips the rate limit."""
+        """Why ``rank`` is gone, or None while it is alive or not known yet (also while this process cannot open
+        a socket to it: ``check`` and ``watch`` raise that). ``fresh`` skips the rate limit."""
         if rank == self.rank or self.closed:
             return None
         reason = self._lost.get(rank)
@@ -201,27 +294,43 @@ class Liveness:
         """Connect to ``rank`` now (bounded by ``liveness_s``) so that a later wait knows at once if it is gone."""
         if rank != self.rank:
             self.lost(rank, fresh=True)
+            self._raise_trouble(rank, "liveness")
+
+    def _raise_trouble(self, rank: int, what: str | Callable[[], str]) -> None:
+        """Raise ``TransferError`` if the last try to connect to ``rank`` failed here (no verdict on ``rank``)."""
+        trouble = self._trouble.get(rank)
+        if trouble is not None:
+            what = what() if callable(what) else what
+            raise TransferError(f"{what}: cannot open a liveness connection to rank {rank}: {trouble}. This is a "
+                                f"local problem, not a verdict on rank {rank}: retry once it is solved")
 
     # --- connections ------------------------------------------------------------------------------
     def _connect(self, rank: int, now: float) -> None:
         """Open a connection to ``rank`` and send the hello; blocks at most ``liveness_s`` (the TCP handshake,
         which the peer's kernel completes: its process need not be in tensorwire). With a token the listener's
         challenge is answered later, by ``_handshake``."""
-        if now < self._next_resolve.get(rank, 0.0):
+        if now < self._next_resolve.get(rank, 0.0) and rank not in self._trouble:
             return
         self._next_resolve[rank] = now + self.liveness_s / 4
         address = self._resolve(rank)
         if address is None:
             return  # not started yet: nothing to say
+        sock = None
         try:
             sock = socket.create_connection(address, timeout=self.liveness_s)
             tune(sock, self.liveness_s)
             sock.sendall(_HELLO.pack(_MAGIC, self.rank))
             sock.setblocking(False)
         except OSError as e:
-            # It published its address and no longer listens (ECONNREFUSED) or cannot be reached in time.
-            self._lost[rank] = f"its liveness socket at {address[0]}:{address[1]} refused or did not answer ({e})"
+            if sock is not None:
+                sock.close()
+            if _from_peer(e):
+                # It published its address and no longer listens (ECONNREFUSED) or cannot be reached in time.
+                self._lost[rank] = f"its liveness socket at {address[0]}:{address[1]} refused or did not answer ({e})"
+            else:
+                self._trouble[rank] = _local_trouble(e)
             return
+        self._trouble.pop(rank, None)
         self._sockets.setdefault(rank, []).append(sock)
         if self._token is not None:
             self._outgoing[sock] = _Outgoing(rank)
@@ -235,13 +344,17 @@ class Liveness:
             self._answer_challenge(sock, outgoing)
 
     def _accept(self) -> None:
+        """Accept what is pending (no descriptor to spare: the rest waits in the kernel's backlog), keeping at
+        most ``_MAX_PENDING`` unfinished handshakes: a genuine rank whose handshake is dropped reconnects."""
         while True:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:  # BlockingIOError: none pending
+            except OSError:  # BlockingIOError: none pending; EMFILE and the like: later
                 return
             sock.setblocking(False)
             self._incoming.append(_Incoming(sock))
+            if len(self._incoming) > _MAX_PENDING:
+                self._incoming.pop(0).sock.close()
 
     def _verify(self, pending: _Incoming) -> bool:
         """One step of an accepted connection's handshake; True once it is settled (counted for its rank, or
@@ -249,12 +362,17 @@ class Liveness:
         counts the connection only when the answer is the HMAC of that nonce and both ranks under the token:
         a hello and answer seen on another connection (replayed) or made without the token do not verify."""
         try:
-            outcome = self._take_hello(pending) if pending.rank is None else self._take_answer(pending)
+            if pending.rank is None:
+                outcome = self._take_hello(pending)
+            elif pending.probe:
+                outcome = self._take_probe(pending)
+            else:
+                outcome = self._take_answer(pending)
         except OSError:
             outcome = _Handshake.REFUSED
         if outcome is _Handshake.PENDING and time.monotonic() - pending.since > self.liveness_s:
             outcome = _Handshake.REFUSED  # silent too long: a rank that was busy elsewhere reconnects
-        if outcome is _Handshake.REFUSED:
+        if outcome in (_Handshake.REFUSED, _Handshake.PROBED):
             pending.sock.close()
         return outcome is not _Handshake.PENDING
 
@@ -266,6 +384,9 @@ class Liveness:
         if len(received) < _HELLO.size:
             return _Handshake.PENDING
         magic, rank = _HELLO.unpack(received)
+        if magic == _PROBE_MAGIC and rank == self.rank:
+            pending.rank, pending.received, pending.probe = rank, b"", True
+            return _Handshake.PENDING  # its nonce follows
         if magic != _MAGIC or not 0 <= rank < self.world_size or rank == self.rank:
             return _Handshake.REFUSED  # not a rank of this job
         pending.rank, pending.received = rank, b""
@@ -289,6 +410,18 @@ class Liveness:
         _send_now(pending.sock, _ACCEPTED)
         self._sockets.setdefault(pending.rank, []).append(pending.sock)
         return _Handshake.COUNTED
+
+    def _take_probe(self, pending: _Incoming) -> _Handshake:
+        """Tell a probe who runs this listener, bound to its nonce under the token (see ``probe``)."""
+        received = _read_up_to(pending.sock, pending.received, _NONCE_BYTES)
+        if received is None:
+            return _Handshake.REFUSED
+        pending.received = received
+        if len(received) < _NONCE_BYTES:
+            return _Handshake.PENDING
+        mac = b"" if self._token is None else _probe_answer(self._token, received, self.rank, self._who)
+        _send_now(pending.sock, _PROBE_MAGIC + mac + self._who)
+        return _Handshake.PROBED
 
     def _answer_challenge(self, sock: socket.socket, outgoing: _Outgoing) -> None:
         """One step of this rank's side of a handshake it opened (with a token): answer the nonce, then wait for
@@ -346,6 +479,8 @@ def _broken(sock: socket.socket) -> str | None:
     except OSError as e:
         if e.errno == errno.ETIMEDOUT:
             return "its host stopped answering: TCP keepalive timed out"
+        if not _from_peer(e):
+            return None  # this host's trouble (ENOMEM, ENOBUFS): no verdict on the peer
         return f"its connection failed: {errno.errorcode.get(e.errno, e.errno)}"
     if data == b"":
         return "its process closed the connection"
