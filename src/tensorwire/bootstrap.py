@@ -199,6 +199,13 @@ class Rendezvous:
     def check(self, key: str) -> bool:
         return bool(self._call(lambda: self.store.check([key]), f"checking {key!r}"))
 
+    def leave(self) -> None:
+        """Close this rank's liveness sockets ahead of ``close`` (a rank that does not host the store: the store's
+        host stays watchable until every rank departed), so that peers see it gone before its NIXL agent goes and
+        send that agent nothing more."""
+        if not (self.env.rank == 0 and self._owns_store and not self.env.agent_store):
+            self.liveness.close()
+
     def close(self) -> None:
         """Local: stop watching peers (they learn at once that this rank is gone) and the call watchdog."""
         self.liveness.close()

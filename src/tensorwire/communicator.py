@@ -414,6 +414,7 @@ class Communicator:
             attempt(dependent.close)
         for transfer in list(self._runtime.transfers):
             attempt(transfer.close)
+        attempt(self._revocations.leaving)  # owners revoking memory now need no answer from this rank
         for registration in list(self._registrations):
             attempt(registration.close)
         attempt(self._publish_memory_map)  # peers see every range gone (revocation) before the agent goes
@@ -421,6 +422,7 @@ class Communicator:
         attempt(self._revocations.stop)  # its thread ends before the backends go
         attempt(self._runtime.release_stream_waits)
         self._runtime.close(attempt)
+        attempt(self._rendezvous.leave)  # peers see this rank gone before its agent goes: they send it nothing more
         for backend in self._backends.values():
             attempt(backend.close)
         self._revocations.close()

@@ -19,6 +19,7 @@ import ctypes
 import json
 import os
 import re
+import socket
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -252,6 +253,27 @@ class ProbeResult:
                 if not s["ok"]]
 
 
+def _report_ucx_binding(report: Report) -> None:
+    """Which interfaces a rank's UCX would listen on, for a job meeting at MASTER_ADDR (127.0.0.1 if unset)."""
+    from .network import ucx_net_devices
+
+    if "UCX_NET_DEVICES" in os.environ:
+        report.line(f"UCX_NET_DEVICES={os.environ['UCX_NET_DEVICES']} is set: UCX listens where it says "
+                    "(tensorwire leaves it alone)")
+        return
+    address = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        address = socket.getaddrinfo(address, None, socket.AF_INET)[0][4][0]
+    except OSError:
+        pass
+    devices, why = ucx_net_devices(address)
+    if devices is None:
+        report.loud("WARN", f"UCX will listen on every interface: {why}",
+                    "set MASTER_ADDR to this host's IPv4 address on the network the ranks share, or UCX_NET_DEVICES")
+    else:
+        report.line(f"UCX bound to one interface: {why} (UCX_NET_DEVICES={devices} for a job at {address})")
+
+
 def run_probe(memory: str, timeout_s: float = 15.0, quiet: bool = True) -> ProbeResult:
     """Move 1 MiB both ways between two fresh processes over ``memory`` ("cpu" or "cuda") with UCX's
     protocol tables on; never raises for a failing probe (the failure is in the result)."""
@@ -342,6 +364,7 @@ def diagnose(emit: Callable[[str], None] = print, timeout_s: float = 15.0, quiet
         report.line(reason)
     else:
         report.loud("WARN", reason)
+    _report_ucx_binding(report)
 
     report.section("transports (2 processes, UCX_PROTO_INFO=y in their environment)")
     host = run_probe("cpu", timeout_s, quiet) if nixl_ok else None

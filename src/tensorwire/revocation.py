@@ -49,6 +49,8 @@ __all__ = ["Revocations", "CHANNEL"]
 
 CHANNEL = b"twrev"
 _REVOKE, _ACK = b"R", b"A"
+_REVOKE_CLOSING = b"r"  # the owner's communicator closes: revoke, but answer nothing (its agent may be gone)
+_LEAVING = b"C"  # the sender's communicator closes and holds no transfer any more: no answer to wait for from it
 _LISTEN_PERIOD_S = 0.01  # how often the revocation thread looks for notifications
 
 
@@ -71,6 +73,7 @@ class Revocations:
         self._lock = threading.Lock()
         self._awaiting: dict[tuple[int, ...], set[int]] = {}  # epochs revoked by this rank -> ranks yet to answer
         self._quarantine: dict[tuple[int, ...], Any] = {}  # epochs -> what to release once every rank answered
+        self._gone_ranks: set[int] = set()  # ranks that said they are leaving: they hold nothing of ours
         self._next_pump = 0.0
         self._pump_lock = threading.Lock()  # one pump at a time (the revocation thread, waits, the progress thread)
         self._listener: threading.Thread | None = None
@@ -80,10 +83,12 @@ class Revocations:
     def handle(self, sender: int, message: bytes) -> None:
         """A ``twrev`` notification (called by the inbox's pump)."""
         kind, numbers = _parse(message)
-        if kind == _REVOKE and numbers:
+        if kind in (_REVOKE, _REVOKE_CLOSING) and numbers:
             map_epoch, epochs = numbers[0], numbers[1:]
             self._peers.revoked(sender, epochs, map_epoch)
             self._revoke_transfers(sender, set(epochs))
+            if kind == _REVOKE_CLOSING:
+                return
             try:
                 self._reach(sender)  # holds nothing of it maybe, but the owner waits for the answer
                 self._nixl.send_notification(sender, _message(_ACK, epochs))
@@ -91,6 +96,33 @@ class Revocations:
                 pass
         elif kind == _ACK:
             self._answered(sender, tuple(numbers))
+        elif kind == _LEAVING:
+            self._left(sender)
+
+    def leaving(self) -> None:
+        """This communicator closes and its transfers are closed: tell the peers it may hold transfers to (whose
+        metadata it loaded, and that are alive), so that an owner's close() does not wait for an answer this rank
+        may no longer be able to give."""
+        for target in sorted(self._nixl.loaded_peers() - {self._runtime.rank}):
+            if self._runtime.peer_lost(target, fresh=True) is not None:
+                continue
+            try:
+                self._nixl.send_notification(target, _message(_LEAVING, []))
+            except Exception:  # noqa: BLE001 - gone: it waits for nothing from this rank either
+                continue
+
+    def _left(self, rank: int) -> None:
+        released = []
+        with self._lock:
+            self._gone_ranks.add(rank)
+            for key, left in list(self._awaiting.items()):
+                left.discard(rank)
+                if not left:
+                    del self._awaiting[key]
+                    released.append(self._quarantine.pop(key, None))
+        for release in released:
+            if release is not None:
+                release()
 
     def listen(self) -> None:
         """Start the revocation thread (idempotent): from now on revocations are handled within
@@ -155,14 +187,18 @@ class Revocations:
         self._revoke_transfers(rank, set(epochs))  # this rank's own transfers to them
         self.pump(force=True)  # answers to earlier revocations: release what they held
         self._sweep()
-        targets = (set(self._runtime.liveness.peers()) | set(self._nixl.loaded_peers())) - {rank}
+        with self._lock:
+            gone = set(self._gone_ranks)
+        targets = (set(self._runtime.liveness.peers()) | set(self._nixl.loaded_peers())) - {rank} - gone
         pending = set()
         for target in sorted(targets):
             try:
                 if not wait and target not in self._nixl.loaded_peers():
                     continue  # closing: no store round trips for ranks this one never talked to
+                if self._runtime.peer_lost(target, fresh=True) is not None:
+                    continue  # gone: it posts nothing more (and NIXL would log a failed send)
                 self._reach(target)
-                self._nixl.send_notification(target, _message(_REVOKE, [map_epoch, *key]))
+                self._nixl.send_notification(target, _message(_REVOKE if wait else _REVOKE_CLOSING, [map_epoch, *key]))
                 pending.add(target)
             except Exception:  # noqa: BLE001 - gone or unreachable: it posts nothing more
                 continue

@@ -81,8 +81,25 @@ def member_rank(name: str | bytes, token: bytes | None) -> int | None:
     return rank
 
 
+class _DemoteInfo(logging.Filter):
+    """On NIXL's ``nixl`` logger: its informational lines ("Initialized NIXL agent", "Backend UCX was
+    instantiated", one pair per rank) leave it and go to ``tensorwire.nixl`` at DEBUG instead; warnings and
+    errors stay. NIXL attaches a stdout handler to its logger on import, so without this every program prints
+    them (users read them as failures)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            return True
+        logging.getLogger("tensorwire.nixl").debug("%s", record.getMessage())
+        return False
+
+
+_DEMOTE_INFO = _DemoteInfo()
+
+
 def _import_nixl() -> tuple[Any, Any]:
-    """``(nixl._api, nixl._bindings)``, or ``BackendUnavailableError`` saying why not."""
+    """``(nixl._api, nixl._bindings)``, or ``BackendUnavailableError`` saying why not. NIXL's INFO lines are
+    demoted to DEBUG on ``tensorwire.nixl`` (``_DemoteInfo``)."""
     try:
         api = importlib.import_module("nixl._api")
         bindings = importlib.import_module("nixl._bindings")
@@ -99,6 +116,9 @@ def _import_nixl() -> tuple[Any, Any]:
             f"nixl: importing nixl failed ({e}); reinstall nixl matching your CUDA major version "
             "(nixl-cu12 or nixl-cu13)"
         ) from e
+    for handler in logging.getLogger("nixl").handlers:  # NIXL's modules log on child loggers: filter the handler
+        if _DEMOTE_INFO not in handler.filters:
+            handler.addFilter(_DEMOTE_INFO)
     return api, bindings
 
 
