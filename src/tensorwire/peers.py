@@ -163,7 +163,7 @@ class Peers:
             if d.epoch in revoked:
                 raise RevokedError(
                     f"{fn}: remote item {i} [0x{d.addr:x}, +{d.nbytes}) comes from registration epoch {d.epoch} of "
-                    f"rank {peer}, which rank {peer} deregistered (revoked); look the descriptor up again")
+                    f"rank {peer}, which was closed (rank {peer} revoked it); look the descriptor up again")
             holders = [region for region in regions if region.contains(d)]
             if not holders:
                 raise InvalidArgumentError(
