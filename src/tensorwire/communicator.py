@@ -96,7 +96,8 @@ class Communicator:
         self._local_map = LocalMemoryMap()
         self._nixl = NixlBackend(env.rank, progress_wakeup_ms=cfg.progress_wakeup_ms)
         self._backends: dict[str, Backend] = {"nixl": self._nixl, "local": LocalBackend(self._local_map.view),
-                                              "shm": ShmBackend(authenticated=cfg.job_token is not None),
+                                              "shm": ShmBackend(authenticated=cfg.job_token is not None,
+                                                                peer_lost=self._rendezvous.liveness.lost),
                                               "fake": FakeBackend()}
         if cuda.availability()[0]:
             from .backends.cuda_ipc import CudaIpcBackend

@@ -53,15 +53,21 @@ def _host_tensor(values: torch.Tensor, path: str | None) -> torch.Tensor:
 
 
 def _wait_until_dead(pid: int) -> None:
-    """Return once ``pid`` has exited (a zombie or reaped): the kernel has closed its sockets by then."""
+    """Return once every thread of ``pid`` has exited (a zombie or reaped): the kernel has closed its sockets
+    by then (they close with the last thread, not with the main thread, which turns zombie first)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
+        if not os.path.exists(f"/proc/{pid}"):
+            return  # reaped
         try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return
-        except FileNotFoundError:
-            return
+            states = []
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                    states.append(stat.read().rsplit(")", 1)[-1].split()[:1])
+            if all(state in (["Z"], ["X"]) for state in states):
+                return
+        except OSError:  # a thread (or the process) went while it was looked at: look again
+            pass
         time.sleep(0.001)
     raise TimeoutError(f"process {pid} did not die within 30 s of SIGKILL")
 
