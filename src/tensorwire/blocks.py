@@ -27,7 +27,7 @@ Non-goals: heterogeneous layouts (different block sizes or view counts on the tw
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -158,10 +158,17 @@ class BlockPool(Closeable):
     idempotent and closes the block transfers prepared on the pool (and the registration it made, if any).
 
     Attributes: ``views`` (the tensors given), ``num_blocks``, ``block_bytes`` (per view), ``device``,
-    ``desc`` (the ``BlockPoolDesc`` peers address)."""
+    ``desc`` (the ``BlockPoolDesc`` peers address).
+
+    Closing revokes what peers prepared to the pool, whoever owns the memory: a pool that registered its views
+    deregisters them; a pool of views inside the user's registrations, which live on, publishes its spans under
+    an epoch of its own when its descriptor is first made (``expose``), and withdraws them at close
+    (``withdraw``: the peers' transfers to that epoch are revoked like those to deregistered memory)."""
 
     def __init__(self, comm: Communicator, views: list[torch.Tensor], layout: BlockLayout,
-                 holders: list[Registration], owned: Registration | None) -> None:
+                 holders: list[Registration], owned: Registration | None,
+                 expose: Callable[[list[Segment]], int] | None = None,
+                 withdraw: Callable[[int], None] | None = None) -> None:
         self._comm = comm
         self.views = views
         self.layout = layout
@@ -170,15 +177,35 @@ class BlockPool(Closeable):
         self.device = views[0].device
         self._holders = holders  # the registration holding each view's bytes
         self._owned = owned
-        epochs = [_desc_holding(h, s).epoch for h, s in zip(holders, layout.spans())]
-        self.desc = BlockPoolDesc(comm.rank, layout.kind, layout.device_index, layout.num_blocks,
-                                  tuple((r.addr, r.stride, r.block_bytes, e) for r, e in zip(layout.regions, epochs)))
+        self._expose, self._withdraw = expose, withdraw  # None when the pool registered its views itself
+        self._own_epoch: int | None = None  # the epoch ``expose`` published the spans under
+        self._desc: BlockPoolDesc | None = None
         self.transfers: set[BlockTransfer] = set()
         self.closed = False
 
+    @property
+    def desc(self) -> BlockPoolDesc:
+        """The ``BlockPoolDesc`` peers address. The first one of a pool over the user's registrations publishes
+        the pool's spans under an epoch of their own (one store round trip), which ``close()`` revokes."""
+        if self._desc is None:
+            self._check_open("desc")
+            spans = self.layout.spans()
+            if self._expose is None:
+                epochs = [_desc_holding(h, s).epoch for h, s in zip(self._holders, spans)]
+            else:
+                self._own_epoch = self._expose(spans)
+                epochs = [self._own_epoch] * len(spans)
+            layout = self.layout
+            self._desc = BlockPoolDesc(self._comm.rank, layout.kind, layout.device_index, layout.num_blocks,
+                                       tuple((r.addr, r.stride, r.block_bytes, e) for r, e in zip(layout.regions,
+                                                                                                   epochs)))
+        return self._desc
+
     def close(self) -> None:
-        """Close the pool's block transfers and deregister what ``register_blocks`` registered. Local, not
-        collective: a peer's later ``prepare_blocks`` or ``read_blocks`` with this pool's descriptor fails."""
+        """Close the pool's block transfers, deregister what ``register_blocks`` registered, or withdraw the
+        pool's own epoch from the user's registrations. Local, not collective: a peer's later post of a transfer
+        to the pool raises ``RevokedError`` (once it handled the revocation), and its ``prepare_blocks`` or
+        ``read_blocks`` with this pool's descriptor fails."""
         if self.closed:
             return
         self.closed = True
@@ -186,6 +213,8 @@ class BlockPool(Closeable):
             transfer.close()
         if self._owned is not None:
             self._owned.close()
+        if self._own_epoch is not None:
+            self._withdraw(self._own_epoch)
         self.views = []
 
     def _check_open(self, fn: str) -> None:
