@@ -27,7 +27,7 @@ Non-goals: heterogeneous layouts (different block sizes or view counts on the tw
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,7 +36,7 @@ import torch
 
 from .backends.base import Op, Segment, Status
 from .backends.block_copy import BlockLayout, BlockRegion, DeviceBlockRequest
-from .descriptors import MemoryKind, TensorDesc
+from .descriptors import MemoryKind, TensorDesc, field_problem, location_problem
 from .errors import ClosedError, InvalidArgumentError
 from .lifetime import Closeable
 from .registration import Registration, as_tensor_list
@@ -60,13 +60,25 @@ class BlockPoolDesc:
 
     Wire format (little endian), ``pack``: header ``b"TWB" | version u8 | rank i32 | kind u8 | pad u8 |
     device index i16 | num_blocks u64 | region count u32``, then per region ``addr u64 | stride u64 |
-    block bytes u64 | epoch u32 | pad u32``."""
+    block bytes u64 | epoch u32 | pad u32``.
+
+    Untrusted input (built by hand, or read from the store): construction refuses what no pool can be
+    (``InvalidArgumentError``): a stride below the block size (negative, zero, overlapping blocks), a field
+    outside its wire width, a last block ending past 2**64. So each view's span (block 0 to the end of the last
+    block) holds every block, and ``prepare_blocks`` checking the spans against the owner's memory map bounds
+    every byte any post can touch; ids are checked against ``num_blocks`` at each post."""
 
     rank: int
     kind: MemoryKind
     device_index: int
     num_blocks: int
     regions: tuple[tuple[int, int, int, int], ...]
+
+    def __post_init__(self) -> None:
+        problem = _pool_problem(self)
+        if problem is not None:
+            raise InvalidArgumentError(f"BlockPoolDesc: {problem}; no registered pool looks like this: use the "
+                                       "descriptor lookup_blocks() or pool.desc returns")
 
     @property
     def block_bytes(self) -> tuple[int, ...]:
@@ -104,11 +116,41 @@ class BlockPoolDesc:
             raise InvalidArgumentError(f"BlockPoolDesc.unpack: {len(data)} bytes for {count} views; the data is "
                                        "truncated or corrupt")
         regions = tuple(_REGION.unpack_from(data, _HEADER.size + i * _REGION.size) for i in range(count))
-        if rank < 0 or kind not in (0, 1) or not 0 < count <= _MAX_REGIONS or num_blocks < 1 or any(
-                b < 1 or (num_blocks > 1 and s < b) or a + s * (num_blocks - 1) + b > 2**64 for a, s, b, _ in regions):
+        try:
+            return BlockPoolDesc(rank, MemoryKind(kind) if kind in (0, 1) else kind, device_index, num_blocks, regions)
+        except InvalidArgumentError as e:
             raise InvalidArgumentError(f"BlockPoolDesc.unpack: rank {rank}, kind {kind}, {count} views of "
-                                       f"{num_blocks} blocks: not a valid pool; the data is corrupt")
-        return BlockPoolDesc(rank, MemoryKind(kind), device_index, num_blocks, regions)
+                                       f"{num_blocks} blocks: not a valid pool ({e}); the data is corrupt") from None
+
+
+_U64 = 1 << 64
+
+
+def _pool_problem(desc: BlockPoolDesc) -> str | None:
+    """What makes ``desc`` no pool at all, or None (see ``BlockPoolDesc``)."""
+    problem = (location_problem(desc.rank, desc.kind, desc.device_index, 0)
+               or field_problem("num_blocks", desc.num_blocks, _U64, low=1))
+    if problem is not None:
+        return problem
+    if not isinstance(desc.regions, tuple) or not 0 < len(desc.regions) <= _MAX_REGIONS:
+        count = len(desc.regions) if isinstance(desc.regions, tuple) else f"a {type(desc.regions).__name__} of"
+        return f"regions is {count} views; give a tuple of 1 to {_MAX_REGIONS} (addr, stride, block bytes, epoch)"
+    for i, region in enumerate(desc.regions):
+        if not isinstance(region, tuple) or len(region) != 4:
+            return f"view {i} is {region!r}, not an (addr, stride, block bytes, epoch) tuple"
+        addr, stride, block_bytes, epoch = region
+        problem = (field_problem(f"view {i}'s addr", addr, _U64) or field_problem(f"view {i}'s stride", stride, _U64)
+                   or field_problem(f"view {i}'s block bytes", block_bytes, _U64, low=1)
+                   or field_problem(f"view {i}'s epoch", epoch, 1 << 32))
+        if problem is None and desc.num_blocks > 1 and stride < block_bytes:
+            problem = (f"view {i} has stride {stride} for blocks of {block_bytes} bytes (blocks must not overlap: "
+                       "stride >= block bytes)")
+        if problem is None and addr + stride * (desc.num_blocks - 1) + block_bytes > _U64:
+            problem = (f"view {i}'s {desc.num_blocks} blocks of {block_bytes} bytes {stride} bytes apart from "
+                       f"0x{addr:x} end past 2**64")
+        if problem is not None:
+            return problem
+    return None
 
 
 class BlockPool(Closeable):
@@ -116,10 +158,17 @@ class BlockPool(Closeable):
     idempotent and closes the block transfers prepared on the pool (and the registration it made, if any).
 
     Attributes: ``views`` (the tensors given), ``num_blocks``, ``block_bytes`` (per view), ``device``,
-    ``desc`` (the ``BlockPoolDesc`` peers address)."""
+    ``desc`` (the ``BlockPoolDesc`` peers address).
+
+    Closing revokes what peers prepared to the pool, whoever owns the memory: a pool that registered its views
+    deregisters them; a pool of views inside the user's registrations, which live on, publishes its spans under
+    an epoch of its own when its descriptor is first made (``expose``), and withdraws them at close
+    (``withdraw``: the peers' transfers to that epoch are revoked like those to deregistered memory)."""
 
     def __init__(self, comm: Communicator, views: list[torch.Tensor], layout: BlockLayout,
-                 holders: list[Registration], owned: Registration | None) -> None:
+                 holders: list[Registration], owned: Registration | None,
+                 expose: Callable[[list[Segment]], int] | None = None,
+                 withdraw: Callable[[int], None] | None = None) -> None:
         self._comm = comm
         self.views = views
         self.layout = layout
@@ -128,15 +177,35 @@ class BlockPool(Closeable):
         self.device = views[0].device
         self._holders = holders  # the registration holding each view's bytes
         self._owned = owned
-        epochs = [_desc_holding(h, s).epoch for h, s in zip(holders, layout.spans())]
-        self.desc = BlockPoolDesc(comm.rank, layout.kind, layout.device_index, layout.num_blocks,
-                                  tuple((r.addr, r.stride, r.block_bytes, e) for r, e in zip(layout.regions, epochs)))
+        self._expose, self._withdraw = expose, withdraw  # None when the pool registered its views itself
+        self._own_epoch: int | None = None  # the epoch ``expose`` published the spans under
+        self._desc: BlockPoolDesc | None = None
         self.transfers: set[BlockTransfer] = set()
         self.closed = False
 
+    @property
+    def desc(self) -> BlockPoolDesc:
+        """The ``BlockPoolDesc`` peers address. The first one of a pool over the user's registrations publishes
+        the pool's spans under an epoch of their own (one store round trip), which ``close()`` revokes."""
+        if self._desc is None:
+            self._check_open("desc")
+            spans = self.layout.spans()
+            if self._expose is None:
+                epochs = [_desc_holding(h, s).epoch for h, s in zip(self._holders, spans)]
+            else:
+                self._own_epoch = self._expose(spans)
+                epochs = [self._own_epoch] * len(spans)
+            layout = self.layout
+            self._desc = BlockPoolDesc(self._comm.rank, layout.kind, layout.device_index, layout.num_blocks,
+                                       tuple((r.addr, r.stride, r.block_bytes, e) for r, e in zip(layout.regions,
+                                                                                                   epochs)))
+        return self._desc
+
     def close(self) -> None:
-        """Close the pool's block transfers and deregister what ``register_blocks`` registered. Local, not
-        collective: a peer's later ``prepare_blocks`` or ``read_blocks`` with this pool's descriptor fails."""
+        """Close the pool's block transfers, deregister what ``register_blocks`` registered, or withdraw the
+        pool's own epoch from the user's registrations. Local, not collective: a peer's later post of a transfer
+        to the pool raises ``RevokedError`` (once it handled the revocation), and its ``prepare_blocks`` or
+        ``read_blocks`` with this pool's descriptor fails."""
         if self.closed:
             return
         self.closed = True
@@ -144,6 +213,8 @@ class BlockPool(Closeable):
             transfer.close()
         if self._owned is not None:
             self._owned.close()
+        if self._own_epoch is not None:
+            self._withdraw(self._own_epoch)
         self.views = []
 
     def _check_open(self, fn: str) -> None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from . import arguments, cuda
 from . import blocks as blocks_module
 from . import config as config_module
-from .backends.base import Backend, Op
+from .backends.base import Backend, Op, Segment
 from .backends.fake import FakeBackend
 from .backends.local import LocalBackend
 from .backends.nixl import NixlBackend
@@ -98,7 +98,8 @@ class Communicator:
         self._nixl = NixlBackend(env.rank, progress_wakeup_ms=cfg.progress_wakeup_ms, token=cfg.job_token,
                                  net_devices=ucx_net_devices(self._rendezvous.liveness.address[0])[0])
         self._backends: dict[str, Backend] = {"nixl": self._nixl, "local": LocalBackend(self._local_map.view),
-                                              "shm": ShmBackend(authenticated=cfg.job_token is not None),
+                                              "shm": ShmBackend(authenticated=cfg.job_token is not None,
+                                                                peer_lost=self._rendezvous.liveness.lost),
                                               "fake": FakeBackend()}
         if cuda.availability()[0]:
             from .backends.cuda_ipc import CudaIpcBackend
@@ -107,7 +108,7 @@ class Communicator:
         self._inbox = Inbox(self._nixl.notifications)
         self._runtime = Runtime(env.rank, cfg, timeout_s, self._rendezvous.liveness, self._send_notification)
         self._peers = Peers(self._runtime, self._rendezvous, self._backends, self._nixl, host_identity(),
-                            lambda: (self._local_map.descs(), self._epoch))
+                            lambda: (self._published_ranges(), self._epoch))
         self._notifications = Notifications(self._runtime, self._inbox, self.world_size)
         self._runtime.stream_waiters.add(self._notifications)
         self._revocations = Revocations(self._runtime, self._inbox, self._nixl, self._peers)
@@ -115,6 +116,7 @@ class Communicator:
         self._rendezvous.between_polls = self._revocations.pump  # a rank in a barrier answers revocations too
         self._runtime.between_polls = self._revocations.pump  # and so does every sleeping wait
         self._epoch = 0
+        self._pool_spans: dict[int, list[TensorDesc]] = {}  # epoch -> spans of an open pool in user registrations
         self._closing = False
         self._registrations: weakref.WeakSet[Registration] = weakref.WeakSet()
         self._dependents: weakref.WeakSet = weakref.WeakSet()  # objects with close() (MoE engines): closed first
@@ -160,6 +162,10 @@ class Communicator:
             return
         for s in registration.segments:
             self._local_map.remove(s)
+        pools = [epoch for epoch, spans in self._pool_spans.items()  # pools in it go with it
+                 if any(d.contains(span) for span in spans for d in registration.descs)]
+        for epoch in pools:
+            del self._pool_spans[epoch]
         if self.closed:
             return  # the backends are gone and took the registrations with them
         if not self._closing:
@@ -167,6 +173,7 @@ class Communicator:
             # to them are revoked, then the backends let go (see tensorwire.revocation).
             self._publish_memory_map()
         tensors = registration._tensors  # kept alive by the release while peers may still post (quarantine)
+        epochs = sorted(set(epochs) | set(pools))
         self._revocations.revoke(epochs, self._epoch, lambda: (self._release_handles(handles), tensors.clear()),
                                  wait=not self._closing)
 
@@ -177,7 +184,29 @@ class Communicator:
 
     def _publish_memory_map(self) -> None:
         self._epoch += 1
-        self._peers.publish(self.rank, self._epoch, self._local_map.descs())
+        self._peers.publish(self.rank, self._epoch, self._published_ranges())
+
+    def _published_ranges(self) -> list[TensorDesc]:
+        """The registered ranges, and the spans of the pools in them that have their own epoch (a descriptor of
+        such a pool is valid while its spans are published: until the pool closes)."""
+        return self._local_map.descs() + [d for spans in self._pool_spans.values() for d in spans]
+
+    def _expose_pool(self, spans: list[Segment]) -> int:
+        """Publish ``spans`` (a pool's, inside registrations) under a new epoch; return it."""
+        epoch = self._epoch + 1
+        self._pool_spans[epoch] = [TensorDesc(self.rank, s.addr, s.nbytes, s.kind, s.device_index, epoch)
+                                   for s in spans]
+        self._publish_memory_map()
+        return epoch
+
+    def _withdraw_pool(self, epoch: int) -> None:
+        """The pool exposed under ``epoch`` closed: its spans leave the map (a peer's ``prepare_blocks`` refuses
+        its descriptor) and the peers' transfers to it are revoked; the memory stays the user's."""
+        if self._pool_spans.pop(epoch, None) is None or self.closed:
+            return  # withdrawn with the registration holding it
+        if not self._closing:
+            self._publish_memory_map()
+        self._revocations.revoke([epoch], self._epoch, lambda: None, wait=not self._closing)
 
     def peer_pointer(self, desc: TensorDesc) -> int:
         """A device pointer, valid in this process on ``self.device``, to ``desc``'s bytes in a same-host
@@ -309,7 +338,8 @@ class Communicator:
                     "the tensors that hold all the views with comm.register first, or none of them")
             owned = self.register(blocks_module.spans_to_register(views, layout))
             holders = [self._local_map.find(s) for s in spans]
-        return BlockPool(self, views, layout, holders, owned)
+            return BlockPool(self, views, layout, holders, owned)
+        return BlockPool(self, views, layout, holders, None, self._expose_pool, self._withdraw_pool)
 
     def publish_blocks(self, key: str, pool: BlockPool) -> None:
         """Make ``pool``'s descriptor visible to every rank under ``(key, self.rank)``. Non-blocking, not

@@ -18,12 +18,16 @@ from dataclasses import dataclass, replace
 
 from .errors import InvalidArgumentError
 
-__all__ = ["MemoryKind", "TensorDesc"]
+__all__ = ["MemoryKind", "TensorDesc", "field_problem", "location_problem"]
 
 _MAGIC = b"TWD"
 _FORMAT_VERSION = 1
 _HEADER = struct.Struct("<3sBI")
 _RECORD = struct.Struct("<iBxhIQQ")
+_ADDRESS_LIMIT = 1 << 64  # addresses and sizes are u64 on the wire and in every backend
+_EPOCH_LIMIT = 1 << 32
+_RANK_LIMIT = 1 << 31
+_DEVICE_LIMIT = 1 << 15
 
 
 class MemoryKind(enum.IntEnum):
@@ -37,12 +41,38 @@ class MemoryKind(enum.IntEnum):
         return "cpu" if self is MemoryKind.CPU else "cuda"
 
 
+def field_problem(name: str, value: object, limit: int, low: int = 0) -> str | None:
+    """What is wrong with an integer field that must lie in ``[low, limit)`` (``limit`` a power of two: a wire
+    width), or None."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"{name} is a {type(value).__name__} ({value!r}), not an int"
+    if not low <= value < limit:
+        return f"{name} {value} is outside [{low}, 2**{limit.bit_length() - 1})"
+    return None
+
+
+def location_problem(rank: object, kind: object, device_index: object, epoch: object) -> str | None:
+    """What is wrong with the owner, memory kind, device and epoch of a descriptor, or None: CPU memory is on
+    device -1, CUDA memory on a device index that fits the wire's i16."""
+    if not isinstance(kind, MemoryKind):
+        return f"kind is {kind!r}; pass tw.MemoryKind.CPU or tw.MemoryKind.CUDA"
+    if kind is MemoryKind.CPU and device_index != -1:
+        return f"CPU memory with device index {device_index!r} (CPU memory is on device -1)"
+    return (field_problem("rank", rank, _RANK_LIMIT)
+            or (field_problem("device index", device_index, _DEVICE_LIMIT) if kind is MemoryKind.CUDA else None)
+            or field_problem("epoch", epoch, _EPOCH_LIMIT))
+
+
 @dataclass(frozen=True)
 class TensorDesc:
     """A byte range ``[addr, addr + nbytes)`` registered by ``rank``.
 
     ``epoch`` is the owner's registration epoch when the range was published: a reader holding an
     older view of the owner's memory map refreshes it before touching the range.
+
+    A descriptor is untrusted input (built by hand, or read from the store): construction refuses fields
+    that no registration can have (``InvalidArgumentError``), so every later check (``prepare`` compares the
+    range with the owner's memory map) and every transport sees a range inside 64-bit memory.
     """
 
     rank: int
@@ -51,6 +81,17 @@ class TensorDesc:
     kind: MemoryKind
     device_index: int
     epoch: int
+
+    def __post_init__(self) -> None:
+        problem = (location_problem(self.rank, self.kind, self.device_index, self.epoch)
+                   or field_problem("addr", self.addr, _ADDRESS_LIMIT)
+                   or field_problem("nbytes", self.nbytes, _ADDRESS_LIMIT))
+        if problem is None and self.addr + self.nbytes > _ADDRESS_LIMIT:
+            problem = f"[0x{self.addr:x}, +{self.nbytes}) ends past 2**64"
+        if problem is not None:
+            raise InvalidArgumentError(
+                f"TensorDesc: {problem}; no registered range looks like this: use the descriptors lookup() or "
+                "reg.descs return (narrow() inside them)")
 
     @property
     def device(self) -> str:
@@ -134,5 +175,9 @@ class TensorDesc:
                 raise InvalidArgumentError(
                     f"{source}: record {i} has rank {rank}, memory kind {kind}; the data is corrupt"
                 )
-            descs.append(TensorDesc(rank, addr, nbytes, MemoryKind(kind), device_index, epoch))
+            try:
+                descs.append(TensorDesc(rank, addr, nbytes, MemoryKind(kind), device_index, epoch))
+            except InvalidArgumentError as e:
+                raise InvalidArgumentError(f"{source}: record {i} is not a valid range ({e}); the data is "
+                                           "corrupt") from None
         return descs

@@ -234,10 +234,10 @@ class Revocations:
     def retry(self, epochs: list[int]) -> bool:
         """For a ``close()`` again after ``revoke`` timed out: wait for the answers once more (False: nothing
         was quarantined under ``epochs``)."""
-        key = tuple(sorted(epochs))
-        with self._lock:
-            if key not in self._awaiting:
-                return False
+        with self._lock:  # the key may hold more epochs (pools inside the registration were revoked with it)
+            key = next((k for k in self._awaiting if set(epochs) & set(k)), None)
+        if key is None:
+            return False
         self._await_answers(key)
         return True
 

@@ -9,6 +9,7 @@ Host memory runs over real NIXL between processes (plain ``torch.empty`` memory)
 from __future__ import annotations
 
 import os
+import struct
 import uuid
 
 import numpy as np
@@ -91,9 +92,12 @@ def test_pool_desc_round_trips_and_rejects_corrupt_bytes():
         noise = rng.integers(0, 256, size=rng.integers(0, 120), dtype=np.uint8).tobytes()
         with pytest.raises(tw.InvalidArgumentError):
             tw.BlockPoolDesc.unpack(b"TWB\x01" + noise)
-    overlapping = tw.BlockPoolDesc(0, tw.MemoryKind.CPU, -1, 4, ((0x1000, 8, 16, 1),)).pack()
-    with pytest.raises(tw.InvalidArgumentError, match="not a valid pool"):
+    overlapping = (struct.pack("<3sBiBxhQI", b"TWB", 1, 0, 0, -1, 4, 1)  # the wire admits what the constructor
+                   + struct.pack("<QQQI4x", 0x1000, 8, 16, 1))  # refuses: 4 blocks of 16 bytes, 8 bytes apart
+    with pytest.raises(tw.InvalidArgumentError, match="not a valid pool.*stride 8 for blocks of 16 bytes"):
         tw.BlockPoolDesc.unpack(overlapping)
+    with pytest.raises(tw.InvalidArgumentError, match="stride 8 for blocks of 16 bytes"):
+        tw.BlockPoolDesc(0, tw.MemoryKind.CPU, -1, 4, ((0x1000, 8, 16, 1),))
 
 
 # --- one process: local transport, layouts, validation --------------------------------------------

@@ -81,11 +81,11 @@ def test_narrow_outside(offset, nbytes):
 
 def test_contains_requires_same_rank_and_device():
     """contains is false for the same addresses on another rank, kind or device."""
-    d = desc(nbytes=256)
+    d = desc(nbytes=256, kind=CUDA, device_index=1)
     inner = d.narrow(8, 8)
     assert d.contains(inner)
     assert not d.contains(dataclasses.replace(inner, rank=d.rank + 1))
-    assert not d.contains(dataclasses.replace(inner, kind=CUDA))
+    assert not d.contains(dataclasses.replace(inner, kind=CPU, device_index=-1))
     assert not d.contains(dataclasses.replace(inner, device_index=0))
     assert not d.contains(dataclasses.replace(inner, addr=d.end - 4))  # straddles the end
 
