@@ -27,6 +27,7 @@ from .errors import (
     TransferError,
     WaitTimeoutError,
 )
+from .membership import Member
 from .moe import all_to_all_v
 from .registration import Registration
 from .transfer import Transfer
@@ -42,5 +43,5 @@ __all__ = [
     "MemoryKind", "BackendInfo", "backends", "testing", "TensorwireError", "InvalidArgumentError",
     "ClosedError", "BackendUnavailableError", "TransferError", "WaitTimeoutError", "PeerLostError",
     "RevokedError",
-    "AuthenticationError", "moe", "all_to_all_v",
+    "AuthenticationError", "moe", "all_to_all_v", "Member",
 ]

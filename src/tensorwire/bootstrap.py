@@ -18,6 +18,7 @@ and departures are per-rank sealed records, and each rank claims its rank number
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import secrets
@@ -66,12 +67,13 @@ class Rendezvous:
         self._token = token
         self._owns_store = store is None
         self._claim: bytes | None = None
+        self._claims: dict[str, bytes] = {}  # keys taken with claim()/take_over() -> the exact bytes written
         self._lost: str | None = None  # why the store connection is gone; every later call raises PeerLostError
         self.between_polls: Callable[[], None] | None = None  # run while a wait sleeps (the inbox's pump)
         self._store_sockets: list[socket.socket] = []  # our client connection(s) to the store, to cut a stuck call
         self._watchdog = Deadlines()  # cuts a store call that outlives its bound (torch's own timeout does not)
         self._calls: CallThread | None = None  # the store calls, where no socket of ours can be cut (see _call)
-        if token is None and env.world_size > 1:
+        if token is None and (env.world_size > 1 or env.fleet):
             _warn_once("unauthenticated", (
                 "tensorwire: this job is unauthenticated (TENSORWIRE_JOB_TOKEN is not set): any process that reaches "
                 f"the store at {env.master_addr}:{env.master_port} can read every rank's memory map (addresses, NIXL "
@@ -87,10 +89,13 @@ class Rendezvous:
         self._raw = store
         self.store = dist.PrefixStore("tensorwire/", store)
         self._barrier_generation = 0
-        self._claim_rank()
+        if env.fleet:
+            self.env = env = self._take_fleet_rank()
+        else:
+            self._claim_rank()
         self.liveness = Liveness(env.rank, env.world_size, liveness_s, local_address(env), token, self._resolve)
         self.set(f"alive/{env.rank}", f"{self.liveness.address[0]} {self.liveness.address[1]}".encode())
-        if env.rank != 0:  # the store's host: watched from the start, so that a lost store is noticed in any wait
+        if env.rank != 0 and not env.fleet:  # the store's host: watched from the start (a lost store in any wait)
             self.get("alive/0", timeout_s, "init: waiting for rank 0's liveness address")
             self.liveness.watch(0)
 
@@ -104,7 +109,7 @@ class Rendezvous:
 
     def _connect(self) -> dist.Store:
         env, timeout_s = self.env, self.timeout_s
-        hosts = env.rank == 0 and not env.agent_store
+        hosts = env.rank == 0 and not env.agent_store and not env.fleet
         listener, why_not = listen_socket(env.master_addr, env.master_port) if hosts else (None, "")
         if why_not:
             _warn_once("listen-all", (
@@ -114,7 +119,7 @@ class Rendezvous:
             store = dist.TCPStore(
                 env.master_addr,
                 listener.getsockname()[1] if listener is not None else env.master_port,
-                env.world_size,
+                None if env.fleet else env.world_size,
                 is_master=hosts,
                 timeout=_delta(timeout_s),
                 wait_for_workers=False,
@@ -192,6 +197,54 @@ class Rendezvous:
                     "Pass a larger timeout= or check the other ranks")
             time.sleep(min(0.02, max(0.0002, (now - start) / 32), max(deadline - now, 0.0)))
 
+    def get_now(self, key: str) -> bytes | None:
+        """``key``'s opened value if it is there and opens, else None. Two round trips; never waits."""
+        if not self.check(key):
+            return None
+        blob = self._call(lambda: self.store.get(key), f"reading {key!r}")
+        try:
+            return self._open(key, blob)
+        except AuthenticationError:
+            return None
+
+    def claim(self, key: str, value: bytes) -> tuple[bytes, bytes | None] | None:
+        """Take ``key`` for ``value`` if it is empty (atomically, sealed): None when taken, else what holds it
+        (the raw bytes, for ``take_over``, and the opened value, None if it does not open)."""
+        mine = seal(self._token, key, value) if self._token is not None else value
+        found = self._compare_set(key, b"", mine)
+        if found == mine:
+            self._claims[key] = mine
+            return None
+        return found, (self._open(key, found) if self._verifies(key, found) else None)
+
+    def take_over(self, key: str, found: bytes, value: bytes) -> bool:
+        """Replace exactly ``found`` (``claim``'s answer) by ``value``; False when someone changed it meanwhile."""
+        mine = seal(self._token, key, value) if self._token is not None else value
+        if self._compare_set(key, found, mine) == mine:
+            self._claims[key] = mine
+            return True
+        return False
+
+    def release(self, key: str) -> None:
+        """Give back what ``claim``/``take_over`` took, unless someone has taken it over since."""
+        mine = self._claims.pop(key, None)
+        if mine is not None:
+            self._compare_set(key, mine, b"")
+
+    def delete(self, key: str) -> None:
+        self._call(lambda: self.store.delete_key(key), f"deleting {key!r}")
+
+    def address_of(self, rank: int) -> tuple[str, int] | None:
+        """``rank``'s liveness address from its sealed ``alive/<rank>`` record, or None (none, or forged)."""
+        value = self.get_now(f"alive/{rank}")
+        if value is None:
+            return None
+        try:
+            host, port = value.decode().split()
+            return host, int(port)
+        except ValueError:
+            return None
+
     def add(self, key: str, amount: int) -> int:
         """The store's counter (unauthenticated: a counter cannot carry a MAC); tensorwire decides nothing on it."""
         return int(self._call(lambda: self.store.add(key, amount), f"adding to {key!r}"))
@@ -249,6 +302,23 @@ class Rendezvous:
                 "MASTER_PORT if an earlier job still runs there"
             )
         self._claim = mine
+
+    def _take_fleet_rank(self) -> Environment:
+        """A fleet member's rank: the directory's next number (``add``: a counter, so unauthenticated; it only
+        proposes), claimed like a launcher's rank. A number already claimed (a race, or a counter an outsider set
+        back) is skipped, so ranks are unique for the directory's life and never reused."""
+        for _ in range(64):
+            proposed = self.add("fleet/next_rank", 1) - 1
+            if proposed < 0:
+                continue
+            self.env = dataclasses.replace(self.env, rank=proposed)
+            try:
+                self._claim_rank()
+            except InvalidArgumentError:
+                continue
+            return self.env
+        raise PeerLostError(f"init: no free member rank in the directory at {self.env.master_addr}:"
+                            f"{self.env.master_port} after 64 tries; its counter is being tampered with")
 
     def _running_holder(self) -> str | None:
         """Who still runs as this rank according to its verified ``alive/<rank>`` record and a probe of the
@@ -309,7 +379,7 @@ class Rendezvous:
         """Say this rank is done (``departed/<rank>``, sealed) and give up its rank; the store's host waits
         (bounded by ``timeout_s``) until every rank said so with a record that verifies, or is gone (its
         liveness connection broke: a rank that died does not hold the store's host for the whole timeout)."""
-        if self.env.world_size == 1:
+        if self.env.world_size == 1 or self.env.fleet:  # a fleet's directory waits for nobody
             self._release_rank()
             return
         self._release_rank()
@@ -389,6 +459,8 @@ class Rendezvous:
         raise e
 
     def _store_name(self) -> str:
+        if self.env.fleet:
+            return f"the directory at {self.env.master_addr}:{self.env.master_port}"
         if self._owns_store:
             return f"the store hosted by rank 0 at {self.env.master_addr}:{self.env.master_port}"
         return "the store passed to init (store=)"

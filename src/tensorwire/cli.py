@@ -1,4 +1,4 @@
-"""The ``tensorwire`` command (also ``python -m tensorwire``): ``tensorwire doctor`` and ``tensorwire bench``.
+"""The ``tensorwire`` command (also ``python -m tensorwire``): ``tensorwire doctor``, ``bench`` and ``directory``.
 
 Thin: argument parsing and exit codes (0 done, 1 an error, 2 bad usage). The work lives in
 ``tensorwire.doctor`` and ``tensorwire.bench``; nothing in the library imports this module.
@@ -49,6 +49,16 @@ def _parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
                         help="seconds each 2-process probe may take (default 15)")
     doctor.set_defaults(handler=_doctor, parser=doctor)
 
+    directory = commands.add_parser(
+        "directory", help="run a fleet's directory (members join with TENSORWIRE_DIRECTORY=tcp://HOST:PORT)",
+        description="Run the embedded directory where fleet members meet, until interrupted (SIGINT/SIGTERM). "
+                    "It holds the members' sealed records only; transfers never go through it.")
+    directory.add_argument("--host", default="127.0.0.1",
+                           help="address to listen on, one of this machine's (default 127.0.0.1)")
+    directory.add_argument("--port", type=at_least(int, 0), default=29700,
+                           help="port to listen on; 0 picks a free one (default 29700)")
+    directory.set_defaults(handler=_directory, parser=directory)
+
     bench = commands.add_parser(
         "bench", help="benchmarks: " + ", ".join(BENCH_COMMANDS) + f" (default {BENCH_COMMANDS[0]})",
         description=f"Benchmarks of tensorwire. Without a NAME, '{BENCH_COMMANDS[0]}' runs.")
@@ -85,6 +95,13 @@ def _doctor(args: argparse.Namespace) -> int:
 
     quiet_nixl_logging()
     diagnose(lambda line: print(line, flush=True), timeout_s=args.timeout, quiet=True)
+    return 0
+
+
+def _directory(args: argparse.Namespace) -> int:
+    from .directory import serve
+
+    serve(args.host, args.port, lambda line: print(line, flush=True))
     return 0
 
 

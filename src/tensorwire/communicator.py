@@ -30,6 +30,7 @@ from .bootstrap import Rendezvous
 from .descriptors import MemoryKind, TensorDesc
 from .environment import resolve_environment
 from .errors import InvalidArgumentError, PeerLostError, WaitTimeoutError
+from .membership import Member, Membership
 from .memory_map import host_identity
 from .network import ucx_net_devices
 from .notifications import Notifications
@@ -43,6 +44,8 @@ from .transfer import Transfer
 
 __all__ = ["Communicator", "init"]
 
+_FLEET_STREAM_SENDERS = 1024  # members a fleet member may wait for with wait_notification(stream=)
+
 
 def init(
     *,
@@ -53,8 +56,16 @@ def init(
     device: torch.device | str | None = None,
     timeout: float | None = None,
     store: dist.Store | None = None,
+    directory: str | None = None,
+    name: str | None = None,
 ) -> Communicator:
-    """Join the job described by the launcher's environment (torchrun, mpirun, SLURM) or the keywords.
+    """Join the job described by the launcher's environment (torchrun, mpirun, SLURM) or the keywords; or,
+    with ``directory="tcp://HOST:PORT"`` and ``name=`` (or ``TENSORWIRE_DIRECTORY`` / ``TENSORWIRE_NAME``), join
+    a *fleet*: members launched apart that meet in a directory (``tensorwire directory``). A member's rank is
+    assigned by the directory (unique for its life, never reused), its name is unique among present members,
+    and everything else (register, publish/lookup, prepare, transfers, blocks, notifications, revocation,
+    liveness, the job token) works as in a launcher's world. Joining costs O(1) directory operations and no
+    connection to anyone; ``members()`` and ``rank_of(name)`` find the others.
 
     Blocks until rank 0's store is reachable (at most ``timeout`` seconds). Not collective beyond that:
     peers are connected lazily. ``store=`` reuses an existing torch.distributed store (keys are prefixed).
@@ -68,7 +79,10 @@ def init(
     timeout_s = cfg.timeout_s if timeout is None else float(timeout)
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         raise InvalidArgumentError(f"init: timeout={timeout!r}; give a positive, finite number of seconds")
-    env = resolve_environment(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
+    if directory is None and name is None and rank is None and world_size is None:
+        directory, name = cfg.directory, cfg.name
+    env = resolve_environment(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
+                              directory=directory, name=name)
     if device is None:
         if torch.cuda.is_available():
             device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
@@ -86,14 +100,17 @@ class Communicator:
 
     def __init__(self, env, device: torch.device, cfg: config_module.Config, timeout_s: float,
                  store: dist.Store | None) -> None:
-        self.rank = env.rank
-        self.world_size = env.world_size
+        self._world_size = env.world_size
         self.local_rank = env.local_rank
         self.local_world_size = env.local_world_size
         self.device = device
         self.config = cfg
         self.timeout_s = timeout_s
         self._rendezvous = Rendezvous(env, timeout_s, store, token=cfg.job_token, liveness_s=cfg.liveness_s)
+        env = self._rendezvous.env  # a fleet member's rank is the directory's
+        self.rank = env.rank
+        self.name: str | None = env.name  # a fleet member's name (None in a launcher's world)
+        self._membership: Membership | None = None
         self._local_map = LocalMemoryMap()
         self._nixl = NixlBackend(env.rank, progress_wakeup_ms=cfg.progress_wakeup_ms, token=cfg.job_token,
                                  net_devices=ucx_net_devices(self._rendezvous.liveness.address[0])[0])
@@ -109,7 +126,8 @@ class Communicator:
         self._runtime = Runtime(env.rank, cfg, timeout_s, self._rendezvous.liveness, self._send_notification)
         self._peers = Peers(self._runtime, self._rendezvous, self._backends, self._nixl, host_identity(),
                             lambda: (self._published_ranges(), self._epoch))
-        self._notifications = Notifications(self._runtime, self._inbox, self.world_size)
+        self._notifications = Notifications(self._runtime, self._inbox,
+                                            _FLEET_STREAM_SENDERS if env.fleet else env.world_size)
         self._runtime.stream_waiters.add(self._notifications)
         self._revocations = Revocations(self._runtime, self._inbox, self._nixl, self._peers)
         self._inbox.open_channel(REVOCATION_CHANNEL, self._revocations.handle)
@@ -121,6 +139,10 @@ class Communicator:
         self._registrations: weakref.WeakSet[Registration] = weakref.WeakSet()
         self._dependents: weakref.WeakSet = weakref.WeakSet()  # objects with close() (MoE engines): closed first
         self._publish_memory_map()
+        if env.fleet or env.world_size > 1:  # peers may revoke memory: answer whatever this rank's threads do
+            self._revocations.listen()
+        if env.fleet:  # last: once listed, peers may prepare transfers to this member at once
+            self._membership = Membership(self._rendezvous, env.name, host_identity())
         self._handed_out = True  # from here on a leak is the user's (see __del__)
 
     @property
@@ -252,7 +274,7 @@ class Communicator:
         (see the module docstring) and ``Transfer.transport`` says which."""
         self._check_open("prepare")
         local_tensors, remote_descs, peer = arguments.prepare_arguments(op, local, remote, notify, transport,
-                                                                        self.world_size)
+                                                                        self._world_size)
         pairs, registrations = arguments.segment_pairs(self._local_map, local_tensors, remote_descs)
         backend, request, uses_cuda = None, None, False
         if pairs and peer == self.rank:
@@ -278,8 +300,6 @@ class Communicator:
         transfer = Transfer(self._runtime, op, peer, nbytes, backend, request, notify, uses_cuda)
         transfer._remote_epochs = {d.epoch for d in remote_descs if d.nbytes}
         self._runtime.transfers.add(transfer)
-        if peer != self.rank:
-            self._revocations.listen()  # from now on this rank must answer revocations whatever its threads do
         for registration in registrations:
             registration.transfers.add(transfer)
         return transfer
@@ -373,7 +393,7 @@ class Communicator:
         the transport as ``prepare`` does; ``transport=`` forces one."""
         self._check_open("prepare_blocks")
         self._check_pool(pool, "prepare_blocks")
-        arguments.check_block_pools(op, pool, remote, transport, self.rank, self.world_size)
+        arguments.check_block_pools(op, pool, remote, transport, self.rank, self._world_size)
         peer = remote.rank
         self._peers.check_remote_ranges(peer, remote.spans(), "prepare_blocks")
         pairs = list(zip(pool.layout.spans(), remote.layout().spans()))
@@ -386,8 +406,6 @@ class Communicator:
         core = Transfer(self._runtime, op, peer, 0, backend, request, None, uses_cuda)
         core._remote_epochs = {region[3] for region in remote.regions}
         self._runtime.transfers.add(core)
-        if peer != self.rank:
-            self._revocations.listen()
         for registration in set(pool._holders):
             registration.transfers.add(core)
         transfer = BlockTransfer(core, pool, remote)
@@ -417,9 +435,47 @@ class Communicator:
 
     # --- collective helpers & lifetime ------------------------------------------------------------
     def barrier(self, timeout: float | None = None) -> None:
-        """Return when every rank has called ``barrier``. Collective, blocking (on the store)."""
+        """Return when every rank has called ``barrier``. Collective, blocking (on the store). A launcher's
+        world only: a fleet has no fixed set of members to wait for."""
         self._check_open("barrier")
+        if self._membership is not None:
+            raise InvalidArgumentError(
+                "barrier: a fleet has no fixed world to wait for; wait for the members you need with "
+                "comm.rank_of(name) and exchange readiness through publish()/lookup() or notifications")
         self._rendezvous.barrier(self._timeout(timeout))
+
+    # --- fleets ---------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """The number of ranks of a launcher's world; a fleet has none (``InvalidArgumentError``)."""
+        if self.name is not None:
+            raise InvalidArgumentError(
+                f"world_size: {self.name!r} is a member of a fleet, whose members come and go; use comm.members() "
+                "for who is present now and comm.rank_of(name) to find one")
+        return self._world_size
+
+    def members(self) -> dict[int, Member]:
+        """The fleet's members present now, by rank (``tw.Member``: rank, name, host, pid), this one included.
+        Blocks for directory round trips and one concurrent connect per listed member (at most
+        ``TENSORWIRE_LIVENESS_S``): a member that died is not listed within that bound. Fleets only."""
+        self._check_open("members")
+        return self._fleet("members").members()
+
+    def rank_of(self, name: str, timeout: float | None = None) -> int:
+        """The rank of the present member named ``name``; waits (sleeping, bounded by ``timeout``, default the
+        communicator's) until one is, else ``WaitTimeoutError``. A member started again under its name has a
+        new rank: call this again after a ``PeerLostError``. Fleets only."""
+        self._check_open("rank_of")
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError(f"rank_of: name={name!r}; give a member's name")
+        return self._fleet("rank_of").rank_of(name, self._timeout(timeout))
+
+    def _fleet(self, fn: str) -> Membership:
+        if self._membership is None:
+            raise InvalidArgumentError(
+                f"{fn}: this communicator is a rank of a launcher's world (ranks 0..world_size-1), not a fleet "
+                "member; join a fleet with tw.init(directory='tcp://HOST:PORT', name=...)")
+        return self._membership
 
     def close(self) -> None:
         """Release transfers, registrations and the backend agent. Not collective; rank 0 keeps the store
@@ -440,6 +496,8 @@ class Communicator:
             except Exception as e:  # noqa: BLE001 - keep closing; report once at the end
                 failures.append(e)
 
+        if self._membership is not None:  # first: members() elsewhere stops listing this one at once
+            attempt(self._membership.leave)
         for dependent in list(self._dependents):  # first: they close their own transfers and registrations
             attempt(dependent.close)
         for transfer in list(self._runtime.transfers):
@@ -481,7 +539,8 @@ class Communicator:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
+        where = f"name={self.name!r}" if self.name is not None else f"world_size={self._world_size}"
+        return (f"Communicator(rank={self.rank}, {where}, device={self.device}, "
                 f"backends={sorted(self._backends)})")
 
     # --- internals ------------------------------------------------------------------------------
@@ -492,5 +551,5 @@ class Communicator:
         self._runtime.check_open(fn)
 
     def _check_rank(self, rank: int, fn: str) -> None:
-        arguments.check_rank(rank, self.world_size, fn)
+        arguments.check_rank(rank, self._world_size, fn)
 

@@ -10,6 +10,9 @@
 |                                   |         | cut link ends every blocked call (``PeerLostError``) |
 | ``TENSORWIRE_JOB_TOKEN``          | unset   | the job's secret (>= 16 characters, the same on every|
 |                                   |         | rank): authenticates every value in the store        |
+| ``TENSORWIRE_DIRECTORY``          | unset   | ``tcp://HOST:PORT``: join a fleet there (``init``'s  |
+|                                   |         | ``directory=``) instead of a launcher's world        |
+| ``TENSORWIRE_NAME``               | unset   | this member's name in the fleet (``init``'s ``name=``)|
 
 The library never writes ``os.environ``.
 """
@@ -75,6 +78,8 @@ class Config:
     liveness_s: float = 5.0
     # The job's secret; never shown in a repr (configs end up in logs).
     job_token: bytes | None = field(default=None, repr=False)
+    directory: str | None = None  # a fleet's directory address (TENSORWIRE_DIRECTORY)
+    name: str | None = None  # this member's name in it (TENSORWIRE_NAME)
 
 
 def load() -> Config:
@@ -86,6 +91,8 @@ def load() -> Config:
         max_sleep_us=_read("TENSORWIRE_MAX_SLEEP_US", 1000.0),
         liveness_s=_liveness(),
         job_token=_read_token(),
+        directory=os.environ.get("TENSORWIRE_DIRECTORY") or None,
+        name=os.environ.get("TENSORWIRE_NAME") or None,
     )
 
 

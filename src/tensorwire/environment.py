@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 from .errors import InvalidArgumentError
 
-__all__ = ["Environment", "resolve_environment", "hostname"]
+__all__ = ["Environment", "resolve_environment", "hostname", "OPEN_WORLD", "parse_directory"]
+
+# A fleet's rank space is open (members come and go; ranks are never reused): its bound where one is needed.
+OPEN_WORLD = 2**31 - 1
 
 # (rank, world size, local rank, local world size) variable names per launcher, most specific first.
 _LAUNCHERS = (
@@ -32,6 +35,40 @@ class Environment:
     master_port: int
     launcher: str
     agent_store: bool = False  # torchrun's agent already hosts a TCPStore at MASTER_ADDR:MASTER_PORT
+    name: str | None = None  # a fleet member's name; then master_addr/port are the directory's, rank is assigned
+
+    @property
+    def fleet(self) -> bool:
+        """A member of a fleet (met in a directory), not a rank of a launcher's fixed world."""
+        return self.name is not None
+
+
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+
+
+def parse_directory(directory: str) -> tuple[str, int]:
+    """``(host, port)`` of ``tcp://HOST:PORT``; ``InvalidArgumentError`` naming the accepted forms otherwise
+    (``etcd://`` is named but not served by this version)."""
+    if not isinstance(directory, str) or "://" not in directory:
+        raise InvalidArgumentError(f"init: directory={directory!r}; give 'tcp://HOST:PORT' (a 'tensorwire directory')")
+    scheme, _, where = directory.partition("://")
+    if scheme == "etcd":
+        raise InvalidArgumentError(
+            f"init: directory={directory!r}: etcd directories are not available in this version; run "
+            "'tensorwire directory --host HOST --port PORT' and pass directory='tcp://HOST:PORT'")
+    host, _, port = where.rpartition(":")
+    if scheme != "tcp" or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgumentError(f"init: directory={directory!r}; give 'tcp://HOST:PORT' with a port in 1..65535")
+    return host.strip("[]"), int(port)
+
+
+def _fleet_environment(directory: str, name: str) -> Environment:
+    if not isinstance(name, str) or not 0 < len(name) <= 128 or not set(name) <= _NAME_CHARS:
+        raise InvalidArgumentError(
+            f"init: name={name!r}; give 1-128 characters of letters, digits and '-_.:' (e.g. 'decode-0')")
+    host, port = parse_directory(directory)
+    return Environment(rank=-1, world_size=OPEN_WORLD, local_rank=0, local_world_size=1, master_addr=host,
+                       master_port=port, launcher="fleet", name=name)
 
 
 def _int(value: str, name: str) -> int:
@@ -49,8 +86,20 @@ def resolve_environment(
     world_size: int | None = None,
     master_addr: str | None = None,
     master_port: int | None = None,
+    directory: str | None = None,
+    name: str | None = None,
 ) -> Environment:
-    """Keyword overrides first, then the first launcher whose variables are set, else a 1-rank world."""
+    """Keyword overrides first, then the first launcher whose variables are set, else a 1-rank world. With a
+    ``directory`` (and a ``name``): a fleet member, whose rank the directory assigns at join."""
+    if directory is not None or name is not None:
+        if directory is None or name is None:
+            raise InvalidArgumentError(
+                f"init: a fleet member needs both directory= and name= (got directory={directory!r}, name={name!r}); "
+                "or set TENSORWIRE_DIRECTORY and TENSORWIRE_NAME")
+        if rank is not None or world_size is not None:
+            raise InvalidArgumentError("init: rank= and world_size= belong to a launcher's world; a fleet member's "
+                                       "rank is assigned by the directory (comm.rank after init)")
+        return _fleet_environment(directory, name)
     env = os.environ
     launcher, found = "none", None
     for name, r, w, lr, lw in _LAUNCHERS:

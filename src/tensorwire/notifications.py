@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import cuda
 from .deadlines import warn_from_progress_thread
-from .errors import PeerLostError, WaitTimeoutError
+from .errors import InvalidArgumentError, PeerLostError, WaitTimeoutError
 from .progress import Inbox, ProgressEngine, wait_until
 
 if TYPE_CHECKING:
@@ -76,14 +76,17 @@ class Outbox:
 
 
 class Notifications:
-    """``wait_notification``'s CPU and stream forms for one communicator (``world_size`` senders)."""
+    """``wait_notification``'s CPU and stream forms for one communicator (at most ``senders`` senders waited on
+    with a stream: a launcher's world size, or a cap in a fleet, whose ranks are not dense)."""
 
-    def __init__(self, runtime: Runtime, inbox: Inbox, world_size: int) -> None:
+    def __init__(self, runtime: Runtime, inbox: Inbox, senders: int) -> None:
         self._runtime = runtime
         self._inbox = inbox
-        self._words: cuda.HostWords | None = None  # per-sender arrival counters the GPU waits on
-        self._awaited = [0] * world_size  # stream waits enqueued per sender
-        self._delivered = [0] * world_size  # arrivals counted into the words (or released) per sender
+        self._senders = senders
+        self._words: cuda.HostWords | None = None  # per-sender arrival counters the GPU waits on, by slot
+        self._slots: dict[int, int] = {}  # sender rank -> its word (assigned at its first stream wait)
+        self._awaited: collections.Counter = collections.Counter()  # stream waits enqueued per sender
+        self._delivered: collections.Counter = collections.Counter()  # arrivals counted into the words per sender
         self._lock = threading.Lock()  # arrivals (progress thread) vs. timeouts (deadline thread)
         self._errors: collections.deque = collections.deque()  # stream waits' failures, for the next call
 
@@ -112,7 +115,13 @@ class Notifications:
         """Make ``stream`` wait for the next message from ``from_rank`` (consumed). Returns at once."""
         cuda.refuse_legacy_default_stream(stream, f"wait_notification(from_rank={from_rank}, stream=)")
         if self._words is None:
-            self._words = cuda.HostWords(len(self._awaited))
+            self._words = cuda.HostWords(self._senders)
+        if from_rank not in self._slots:
+            if len(self._slots) >= self._senders:
+                raise InvalidArgumentError(
+                    f"wait_notification(stream=): {self._senders} senders are waited on with streams already, the "
+                    f"most this communicator counts; wait for rank {from_rank} on the CPU (without stream=)")
+            self._slots[from_rank] = len(self._slots)
         self._awaited[from_rank] += 1
         target = self._awaited[from_rank]
         deadlines = self._runtime.deadlines
@@ -120,7 +129,7 @@ class Notifications:
         deadlines.arm(key, time.monotonic() + timeout_s, lambda: self._release(from_rank, target, WaitTimeoutError(
             f"wait_notification(stream=): nothing from rank {from_rank} within {timeout_s:.3g}s; the stream was "
             "released and what it read since is not valid; check that rank")))
-        cuda.stream_wait_value(stream, self._words.addr(from_rank), target)  # before waking the progress thread
+        cuda.stream_wait_value(stream, self._words.addr(self._slots[from_rank]), target)  # before waking progress
         self._runtime.engine.watch(lambda: self._deliver(from_rank, target, key), on_error=self._keep)
 
     def _deliver(self, from_rank: int, target: int, key: tuple) -> bool:
@@ -139,7 +148,7 @@ class Notifications:
             with self._lock:
                 if delivered[from_rank] < target:  # else its deadline released it: this one came late
                     delivered[from_rank] += 1
-                    words.values[from_rank] = delivered[from_rank]
+                    words.values[self._slots[from_rank]] = delivered[from_rank]
         self._runtime.deadlines.disarm(key)
         return True
 
@@ -149,7 +158,7 @@ class Notifications:
             if self._delivered[from_rank] >= target:
                 return
             self._delivered[from_rank] = target  # what arrives late counts toward a later wait
-            self._words.values[from_rank] = target
+            self._words.values[self._slots[from_rank]] = target
         self._keep(error)
 
     def _keep(self, error: Exception) -> None:
@@ -161,8 +170,9 @@ class Notifications:
         waits were still pending."""
         pending = 0
         if self._words is not None:
-            for rank, awaited in enumerate(self._awaited):
-                if self._words.values[rank] != awaited:
+            for rank, awaited in self._awaited.items():
+                slot = self._slots[rank]
+                if self._words.values[slot] != awaited:
                     pending += 1
-                    self._words.values[rank] = awaited
+                    self._words.values[slot] = awaited
         return pending

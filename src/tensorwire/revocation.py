@@ -22,8 +22,9 @@ Protocol (notifications on the channel ``b"twrev"``; the owner is the rank that 
    reused before (a later ``close()`` of the communicator, or the quarantine's own release, lets go).
 
 The revocation thread. A holder must answer while its user threads are busy outside tensorwire, or spin in a
-tight loop of transfers that never sleeps. One daemon thread per communicator, started with its first transfer to
-another rank, pumps the notification inbox every ``_LISTEN_PERIOD_S`` (one ``get_new_notifs`` call: ~100
+tight loop of transfers that never sleeps, and every rank must answer (the owner cannot tell which of the ranks
+it has met hold transfers to it). One daemon thread per communicator with peers, started at ``init``, pumps the
+notification inbox every ``_LISTEN_PERIOD_S`` (one ``get_new_notifs`` call: ~100
 cheap wake-ups a second, ~0 CPU) and handles ``twrev`` messages as they arrive; user notifications it pumps are
 only queued (``wait_notification`` reads them as before). The hot path costs nothing: a revoked transfer's bound
 post call is cleared, so its next post takes the slow path, which raises.

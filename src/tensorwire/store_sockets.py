@@ -96,7 +96,7 @@ def store_client_sockets(before: set[int], port: int) -> list[socket.socket]:
 
 def local_address(env: Environment) -> str:
     """This host's address on the route to the store's host (for the liveness listener)."""
-    if env.rank == 0 and not env.agent_store:
+    if env.rank == 0 and not env.agent_store and not env.fleet:
         try:
             return socket.getaddrinfo(env.master_addr, None, type=socket.SOCK_STREAM)[0][4][0]
         except OSError:
