@@ -160,10 +160,6 @@ class Peers:
         for i, d in enumerate(remote_descs):
             if not d.nbytes:
                 continue
-            if d.epoch in revoked:
-                raise RevokedError(
-                    f"{fn}: remote item {i} [0x{d.addr:x}, +{d.nbytes}) comes from registration epoch {d.epoch} of "
-                    f"rank {peer}, which was closed (rank {peer} revoked it); look the descriptor up again")
             holders = [region for region in regions if region.contains(d)]
             if not holders:
                 raise InvalidArgumentError(
@@ -176,6 +172,10 @@ class Peers:
                     f"that was closed (descriptor epoch {d.epoch}; those bytes now belong to registration epoch "
                     f"{holders[0].epoch}); look the descriptor up again"
                 )
+            if d.epoch in revoked:  # the map says it is there: an old map (a replay) the owner revoked past
+                raise RevokedError(
+                    f"{fn}: remote item {i} [0x{d.addr:x}, +{d.nbytes}) comes from registration epoch {d.epoch} of "
+                    f"rank {peer}, which was closed (rank {peer} revoked it); look the descriptor up again")
 
     def choose_transport(self, peer: int, pairs: list[tuple[Segment, Segment]], requested: str | None,
                          fn: str = "prepare") -> str:

@@ -19,6 +19,7 @@ import time
 import warnings
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import tensorwire as tw
@@ -235,3 +236,68 @@ def test_ucx_and_every_listener_are_bound_to_the_jobs_interface():
         assert devices is not None and devices.split(",")[0] == "lo", devices
         assert addresses and set(addresses) <= {"127.0.0.1"}, \
             f"a rank of a job on 127.0.0.1 listens on {addresses} (this host also has {external})"
+
+
+# --- replay of an old sealed memory map -------------------------------------------------------------------
+def _stranger_replays(port: int, path: str, mode: str) -> None:
+    """``save``: copy rank 1's sealed memory map out of the store; ``restore``: write that old copy back."""
+    client = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10))
+    store = dist.PrefixStore("tensorwire/", client)
+    if mode == "save":
+        with open(path, "wb") as f:
+            f.write(store.get("memmap/1"))
+    else:
+        with open(path, "rb") as f:
+            store.set("memmap/1", f.read())
+    print(json.dumps({"done": mode}))
+
+
+def _victim_of_a_replay(tmp: str):
+    comm = tw.init(timeout=INIT_TIMEOUT)
+    n = 4096
+    if comm.rank == 1:
+        target = torch.full((n,), -7.0)
+        reg = comm.register(target)
+        comm.publish("target", reg.descs)
+        comm.barrier(timeout=STRANGER_WAIT)  # rank 0 prepared a WRITE, the stranger saved this map
+        reg.close()  # returns once rank 0 acknowledged: the memory may be reused at once
+        again = comm.register(target)  # reused: the same bytes, a new registration
+        target.fill_(-7.0)
+        comm.barrier(timeout=STRANGER_WAIT)  # the stranger wrote the old map back; rank 0 tried again
+        untouched = bool((target == -7.0).all())
+        again.close()
+        comm.close()
+        return untouched
+    src = rank_values(0, n)
+    comm.register(src)
+    old = comm.lookup("target", 1, timeout=WAIT)
+    x = comm.prepare(tw.WRITE, src, old)
+    x.post()
+    x.wait(timeout=WAIT)
+    path, port = os.path.join(tmp, "old-map"), int(os.environ["MASTER_PORT"])
+    _run_stranger(f"_stranger_replays({port}, {path!r}, 'save')")
+    comm.barrier(timeout=STRANGER_WAIT)
+    _run_stranger(f"_stranger_replays({port}, {path!r}, 'restore')")
+    outcome = {}
+    for what, call in (("post", lambda: (x.post(), x.wait(timeout=WAIT))),
+                       ("prepare", lambda: comm.prepare(tw.WRITE, src, old)),
+                       ("write", lambda: comm.write(src, old, timeout=WAIT))):
+        try:
+            call()
+            outcome[what] = "accepted"
+        except tw.TensorwireError as e:
+            outcome[what] = type(e).__name__
+    x.close()
+    comm.barrier(timeout=STRANGER_WAIT)
+    comm.close()
+    return outcome
+
+
+def test_an_old_memory_map_written_back_by_a_stranger_is_refused(tmp_path):
+    """Before: rank 0's prepare accepted the replayed map and its WRITE overwrote rank 1's reused buffer."""
+    outcome, untouched = launch(_victim_of_a_replay, 2, str(tmp_path), env={"TENSORWIRE_LIVENESS_S": "2"})
+    print(f"\nafter the replay: {outcome}")
+    assert outcome["post"] == "RevokedError", outcome
+    assert outcome["prepare"] in ("AuthenticationError", "RevokedError"), outcome
+    assert outcome["write"] in ("AuthenticationError", "RevokedError"), outcome
+    assert untouched, "a WRITE landed in rank 1's reused buffer"
