@@ -23,6 +23,7 @@ import datetime
 import os
 import secrets
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 from .deadlines import CallThread, Deadlines
 from .environment import Environment, hostname
-from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, WaitTimeoutError
+from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, TensorwireError, WaitTimeoutError
 from .liveness import Liveness, probe
 from .sealing import seal, unseal
 from .store_sockets import listen_socket, local_address, socket_fds, store_client_sockets
@@ -68,6 +69,11 @@ class Rendezvous:
         self._owns_store = store is None
         self._claim: bytes | None = None
         self._claims: dict[str, bytes] = {}  # keys taken with claim()/take_over() -> the exact bytes written
+        self._written: dict[str, bytes] = {}  # a fleet member's values, as written: put back into a directory
+        self._next_reconnect = 0.0              # that restarted empty (see heartbeat)
+        self._reconnecting = threading.Lock()
+        self._heartbeat: threading.Thread | None = None
+        self._stopping = threading.Event()
         self._lost: str | None = None  # why the store connection is gone; every later call raises PeerLostError
         self.between_polls: Callable[[], None] | None = None  # run while a wait sleeps (the inbox's pump)
         self._store_sockets: list[socket.socket] = []  # our client connection(s) to the store, to cut a stuck call
@@ -151,6 +157,8 @@ class Rendezvous:
             value = seal(self._token, key, value)
         # torch's set does not wait for an answer: without the check a set to a store that is gone "succeeds"
         # and the value is lost. The check is the round trip that says it arrived.
+        if self.env.fleet:
+            self._written[key] = value
         self._call(lambda: self.store.set(key, value), f"writing {key!r}")
         if not self._call(lambda: self.store.check([key]), f"confirming {key!r}"):
             raise PeerLostError(f"writing {key!r}: the store at {self.env.master_addr}:{self.env.master_port} "
@@ -232,6 +240,7 @@ class Rendezvous:
             self._compare_set(key, mine, b"")
 
     def delete(self, key: str) -> None:
+        self._written.pop(key, None)
         self._call(lambda: self.store.delete_key(key), f"deleting {key!r}")
 
     def address_of(self, rank: int) -> tuple[str, int] | None:
@@ -261,6 +270,7 @@ class Rendezvous:
 
     def close(self) -> None:
         """Local: stop watching peers (they learn at once that this rank is gone) and the call watchdog."""
+        self.stop_heartbeat()
         self.liveness.close()
         self._watchdog.close()
         if self._calls is not None:
@@ -416,7 +426,7 @@ class Rendezvous:
         store object is left to its owner in whatever state that call leaves it, and a late answer is never read
         (which is why the store then counts as lost); each call pays a hand-off between two threads (tens of
         microseconds, on ``prepare``'s store round trip, not on ``post``/``wait``)."""
-        if self._lost is not None:
+        if self._lost is not None and not self._reconnected():
             raise PeerLostError(f"{what}: {self._lost}")
         bound = self.liveness_s + (timeout_s or 0.0)
         if self._calls is not None:
@@ -437,6 +447,75 @@ class Rendezvous:
         finally:
             self._watchdog.disarm(key)
 
+    # --- a fleet's directory comes back -----------------------------------------------------------------
+    def start_heartbeat(self) -> None:
+        """A fleet member's thread that looks at its directory every half ``liveness_s`` (one round trip):
+        reconnects to a directory that was lost, and puts this member's values back into one that came back
+        empty (restarted), so the fleet is whole again within the liveness bound. Stopped by ``close``."""
+        if self.env.fleet and self._heartbeat is None:
+            self._heartbeat = threading.Thread(target=self._beat, name=f"tensorwire-directory-{self.env.rank}",
+                                               daemon=True)
+            self._heartbeat.start()
+
+    def stop_heartbeat(self) -> None:
+        """Stop the heartbeat (before this member leaves: it would put the records back)."""
+        self._stopping.set()
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(timeout=2 * self.liveness_s + 1.0)
+
+    def _beat(self) -> None:
+        while not self._stopping.wait(self.liveness_s / 2):
+            try:
+                if self._lost is not None:
+                    self._reconnected()
+                elif not self.check(f"member/{self.env.rank}"):
+                    self._restore()
+            except Exception:  # noqa: BLE001 - down: found down again next time; nothing here may end the thread
+                continue
+
+    def _reconnected(self) -> bool:
+        """A fleet member whose directory was lost: connect again (at most once per half ``liveness_s``) and
+        put its values back; True once connected. A launcher's store that is lost stays lost."""
+        if not self.env.fleet or not self._owns_store:
+            return False
+        now = time.monotonic()
+        if now < self._next_reconnect or not self._reconnecting.acquire(blocking=False):
+            return False
+        try:
+            return self._connect_again(now)
+        finally:
+            self._reconnecting.release()
+
+    def _connect_again(self, now: float) -> bool:
+        self._next_reconnect = now + self.liveness_s / 2
+        before = socket_fds()
+        try:
+            store = dist.TCPStore(self.env.master_addr, self.env.master_port, None, is_master=False,
+                                  timeout=_delta(self.liveness_s), wait_for_workers=False)
+        except Exception:  # noqa: BLE001 - still down: the caller raises with the reason kept
+            return False
+        self._raw, self.store = store, dist.PrefixStore("tensorwire/", store)
+        self._store_sockets = store_client_sockets(before, store.port)
+        self._lost = None
+        try:
+            if not self.check(f"member/{self.env.rank}"):
+                self._restore()
+        except TensorwireError:
+            return False
+        return True
+
+    def _restore(self) -> None:
+        """Put this member's values back into a directory that lost them: its claims (from empty only: a
+        claim someone else made meanwhile stands), its records, and a rank counter past its own rank."""
+        for key, mine in [(f"rank/{self.env.rank}", self._claim), *self._claims.items()]:
+            if mine is not None:
+                self._compare_set(key, b"", mine)
+        for key, value in list(self._written.items()):
+            self._call(lambda k=key, v=value: self.store.set(k, v), f"restoring {key!r}")
+        behind = self.env.rank + 1 - self.add("fleet/next_rank", 0)
+        if behind > 0:
+            self.add("fleet/next_rank", behind)
+
     def _raise_typed(self, e: Exception, what: str, timeout_s: float | None) -> NoReturn:
         """Raise what a failed store call means: ``PeerLostError`` once the connection is gone (cut by the
         watchdog, or broken), ``WaitTimeoutError`` for the store's own timeout, else ``e`` itself."""
@@ -446,6 +525,9 @@ class Rendezvous:
         if isinstance(e, getattr(dist, "DistNetworkError", ())) or "Connection" in text or "Broken pipe" in text \
                 or "connection" in text:
             self._lost = f"lost {self._store_name()} ({text.splitlines()[0] if text else type(e).__name__})"
+            if self.env.fleet:
+                self._lost += ("; transfers with members already connected go on, and calls that need the "
+                               "directory work again once it is back")
             raise PeerLostError(f"{what}: {self._lost}") from e
         # torch's TCPStore says a wait timed out with DistStoreError (its network failures are DistNetworkError,
         # handled above); other stores passed to init may raise a plain RuntimeError that says so in words.

@@ -143,6 +143,7 @@ class Communicator:
             self._revocations.listen()
         if env.fleet:  # last: once listed, peers may prepare transfers to this member at once
             self._membership = Membership(self._rendezvous, env.name, host_identity())
+            self._rendezvous.start_heartbeat()
         self._handed_out = True  # from here on a leak is the user's (see __del__)
 
     @property
@@ -497,6 +498,7 @@ class Communicator:
                 failures.append(e)
 
         if self._membership is not None:  # first: members() elsewhere stops listing this one at once
+            attempt(self._rendezvous.stop_heartbeat)
             attempt(self._membership.leave)
         for dependent in list(self._dependents):  # first: they close their own transfers and registrations
             attempt(dependent.close)

@@ -139,6 +139,65 @@ def _decode(directory: str, work: str, memory: str) -> None:
     comm.close()
 
 
+def _decode_through_a_restart(directory: str, work: str) -> None:
+    """Reads from prefill-0 while the directory is killed and started again empty; then reads from a member
+    that joined after the restart."""
+    comm = tw.init(directory=directory, name="decode-0", timeout=WAIT)
+    out = torch.zeros(BLOCKS, WIDTH, dtype=torch.int32)
+    pool = comm.register_blocks(out)
+    ids = list(range(BLOCKS))
+    seen: dict = {}
+
+    def reader(name: str):
+        rank = comm.rank_of(name, timeout=WAIT)
+        return rank, comm.prepare_blocks(tw.READ, pool, comm.lookup_blocks("kv", rank, timeout=WAIT))
+
+    def read(transfer, member: int) -> bool:
+        out.zero_()
+        transfer.post(ids, ids)
+        transfer.wait(timeout=WAIT)
+        return bool(torch.equal(out, _value(member)))
+
+    rank0, first = reader("prefill-0")
+    assert read(first, 0)
+    _touch(os.path.join(work, "kill-directory"))
+    _await(os.path.join(work, "directory-killed"))
+    reads, t0 = 0, time.monotonic()
+    while time.monotonic() - t0 < 1.0:  # the data plane does not need the directory
+        assert read(first, 0), "a read while the directory was down returned wrong bytes"
+        reads += 1
+    seen["reads_while_down"] = reads
+    try:
+        comm.members()
+        seen["members_while_down"] = "answered"
+    except tw.TensorwireError as e:
+        seen["members_while_down"] = f"{type(e).__name__}: {e}"
+    _touch(os.path.join(work, "restart-directory"))
+    _await(os.path.join(work, "directory-restarted"))
+    t0, listed = time.monotonic(), []
+    while time.monotonic() - t0 < LIVENESS_S + 10:
+        try:
+            listed = sorted(m.name for m in comm.members().values())
+        except tw.TensorwireError:
+            listed = []
+        if listed == ["decode-0", "prefill-0"]:
+            break
+        time.sleep(0.05)
+    seen["repopulated_after_s"] = time.monotonic() - t0
+    seen["members_after_restart"] = listed
+    _touch(os.path.join(work, "start-late-member"))
+    late_rank, late = reader("prefill-2")
+    seen["late_rank_is_new"] = late_rank not in (comm.rank, rank0)
+    seen["late_read"] = read(late, 2)
+    seen["old_read"] = read(first, 0)
+    with open(os.path.join(work, "decode.json"), "w") as f:
+        json.dump(seen, f)
+    late.close()
+    first.close()
+    pool.close()
+    comm.close()
+
+
 def _stranger(directory: str, token: str | None, work: str) -> None:
     """Tries to join with another token (or none) and to read prefill-0's blocks."""
     result = {}
@@ -174,10 +233,11 @@ class _Fleet:
             env["TENSORWIRE_JOB_TOKEN"] = token
         return env
 
-    def directory(self) -> str:
-        process = subprocess.Popen([sys.executable, "-m", "tensorwire", "directory", "--port", "0"],
+    def directory(self, port: int = 0) -> str:
+        process = subprocess.Popen([sys.executable, "-m", "tensorwire", "directory", "--port", str(port)],
                                    env=self.env(None), stdout=subprocess.PIPE, text=True)
         self.processes.append(process)
+        self.directory_process = process
         line = process.stdout.readline()
         if "tcp://" not in line:
             raise RuntimeError(f"tensorwire directory said {line!r}")
@@ -292,3 +352,38 @@ again.close()
 """
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_directory_killed_and_started_again_costs_no_transfer(fleet):
+    """While the directory is down, prepared transfers keep flowing and directory calls fail typed, naming it;
+    started again empty, it is repopulated by the live members within the liveness bound, and a member that
+    joins afterwards gets a new rank and is read from."""
+    work = fleet.work
+    directory = fleet.directory()
+    port = int(directory.rsplit(":", 1)[1])
+    prefill = fleet.start(f"_prefill({directory!r}, 'prefill-0', {work!r}, 0, 'nixl')")
+    _await(os.path.join(work, "prefill-0.0.ready"))
+    decode = fleet.start(f"_decode_through_a_restart({directory!r}, {work!r})")
+    _await(os.path.join(work, "kill-directory"), timeout=120)
+    fleet.directory_process.kill()
+    fleet.directory_process.wait(timeout=30)
+    _touch(os.path.join(work, "directory-killed"))
+    _await(os.path.join(work, "restart-directory"), timeout=120)
+    assert fleet.directory(port) == directory
+    _touch(os.path.join(work, "directory-restarted"))
+    _await(os.path.join(work, "start-late-member"), timeout=120)
+    late = fleet.start(f"_prefill({directory!r}, 'prefill-2', {work!r}, 0, 'nixl')")
+    _finish(decode, "decode")
+    for name in ("prefill-0", "prefill-2"):
+        _touch(os.path.join(work, f"{name}.stop"))
+    _finish(prefill, "prefill-0")
+    _finish(late, "prefill-2")
+    with open(os.path.join(work, "decode.json")) as f:
+        seen = json.load(f)
+    print(f"\n{seen}")
+    assert seen["reads_while_down"] > 0
+    assert seen["members_while_down"].startswith("PeerLostError") and directory.split("//")[1] in \
+        seen["members_while_down"], seen["members_while_down"]
+    assert seen["members_after_restart"] == ["decode-0", "prefill-0"], seen
+    assert seen["repopulated_after_s"] < LIVENESS_S + 5.0, seen
+    assert seen["late_rank_is_new"] and seen["late_read"] and seen["old_read"], seen
