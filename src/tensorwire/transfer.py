@@ -102,7 +102,7 @@ class Transfer(Closeable):
             # posted on a stream stays IN_PROGRESS to the CPU, so it never gets here). No lock: see
             # transfer_state.py.
             shared.posts += 1
-            return self._post_from_cpu()
+            return self._post_from_cpu(shared)
         if self.closed or shared.stuck is not None:  # closed (also by closing the communicator) or failed: raise
             self.check_open("post")
         if stream is not None:
@@ -119,7 +119,7 @@ class Transfer(Closeable):
         if self._request is None:
             shared.state = Status.DONE
             return
-        self._post_from_cpu()
+        self._post_from_cpu(shared)
 
     def refuse_repost_in_flight(self, call: str, kind: str) -> None:
         """Raise ``InvalidArgumentError`` if the last CPU post is still in flight (polls the backend, never
@@ -128,8 +128,7 @@ class Transfer(Closeable):
             raise InvalidArgumentError(f"{call}: the {kind}{self.op.value} to rank {self.peer} is still in flight; "
                                        "call wait() before posting it again")
 
-    def _post_from_cpu(self) -> None:
-        shared = self.shared
+    def _post_from_cpu(self, shared: TransferState) -> None:
         try:
             result = shared.post_call()
         except Exception as e:  # noqa: BLE001 - the backend says what its exceptions mean
