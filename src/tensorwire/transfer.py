@@ -395,8 +395,9 @@ class Transfer(Closeable):
             raise ClosedError(f"{fn}: the transfer is closed; prepare a new one with comm.prepare(...)")
         self._runtime.check_open(fn)
         shared = self.shared
-        if shared.stuck is not None:
-            raise shared.stuck.with_traceback(None)  # the same error each time: do not let its traceback grow
+        stuck = shared.stuck
+        if stuck is not None:
+            raise stuck.with_traceback(None)  # the same error each time: do not let its traceback grow
         error = shared.take_error()
         if error is not None:
             raise error

@@ -4,16 +4,18 @@ One user thread drives a transfer (``post`` / ``status`` / ``wait`` / ``close``)
 it: the *progress* thread (publishes CPU posts' completions for streams and serves doorbells:
 ``stream_completion.py``; polls the watches whose failures it keeps), the *deadline* thread (releases a stream
 whose wait or ring outlived its timeout) and the *revocation* thread (fails transfers to memory its owner
-deregistered: ``revocation.py``). Every field they share is here, with who writes it and under which lock:
+deregistered: ``revocation.py``; the user thread does the same to its own transfers when it deregisters memory
+they reach). Every field they share is here, with who writes it and under which lock:
 
 ================  =====================================  ================================  ======================
 field             written by                             read by                           lock
 ================  =====================================  ================================  ======================
 ``state``         user                                   user, deadline                    none (one writer)
 ``posts``         user                                   user, progress, deadline          none (one writer)
-``post_call``     user (prepare, close), revocation      user (the hot path)               ``lock`` for clearing
+``post_call``     user (prepare, close); cleared with    user (the hot path)               ``lock`` for clearing
+                  ``stuck``
 ``stuck``         deadline (a ring timed out),           every thread                      ``lock`` for writing
-                  revocation
+                  revocation (or user, own memory)
 errors            progress, deadline                     user (``take_error``)             ``lock``
 closing events    user (``close``)                       progress (``drained``)            none (set once)
 ================  =====================================  ================================  ======================
@@ -21,9 +23,9 @@ closing events    user (``close``)                       progress (``drained``) 
 Why the hot path takes no lock: ``state`` and ``posts`` have one writer, the user thread, so its own reads
 need none, and a reader on another thread sees a whole value (one reference store under the GIL): ``posts``
 is counted up before a post is made and ``state`` is stored after it, so the deadline thread never takes an
-earlier post for a later one. ``post_call`` is read once per post; a revocation clears it under ``lock``
-after storing ``stuck``, so a post that read it just before fails in the backend call or runs once more,
-and the next one takes the slow path, which raises ``stuck``.
+earlier post for a later one. ``post_call`` is read without the lock: a revocation stores ``stuck`` and clears
+``post_call`` together under ``lock``; a post that read it just before may still run once, and every later one
+takes the slow path, which raises ``stuck``.
 
 ``lock`` (re-entrant) also serialises the stores into the transfer's pinned stream words
 (``stream_completion.py``), so a release and the failure it reports are one step: nobody sees the word
@@ -109,7 +111,8 @@ class TransferState:
 
     def revoke(self, error: Exception) -> None:
         """The peer deregistered the memory this transfer reaches: fail it for good with ``error``, also when it
-        already failed otherwise (what the memory's owner did is the reason that lasts). Revocation thread."""
+        already failed otherwise (what the memory's owner did is the reason that lasts). The revocation thread, or
+        the user thread deregistering memory its own transfers reach."""
         with self.lock:
             self._stuck, self.post_call = error, None
 
