@@ -42,7 +42,9 @@ from .lifetime import Closeable
 from .registration import Registration, as_tensor_list
 
 if TYPE_CHECKING:
+    from .backends.base import Backend
     from .communicator import Communicator
+    from .runtime import Runtime
     from .transfer import Transfer
 
 __all__ = ["BlockPool", "BlockPoolDesc", "BlockTransfer"]
@@ -331,10 +333,11 @@ class BlockTransfer(Closeable):
     Attributes: ``op``, ``peer``, ``transport`` (``"cuda_ipc"``, ``"nixl"``, ``"shm"`` or ``"local"``),
     ``bytes_per_block`` (summed over the views)."""
 
-    def __init__(self, core: Transfer, pool: BlockPool, remote: BlockPoolDesc) -> None:
-        self._core = core
+    def __init__(self, core: Transfer, pool: BlockPool, remote: BlockPoolDesc, backend: Backend, request,
+                 runtime: Runtime) -> None:
+        self._core = core  # the prepared transfer of ``request``: posts, waits, failures
         self._pool, self._remote = pool, remote
-        self._request = core._request
+        self._backend, self._request, self._runtime = backend, request, runtime
         self.op, self.peer, self.transport = core.op, core.peer, core.transport
         self.bytes_per_block = sum(pool.block_bytes)
         self._on_device = isinstance(self._request, DeviceBlockRequest)  # takes ids that live on the GPU
@@ -364,13 +367,11 @@ class BlockTransfer(Closeable):
             raise InvalidArgumentError(
                 f"post: notify must be non-empty bytes, got {notify!r}; pass e.g. notify=b'done'")
         core = self._core
-        if core._state is Status.IN_PROGRESS and not core._posted_on_stream and core.status() is Status.IN_PROGRESS:
-            raise InvalidArgumentError(f"post: the block {self.op.value} to rank {self.peer} is still in flight; call "
-                                       "wait() before posting it again")
+        core.refuse_repost_in_flight("post", "block ")
         if len(local) == 0:
             self._empty = True
             if notify is not None:
-                self._core._runtime.outbox.send_after(self.peer, bytes(notify), lambda: True)
+                self._runtime.outbox.send_after(self.peer, bytes(notify), lambda: True)
             return
         if stream is not None and not isinstance(local, torch.Tensor) and self._on_device:
             with torch.cuda.stream(stream):
@@ -379,8 +380,8 @@ class BlockTransfer(Closeable):
                         "post: ids on the host cannot be captured in a CUDA graph (the graph would keep reading the "
                         "first post's copy); pass local_ids and remote_ids as tensors on the pool's device")
         self._empty = False
-        self._core._backend.bind_blocks(self._request, local, remote, notify)
-        core._notify, core.nbytes = notify, len(local) * self.bytes_per_block
+        self._backend.bind_blocks(self._request, local, remote, notify)
+        core.rebind(notify, len(local) * self.bytes_per_block)
         try:
             core.post(stream)
         except BaseException:
@@ -397,7 +398,7 @@ class BlockTransfer(Closeable):
         stream wait. ``WaitTimeoutError`` after ``timeout`` seconds (default: the communicator's)."""
         self._check_open("wait")
         if self._empty:
-            self._core._runtime.timeout(timeout)  # still reject a bad timeout
+            self._runtime.timeout(timeout)  # still reject a bad timeout
             return
         self._core.wait(timeout, stream)
 
@@ -413,7 +414,7 @@ class BlockTransfer(Closeable):
         if self.closed:
             raise ClosedError(f"{fn}: the block transfer is closed; prepare a new one with comm.prepare_blocks(...)")
         self._pool._check_open(fn)
-        self._core._check_open(fn)
+        self._core.check_open(fn)
 
     def _leak_message(self) -> str:
         return (f"a block {self.op.value} to rank {self.peer} was garbage-collected without close(); call close() or "

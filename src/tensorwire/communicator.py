@@ -298,8 +298,8 @@ class Communicator:
                     self._peers.touch_remote_allocations(peer, pairs)
                 request = backend.prepare(op, [s for s, _ in pairs], [r for _, r in pairs], peer, notify)
         nbytes = sum(s.nbytes for s, _ in pairs)
-        transfer = Transfer(self._runtime, op, peer, nbytes, backend, request, notify, uses_cuda)
-        transfer._remote_epochs = {d.epoch for d in remote_descs if d.nbytes}
+        transfer = Transfer(self._runtime, op, peer, nbytes, backend, request, notify, uses_cuda,
+                            frozenset(d.epoch for d in remote_descs if d.nbytes))
         self._runtime.transfers.add(transfer)
         for registration in registrations:
             registration.transfers.add(transfer)
@@ -404,12 +404,12 @@ class Communicator:
             if backend is self._nixl and uses_cuda:
                 self._peers.touch_remote_allocations(peer, pairs)
             request = backend.prepare_blocks(op, pool.layout, remote.layout(), peer)
-        core = Transfer(self._runtime, op, peer, 0, backend, request, None, uses_cuda)
-        core._remote_epochs = {region[3] for region in remote.regions}
+        core = Transfer(self._runtime, op, peer, 0, backend, request, None, uses_cuda,
+                        frozenset(region[3] for region in remote.regions))
         self._runtime.transfers.add(core)
         for registration in set(pool._holders):
             registration.transfers.add(core)
-        transfer = BlockTransfer(core, pool, remote)
+        transfer = BlockTransfer(core, pool, remote, backend, request, self._runtime)
         pool.transfers.add(transfer)
         return transfer
 

@@ -37,7 +37,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from .backends.base import Status
 from .errors import RevokedError, WaitTimeoutError
 
 if TYPE_CHECKING:
@@ -144,21 +143,15 @@ class Revocations:
     def _revoke_transfers(self, owner: int, epochs: set[int]) -> None:
         bound = self._runtime.config.liveness_s
         revoked = [t for t in list(self._runtime.transfers)
-                   if t.peer == owner and t._remote_epochs & epochs and not t.closed]
+                   if t.peer == owner and t.remote_epochs & epochs and not t.closed]
         for transfer in revoked:
-            transfer._revoke(RevokedError(
+            transfer.revoke(RevokedError(
                 f"post: rank {owner} deregistered the memory this {transfer.op.value} reaches (registration "
-                f"epoch(s) {sorted(transfer._remote_epochs & epochs)}); the transfer is failed: close it, look the "
+                f"epoch(s) {sorted(transfer.remote_epochs & epochs)}); the transfer is failed: close it, look the "
                 "descriptors up again and prepare a new one"))
         deadline = time.monotonic() + bound
         for transfer in revoked:  # in flight: let it finish before the owner lets go of the memory
-            backend, request = transfer._backend, transfer._request
-            while request is not None and time.monotonic() < deadline:
-                try:
-                    if backend.status(request) is not Status.IN_PROGRESS:
-                        break
-                except Exception:  # noqa: BLE001 - failed: nothing more lands
-                    break
+            while transfer.request_in_flight() and time.monotonic() < deadline:
                 time.sleep(0.0005)
 
     def pump(self, force: bool = False) -> None:

@@ -20,7 +20,6 @@ when ``s`` reaches that point. How depends on the transport:
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +30,7 @@ from .errors import ClosedError, InvalidArgumentError, PeerLostError, TransferEr
 from .lifetime import Closeable
 from .progress import wait_until, warn_from_progress_thread
 from .stream_completion import DONE_FLAG, DONE_SEQ, DOORBELL, DoneSeq, Doorbell
+from .transfer_state import TransferState
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -45,11 +45,13 @@ class Transfer(Closeable):
 
     Attributes: ``op`` (READ/WRITE), ``peer`` (remote rank), ``nbytes`` (total), ``transport`` (the backend
     that carries it: ``"nixl"``, ``"cuda_ipc"``, ``"shm"`` or ``"local"``; ``"none"`` when there is nothing to
-    move).
+    move), ``remote_epochs`` (registration epochs of the peer's memory it reaches: what a revocation names),
+    ``shared`` (the ``TransferState`` its other threads act on).
     """
 
     def __init__(self, runtime: Runtime, op: Op, peer: int, nbytes: int, backend: Backend | None,
-                 request: Any, notify: bytes | None, uses_cuda: bool = False) -> None:
+                 request: Any, notify: bytes | None, uses_cuda: bool = False,
+                 remote_epochs: frozenset[int] = frozenset()) -> None:
         self._runtime = runtime
         self.op = op
         self.peer = peer
@@ -58,30 +60,25 @@ class Transfer(Closeable):
         self._backend = backend
         self._request = request  # None when there is nothing to move
         self._notify = notify
-        # The CPU post, bound once (``_post_call`` is None when closed or empty).
-        self._post_call = None
+        self.remote_epochs = remote_epochs
+        # The CPU post, bound once (``shared.post_call`` is None when closed, empty or failed for good).
+        post_call = None
         if request is not None:
-            self._post_call, self._post_done, self._post_finish, self._post_error = Poster.of(backend, request, notify)
-        self._state: Status | None = None  # None: never posted
+            post_call, self._post_done, self._post_finish, self._post_error = Poster.of(backend, request, notify)
+        self.shared = TransferState(post_call)  # state, posts, post call, errors: what other threads touch
         self._posted_on_stream = False
-        self._posts = 0  # CPU posts so far; the sequence number stream waits compare against
         # Pinned words for stream completion of CPU-driven transports; allocated here, not inside a CUDA
         # graph capture (where allocating pinned memory is not allowed), when a GPU is involved.
         self._words = None
         self._done_seq: DoneSeq | None = None  # CPU posts completed on streams (with the words)
         self._doorbell: Doorbell | None = None  # stream posts (with the words)
-        self._stream_lock = threading.Lock()  # the words are stored from this thread, progress and deadlines
         if uses_cuda and self._request is not None and not self._stream_ordered:
             self._stream_words()
             runtime.start_threads()  # wait(stream=) hands completion to the progress thread and arms its
             # timeout on the deadline thread: have them running before the first
         self._watches: list = []  # progress-thread watches on this transfer's request, drained on close
         self._streams_used: set = set()  # streams this transfer's GPU-side waits were enqueued on
-        self._closing = None  # set by close(): events the doorbell keeps being served until
-        self._async_error: Exception | None = None  # a failure the progress thread saw, raised by the next call
-        self._stuck: Exception | None = None  # a doorbell that timed out: raised by every later call
         self._post_failure: Exception | None = None  # why the last CPU post failed (raised again by wait())
-        self._remote_epochs: set[int] = set()  # registration epochs of the peer's memory it reaches (revocation)
         self.closed = False
 
     @property
@@ -99,56 +96,67 @@ class Transfer(Closeable):
         still in flight or one of those rules is broken; ``TransferError``/``PeerLostError`` if the backend
         refuses it.
         """
-        if stream is None and self._state is not _IN_PROGRESS and self._post_call is not None:
+        shared = self.shared
+        if stream is None and shared.state is not _IN_PROGRESS and shared.post_call is not None:
             # Hot path: a CPU post of an open, non-empty transfer that is not in flight (a transfer once
-            # posted on a stream stays IN_PROGRESS to the CPU, so it never gets here).
-            self._posts += 1
-            return self._post_from_cpu()
-        if self.closed or self._stuck is not None:  # closed (also by closing the communicator) or failed: raise
-            self._check_open("post")
+            # posted on a stream stays IN_PROGRESS to the CPU, so it never gets here). No lock: see
+            # transfer_state.py.
+            shared.posts += 1
+            return self._post_from_cpu(shared)
+        if self.closed or shared.stuck is not None:  # closed (also by closing the communicator) or failed: raise
+            self.check_open("post")
         if stream is not None:
             return self._post_on_stream(stream)
-        if self._state is Status.IN_PROGRESS and self._posted_on_stream:
+        if shared.state is Status.IN_PROGRESS and self._posted_on_stream:
             raise InvalidArgumentError(
                 f"post: the {self.op.value} to rank {self.peer} was posted on a stream; a transfer posted on a "
                 "stream stays stream-driven: keep using post(stream=)/wait(stream=), or prepare a second transfer "
                 "for CPU posts"
             )
-        if self._state is Status.IN_PROGRESS and self.status() is Status.IN_PROGRESS:
-            raise InvalidArgumentError(
-                f"post: the {self.op.value} to rank {self.peer} is still in flight; call wait() before posting it again"
-            )
+        self.refuse_repost_in_flight("post", "")
         self._posted_on_stream = False
-        self._posts += 1
+        shared.posts += 1
         if self._request is None:
-            self._state = Status.DONE
+            shared.state = Status.DONE
             return
-        self._post_from_cpu()
+        self._post_from_cpu(shared)
 
-    def _post_from_cpu(self) -> None:
+    def refuse_repost_in_flight(self, call: str, kind: str) -> None:
+        """Raise ``InvalidArgumentError`` if the last CPU post is still in flight (polls the backend, never
+        blocks); ``kind`` names the transfer in the message (``"block "`` for a ``BlockTransfer``)."""
+        if self.shared.state is Status.IN_PROGRESS and not self._posted_on_stream and self.status() is _IN_PROGRESS:
+            raise InvalidArgumentError(f"{call}: the {kind}{self.op.value} to rank {self.peer} is still in flight; "
+                                       "call wait() before posting it again")
+
+    def _post_from_cpu(self, shared: TransferState) -> None:
         try:
-            result = self._post_call()
+            result = shared.post_call()
         except Exception as e:  # noqa: BLE001 - the backend says what its exceptions mean
             if self._done_seq is not None and self._done_seq.active:  # no stream may wait for a post that never
-                self._done_seq.advance(self._posts & 0xFFFFFFFF)  # started
-            if self._stuck is not None:  # revoked between the hot path's check and the call
-                raise self._stuck.with_traceback(None) from None
+                self._done_seq.advance(shared.posts & 0xFFFFFFFF)  # started
+            if shared.stuck is not None:  # revoked between the hot path's check and the call
+                raise shared.stuck.with_traceback(None) from None
             # A failed post is not done: a wait() after it must raise, not report the previous post's success.
-            self._state = Status.ERROR
+            shared.state = Status.ERROR
             error = self._peer_lost_or(self._post_error(e), "post")
             self._post_failure = error
             if error is e:
                 raise
             raise error from e
-        self._state = _DONE if result == self._post_done else self._post_finish(result)
+        shared.state = state = _DONE if result == self._post_done else self._post_finish(result)
         if self._done_seq is not None and self._done_seq.active:
             self._done_seq.after_post()
-        if self._state is _DONE and self._notify is None:
+        if state is _DONE and self._notify is None:
             return
         self._after_post()
 
+    def rebind(self, notify: bytes | None, nbytes: int) -> None:
+        """The next post carries ``notify`` and moves ``nbytes`` (a block transfer binds new ids to the same request
+        before each post). User thread."""
+        self._notify, self.nbytes = notify, nbytes
+
     def _after_post(self) -> None:
-        if self._state is Status.ERROR:
+        if self.shared.state is Status.ERROR:
             raise TransferError(f"post: the backend {self.transport} rejected the {self.op.value} to rank {self.peer}")
         if self._notify is not None:
             self._notify_after_copy()
@@ -167,7 +175,7 @@ class Transfer(Closeable):
             self._doorbell.ring(stream)
         self._posted_on_stream = True
         self._streams_used.add(stream)
-        self._state = Status.IN_PROGRESS
+        self.shared.state = Status.IN_PROGRESS
         if self._request is not None and self._stream_ordered:
             self._backend.post(self._request, self._notify, stream)
             if self._notify is not None:
@@ -177,12 +185,13 @@ class Transfer(Closeable):
     def status(self) -> Status:
         """DONE, IN_PROGRESS or ERROR; polls the backend (never blocks). For a transfer posted on a stream
         the CPU cannot know: it reports IN_PROGRESS until ``wait(stream=)`` completes on the GPU."""
-        self._check_open("status")
-        if self._state is None:
+        self.check_open("status")
+        shared = self.shared
+        if shared.state is None:
             raise InvalidArgumentError("status: the transfer was never posted; call post() first")
-        if self._state is Status.IN_PROGRESS and not self._posted_on_stream:
-            self._state = self._backend.status(self._request)
-        return self._state
+        if shared.state is Status.IN_PROGRESS and not self._posted_on_stream:
+            shared.state = self._backend.status(self._request)
+        return shared.state
 
     def wait(self, timeout: float | None = None, stream: torch.cuda.Stream | None = None) -> None:
         """Complete the transfer.
@@ -199,12 +208,13 @@ class Transfer(Closeable):
         handle (the communicator's until a ``wait(stream=, timeout=)``); one that times out leaves the handle
         failed: every call raises, and rings are released without moving bytes until it is closed.
         """
-        if self._state is _DONE and stream is None:  # close() clears _state
+        shared = self.shared
+        if shared.state is _DONE and stream is None:  # close() clears the state
             if timeout is not None:
                 self._runtime.timeout(timeout)  # still reject a bad timeout
             return  # fast path: small and same-host transfers often complete inside post()
-        self._check_open("wait")
-        if self._state is None:
+        self.check_open("wait")
+        if shared.state is None:
             raise InvalidArgumentError("wait: the transfer was never posted; call post() first")
         if stream is not None:
             return self._wait_on_stream(stream, timeout)
@@ -212,7 +222,7 @@ class Transfer(Closeable):
             raise InvalidArgumentError(
                 f"wait: the {self.op.value} to rank {self.peer} was posted on a stream; pass wait(stream=...)"
             )
-        if self._state is Status.ERROR and self._post_failure is not None:
+        if shared.state is Status.ERROR and self._post_failure is not None:
             failure = self._post_failure
             raise type(failure)(f"wait: the last post failed, nothing was transferred: {failure}")
         def what() -> str:  # made only if needed: this is the path of every wait that is not done at once
@@ -220,7 +230,7 @@ class Transfer(Closeable):
 
         wait_until(lambda: self.status() is not Status.IN_PROGRESS, self._runtime.timeout(timeout), what,
                    self._runtime.config, self._runtime.alive(self.peer, what))
-        if self._state is Status.ERROR:
+        if shared.state is Status.ERROR:
             raise self._peer_lost_or(TransferError(
                 f"wait: the {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport} failed; "
                 "the peer may have exited or deregistered the memory"
@@ -259,19 +269,17 @@ class Transfer(Closeable):
         """Have the progress thread poll ``poll`` (until it returns True or this transfer closes)."""
         engine = self._runtime.engine
         self._watches = engine.still_watched(self._watches) + [poll]  # forget finished ones
-        engine.watch(poll, on_error=self._keep_error)
-
-    def _keep_error(self, error: Exception) -> None:
-        """A failure the progress thread saw on this transfer: raised by its next post/status/wait."""
-        self._async_error = error
+        engine.watch(poll, on_error=self.shared.fail)  # raised by the next post/status/wait
 
     def _stream_words(self):
         """The pinned words streams wait on (allocated once, outside any graph capture where a GPU is
         involved: see ``__init__``), with the objects that store them."""
         if self._words is None:
             self._words = self._runtime.transfer_words.take()
-            self._done_seq = DoneSeq(self, self._words)
-            self._doorbell = Doorbell(self, self._words, self._runtime.timeout_s)
+            self._done_seq = DoneSeq(self, self.shared, self._words, self._runtime, self._status_of_request(),
+                                     self._watch, self._peer_lost_or)
+            self._doorbell = Doorbell(self, self.shared, self._words, self._runtime, self._backend, self._request,
+                                      self._notify, self._watch)
             self._runtime.stream_waiters.add(self)
         return self._words
 
@@ -281,7 +289,7 @@ class Transfer(Closeable):
         words = self._words
         if words is None:
             return 0
-        sequence = self._posts & 0xFFFFFFFF
+        sequence = self.shared.posts & 0xFFFFFFFF
         pending = words.values[DONE_SEQ] != sequence or words.values[DOORBELL] != 0
         words.values[DOORBELL] = 0
         words.values[DONE_SEQ] = sequence
@@ -291,7 +299,7 @@ class Transfer(Closeable):
     def _notify_after_copy(self) -> None:
         """Transports without a message channel deliver ``notify`` once their copy has completed."""
         if self._backend.name == "nixl":
-            if self._state is Status.IN_PROGRESS and not self._posted_on_stream:
+            if self.shared.state is Status.IN_PROGRESS and not self._posted_on_stream:
                 self._drive_until_done()
             return
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -316,10 +324,11 @@ class Transfer(Closeable):
         failure."""
         if self.closed:
             return
-        if self._state is Status.IN_PROGRESS and not self._posted_on_stream and self._request is not None:
+        shared = self.shared
+        if shared.state is Status.IN_PROGRESS and not self._posted_on_stream and self._request is not None:
             self._finish_in_flight()
         self.closed = True
-        self._post_call, self._state = None, None
+        shared.post_call, shared.state = None, None
         request, self._request = self._request, None
         self._runtime.transfers.discard(self)
         if request is None:
@@ -334,7 +343,7 @@ class Transfer(Closeable):
         # A stream may still be waiting on this transfer (wait(stream=), a doorbell a graph rings): let the
         # progress thread finish what the GPU waits for, then release the request there. Never blocks.
         events = [cuda.record_event(stream) for stream in self._streams_used]
-        self._closing = events  # only once recorded: an unrecorded event would read as "done"
+        shared.close_after(events)  # only once recorded: an unrecorded event would read as "done"
         backend = self._backend
 
         def release_when_drained() -> bool:
@@ -358,25 +367,39 @@ class Transfer(Closeable):
         except Exception:  # noqa: BLE001 - failed or the peer is gone: nothing more lands
             pass
 
-    def _revoke(self, error: Exception) -> None:
+    def revoke(self, error: Exception) -> None:
         """The peer deregistered the memory this transfer reaches: every later call raises ``error``; the CPU
         post's bound call is cleared (the hot path then takes the slow path, which raises), and a stream post's
-        doorbell is released without posting (``_stuck``)."""
-        self._stuck = error
-        self._post_call = None
+        doorbell is released without posting (``TransferState.revoke``). The revocation thread calls it."""
+        self.shared.revoke(error)
 
-    def _drained(self) -> bool:
-        """Closed, and the GPU work that could still ring this transfer's doorbell has run."""
-        return self._closing is not None and all(event.query() for event in self._closing)
+    def request_in_flight(self) -> bool:
+        """The backend reports the request in flight (a CPU post, or a stream post the progress thread made);
+        False once closed or failed. Polls, never blocks; any thread (a revocation waits on it)."""
+        backend, request = self._backend, self._request
+        if request is None:
+            return False
+        try:
+            return backend.status(request) is Status.IN_PROGRESS
+        except Exception:  # noqa: BLE001 - failed: nothing more lands
+            return False
 
-    def _check_open(self, fn: str) -> None:
+    def _status_of_request(self):
+        backend, request = self._backend, self._request
+        return lambda: backend.status(request)
+
+    def check_open(self, fn: str) -> None:
+        """Raise what makes a call on this transfer fail: closed, failed for good, or the oldest failure another
+        thread kept (raised once). User thread."""
         if self.closed:
             raise ClosedError(f"{fn}: the transfer is closed; prepare a new one with comm.prepare(...)")
         self._runtime.check_open(fn)
-        if self._stuck is not None:
-            raise self._stuck.with_traceback(None)  # the same error each time: do not let its traceback grow
-        if self._async_error is not None:
-            error, self._async_error = self._async_error, None
+        shared = self.shared
+        stuck = shared.stuck
+        if stuck is not None:
+            raise stuck.with_traceback(None)  # the same error each time: do not let its traceback grow
+        error = shared.take_error()
+        if error is not None:
             raise error
 
     def _leak_message(self) -> str:
@@ -384,6 +407,6 @@ class Transfer(Closeable):
                 "call close() or use 'with comm.prepare(...)'")
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else (self._state.name if self._state else "prepared")
+        state = "closed" if self.closed else (self.shared.state.name if self.shared.state else "prepared")
         return (f"Transfer({self.op.value}, peer={self.peer}, nbytes={self.nbytes}, transport={self.transport!r}, "
                 f"{state})")

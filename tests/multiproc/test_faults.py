@@ -227,7 +227,7 @@ def test_wait_after_a_failed_post_raises_instead_of_reporting_the_last_success()
         def refuse():
             raise tw.TransferError("post refused (test)")
 
-        x._post_call = refuse
+        x.shared.post_call = refuse
         with pytest.raises(tw.TransferError):
             x.post()
         with pytest.raises(tw.TransferError, match="last post failed"):

@@ -246,7 +246,7 @@ def test_a_revoked_transfer_releases_the_stream_of_its_ring_in_flight(comm, stre
             x.post(stream=stream)
             x.wait(stream=stream, timeout=60)
             time.sleep(NOT_YET_S)  # the ring is picked up and in flight
-            x._revoke(tw.RevokedError("revoked"))
+            x.revoke(tw.RevokedError("revoked"))
         stream.synchronize(5)
         with pytest.raises(tw.RevokedError):
             x.post(stream=stream)

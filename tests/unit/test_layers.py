@@ -29,7 +29,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("backends", ["tensorwire.backends", "tensorwire.backends.*"]),
     ("communicator", ["tensorwire.communicator", "tensorwire.registration", "tensorwire.transfer",
                       "tensorwire.blocks", "tensorwire.revocation", "tensorwire.runtime", "tensorwire.notifications",
-                      "tensorwire.stream_completion", "tensorwire.peers", "tensorwire.arguments"]),
+                      "tensorwire.stream_completion", "tensorwire.transfer_state", "tensorwire.peers",
+                      "tensorwire.arguments"]),
     ("moe", ["tensorwire.moe", "tensorwire.moe.*"]),
     ("launcher and test data", ["tensorwire.testing", "tensorwire.testing.launch", "tensorwire.testing.data",
                                 "tensorwire.testing.netns"]),
@@ -214,3 +215,24 @@ def test_no_module_reaches_into_the_communicator_but_the_known_ones():
     gone = {m: sorted(attrs - reaches.get(m, set())) for m, attrs in KNOWN_PRIVATE_REACHES.items()
             if attrs - reaches.get(m, set())}
     assert not gone, f"no longer reached: remove them from KNOWN_PRIVATE_REACHES in this test: {gone}"
+
+
+# A transfer's companions (stream completion, block transfers, revocation, the communicator) act on it through
+# its methods and its TransferState, never through its private attributes. Seen as ``<name>._attr`` where the
+# name is one they call a transfer by.
+_TRANSFER_NAMES = {"owner", "_owner", "core", "_core", "transfer", "_transfer"}
+
+
+def test_no_module_reaches_into_a_transfer():
+    reaches: dict[str, set[str]] = {}
+    for name, (path, _) in _modules().items():
+        if name == "tensorwire.transfer":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            holder = node.value
+            held_by = holder.id if isinstance(holder, ast.Name) else getattr(holder, "attr", None)
+            if held_by in _TRANSFER_NAMES:
+                reaches.setdefault(name, set()).add(node.attr)
+    assert not reaches, f"private attributes of a Transfer used elsewhere: {reaches}; give it a method"
