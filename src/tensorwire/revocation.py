@@ -150,8 +150,8 @@ class Revocations:
                 f"epoch(s) {sorted(transfer.remote_epochs & epochs)}); the transfer is failed: close it, look the "
                 "descriptors up again and prepare a new one"))
         deadline = time.monotonic() + bound
-        for transfer in revoked:  # in flight: let it finish before the owner lets go of the memory
-            while transfer.request_in_flight() and time.monotonic() < deadline:
+        for transfer in revoked:  # on its way in, or in flight: let it finish before the owner lets go
+            while (transfer.posting() or transfer.request_in_flight()) and time.monotonic() < deadline:
                 time.sleep(0.0005)
 
     def pump(self, force: bool = False) -> None:

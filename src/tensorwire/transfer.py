@@ -129,9 +129,11 @@ class Transfer(Closeable):
                                        "call wait() before posting it again")
 
     def _post_from_cpu(self, shared: TransferState) -> None:
+        shared.posting = True  # before post_call is read: a revocation waits for it (transfer_state.py)
         try:
-            result = shared.post_call()
+            result = shared.post_call()  # None once revoked: the TypeError is handled as the revocation below
         except Exception as e:  # noqa: BLE001 - the backend says what its exceptions mean
+            shared.posting = False
             if self._done_seq is not None and self._done_seq.active:  # no stream may wait for a post that never
                 self._done_seq.advance(shared.posts & 0xFFFFFFFF)  # started
             if shared.stuck is not None:  # revoked between the hot path's check and the call
@@ -143,6 +145,7 @@ class Transfer(Closeable):
             if error is e:
                 raise
             raise error from e
+        shared.posting = False
         shared.state = state = _DONE if result == self._post_done else self._post_finish(result)
         if self._done_seq is not None and self._done_seq.active:
             self._done_seq.after_post()
@@ -372,6 +375,11 @@ class Transfer(Closeable):
         post's bound call is cleared (the hot path then takes the slow path, which raises), and a stream post's
         doorbell is released without posting (``TransferState.revoke``). The revocation thread calls it."""
         self.shared.revoke(error)
+
+    def posting(self) -> bool:
+        """A CPU post of this transfer is on its way into the backend right now (any thread; see
+        ``TransferState.posting``): a revocation waits until it is not before it answers."""
+        return self.shared.posting
 
     def request_in_flight(self) -> bool:
         """The backend reports the request in flight (a CPU post, or a stream post the progress thread made);

@@ -16,6 +16,7 @@ field             written by                             read by                
                   ``stuck``
 ``stuck``         deadline (a ring timed out),           every thread                      ``lock`` for writing
                   revocation (or user, own memory)
+``posting``       user (around the backend's post call)  revocation (``quiet``)            none (see below)
 errors            progress, deadline                     user (``take_error``)             ``lock``
 closing events    user (``close``)                       progress (``drained``)            none (set once)
 ================  =====================================  ================================  ======================
@@ -24,8 +25,12 @@ Why the hot path takes no lock: ``state`` and ``posts`` have one writer, the use
 need none, and a reader on another thread sees a whole value (one reference store under the GIL): ``posts``
 is counted up before a post is made and ``state`` is stored after it, so the deadline thread never takes an
 earlier post for a later one. ``post_call`` is read without the lock: a revocation stores ``stuck`` and clears
-``post_call`` together under ``lock``; a post that read it just before may still run once, and every later one
-takes the slow path, which raises ``stuck``.
+``post_call`` together under ``lock``, and every later post takes the slow path, which raises ``stuck``. A post
+that read ``post_call`` just before may still be on its way into the backend: the CPU post raises ``posting``
+before it reads ``post_call`` (the second read, the one it calls) and lowers it after the call returned, and a
+revocation clears ``post_call`` before it reads ``posting`` (``quiet``). Under the GIL each is one store or
+load, in program order, so either the revocation sees ``posting`` raised (and waits for the call to return), or
+the post reads ``post_call`` cleared (and raises): no post reaches the backend after ``quiet()`` said so.
 
 ``lock`` (re-entrant) also serialises the stores into the transfer's pinned stream words
 (``stream_completion.py``), so a release and the failure it reports are one step: nobody sees the word
@@ -59,13 +64,15 @@ class TransferState:
     number stream waits compare against) and ``post_call`` (the bound CPU post, None once closed, empty,
     revoked or failed for good) are plain attributes; the rest is reached through methods."""
 
-    __slots__ = ("lock", "state", "posts", "post_call", "_stuck", "_errors", "_errors_not_kept", "_closing")
+    __slots__ = ("lock", "state", "posts", "post_call", "posting", "_stuck", "_errors", "_errors_not_kept",
+                 "_closing")
 
     def __init__(self, post_call: Callable[[], Any] | None) -> None:
         self.lock = threading.RLock()
         self.state: Status | None = None
         self.posts = 0
         self.post_call = post_call
+        self.posting = False  # a CPU post is between reading post_call and the backend call's return
         self._stuck: Exception | None = None
         self._errors: collections.deque[Exception] = collections.deque()
         self._errors_not_kept = 0
