@@ -12,7 +12,8 @@
 |                                   |         | rank): authenticates every value in the store        |
 | ``TENSORWIRE_DIRECTORY``          | unset   | ``tcp://HOST:PORT``: join a fleet there (``init``'s  |
 |                                   |         | ``directory=``) instead of a launcher's world        |
-| ``TENSORWIRE_NAME``               | unset   | this member's name in the fleet (``init``'s ``name=``)|
+| ``TENSORWIRE_NAME``               | unset   | this member's name in the fleet (``init``'s ``name=``;|
+|                                   |         | ``{rank}`` in it: the launcher's rank, e.g. torchrun)|
 
 The library never writes ``os.environ``.
 """

@@ -62,7 +62,21 @@ def parse_directory(directory: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _launcher_rank() -> int | None:
+    """The rank a launcher (torchrun, mpirun, SLURM) gave this process, if one did."""
+    for _, r, w, _, _ in _LAUNCHERS:
+        if r in os.environ and w in os.environ:
+            return _int(os.environ[r], r)
+    return None
+
+
 def _fleet_environment(directory: str, name: str) -> Environment:
+    if isinstance(name, str) and "{rank}" in name:  # one TENSORWIRE_NAME for every rank of a launch
+        launched = _launcher_rank()
+        if launched is None:
+            raise InvalidArgumentError(f"init: name={name!r} names {{rank}}, but no launcher (torchrun, mpirun, "
+                                       "SLURM) gave this process a rank; give the member's name itself")
+        name = name.replace("{rank}", str(launched))
     if not isinstance(name, str) or not 0 < len(name) <= 128 or not set(name) <= _NAME_CHARS:
         raise InvalidArgumentError(
             f"init: name={name!r}; give 1-128 characters of letters, digits and '-_.:' (e.g. 'decode-0')")

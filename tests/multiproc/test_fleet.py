@@ -387,3 +387,56 @@ def test_the_directory_killed_and_started_again_costs_no_transfer(fleet):
     assert seen["members_after_restart"] == ["decode-0", "prefill-0"], seen
     assert seen["repopulated_after_s"] < LIVENESS_S + 5.0, seen
     assert seen["late_rank_is_new"] and seen["late_read"] and seen["old_read"], seen
+
+
+TORCHRUN_MEMBER = """
+import os, time, torch
+import tensorwire as tw
+import test_fleet
+
+with tw.init(timeout=30) as comm:  # TENSORWIRE_DIRECTORY and TENSORWIRE_NAME=prefill-{rank}: no code for fleets
+    member = int(comm.name.rsplit("-", 1)[1])
+    pool = comm.register_blocks(test_fleet._value(member).clone())
+    comm.publish_blocks("kv", pool)
+    test_fleet._touch(os.path.join(os.environ["WORK"], comm.name + ".0.ready"))
+    test_fleet._await(os.path.join(os.environ["WORK"], "stop"), timeout=120)
+    pool.close()
+"""
+
+
+def _read_both(directory: str, work: str) -> None:
+    comm = tw.init(directory=directory, name="decode-0", timeout=WAIT)
+    out = torch.zeros(BLOCKS, WIDTH, dtype=torch.int32)
+    pool = comm.register_blocks(out)
+    ok = {}
+    for member in (0, 1):
+        rank = comm.rank_of(f"prefill-{member}", timeout=WAIT)
+        comm.read_blocks(pool, list(range(BLOCKS)), comm.lookup_blocks("kv", rank, timeout=WAIT),
+                         list(range(BLOCKS)), timeout=WAIT)
+        ok[member] = bool(torch.equal(out, _value(member)))
+    with open(os.path.join(work, "decode.json"), "w") as f:
+        json.dump(ok, f)
+    pool.close()
+    comm.close()
+
+
+def test_a_torchrun_job_joins_a_fleet_and_is_read_from_by_a_member_launched_apart(fleet):
+    work = fleet.work
+    directory = fleet.directory()
+    script = os.path.join(work, "member.py")
+    with open(script, "w") as f:
+        f.write(TORCHRUN_MEMBER)
+    env = fleet.env()
+    env.update({"TENSORWIRE_DIRECTORY": directory, "TENSORWIRE_NAME": "prefill-{rank}", "WORK": work})
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                            "--master-addr", "127.0.0.1", "--master-port", str(tw.testing.free_port()), script],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    fleet.processes.append(job)
+    for member in (0, 1):
+        _await(os.path.join(work, f"prefill-{member}.0.ready"), timeout=120)
+    _finish(fleet.start(f"_read_both({directory!r}, {work!r})"), "decode")
+    _touch(os.path.join(work, "stop"))
+    output = job.communicate(timeout=120)[0]
+    assert job.returncode == 0, output[-3000:]
+    with open(os.path.join(work, "decode.json")) as f:
+        assert json.load(f) == {"0": True, "1": True}
