@@ -261,11 +261,16 @@ class Rendezvous:
     def check(self, key: str) -> bool:
         return bool(self._call(lambda: self.store.check([key]), f"checking {key!r}"))
 
+    @property
+    def hosts_store(self) -> bool:
+        """This rank hosts the store (rank 0 of a launcher's world, unless torchrun's agent or init's store=)."""
+        return self.env.rank == 0 and self._owns_store and not self.env.agent_store and not self.env.fleet
+
     def leave(self) -> None:
         """Close this rank's liveness sockets ahead of ``close`` (a rank that does not host the store: the store's
         host stays watchable until every rank departed), so that peers see it gone before its NIXL agent goes and
         send that agent nothing more."""
-        if not (self.env.rank == 0 and self._owns_store and not self.env.agent_store):
+        if not self.hosts_store:
             self.liveness.close()
 
     def close(self) -> None:

@@ -512,11 +512,17 @@ class Communicator:
         attempt(self._revocations.stop)  # its thread ends before the backends go
         attempt(self._runtime.release_stream_waits)
         self._runtime.close(attempt)
-        attempt(self._rendezvous.leave)  # peers see this rank gone before its agent goes: they send it nothing more
-        for backend in self._backends.values():
-            attempt(backend.close)
-        self._revocations.close()
+        # The backends go once no peer will send to this rank's agent any more: a rank that does not host the
+        # store leaves liveness first (peers see it gone and send it nothing); the store's host, which stays
+        # watchable until every rank departed, keeps its agent until then (a closing peer's last messages would
+        # otherwise reach a destroyed agent, which NIXL reports as an error line).
+        hosts_store = self._rendezvous.hosts_store
+        attempt(self._rendezvous.leave)
+        if not hosts_store:
+            self._close_backends(attempt)
         attempt(lambda: self._rendezvous.depart(self.timeout_s))  # rank 0: until every rank departed or is gone
+        if hosts_store:
+            self._close_backends(attempt)
         self._rendezvous.close()  # and its liveness sockets: peers watching this rank learn at once that it left
         remote = [e for e in failures if isinstance(e, (PeerLostError, WaitTimeoutError))]
         local = [e for e in failures if e not in remote]
@@ -525,6 +531,11 @@ class Communicator:
                           f"({remote[0]})", RuntimeWarning, stacklevel=2)
         if local:
             raise local[0]
+
+    def _close_backends(self, attempt: Callable[[Callable[[], None]], None]) -> None:
+        for backend in self._backends.values():
+            attempt(backend.close)
+        self._revocations.close()  # what was quarantined goes with the backends
 
     def __enter__(self) -> Communicator:
         return self
