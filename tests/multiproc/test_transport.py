@@ -403,10 +403,10 @@ def _stream_waits_released_while_progress_is_stuck():
                     with HostStream() as stream:
                         comm.wait_notification(1, stream=stream, timeout=0.2)
                         comm.wait_notification(1, stream=stream, timeout=60)  # must not stretch the first
-                        words = comm._notifications._words
-                        _until(lambda: words.values[1] == 1, "a notification's stream wait was never released")
+                        words, slot = comm._notifications._words, comm._notifications._slots[1]  # rank 1's word
+                        _until(lambda: words.values[slot] == 1, "a notification's stream wait was never released")
                         time.sleep(0.3)
-                        seen["notification_released_while_stuck"] = not unstick.is_set() and words.values[1] == 1
+                        seen["notification_released_while_stuck"] = not unstick.is_set() and words.values[slot] == 1
                         with pytest.raises(tw.WaitTimeoutError, match="nothing from rank 1"):
                             comm.wait_notification(1, timeout=WAIT)
                 finally:  # a failure above must not leave the progress thread held
