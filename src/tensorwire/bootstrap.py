@@ -18,12 +18,10 @@ and departures are per-rank sealed records, and each rank claims its rank number
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import secrets
 import socket
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -33,7 +31,7 @@ import torch.distributed as dist
 
 from .deadlines import CallThread, Deadlines
 from .environment import Environment, hostname
-from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, TensorwireError, WaitTimeoutError
+from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, WaitTimeoutError
 from .liveness import Liveness, probe
 from .sealing import seal, unseal
 from .store_sockets import listen_socket, local_address, socket_fds, store_client_sockets
@@ -68,12 +66,6 @@ class Rendezvous:
         self._token = token
         self._owns_store = store is None
         self._claim: bytes | None = None
-        self._claims: dict[str, bytes] = {}  # keys taken with claim()/take_over() -> the exact bytes written
-        self._written: dict[str, bytes] = {}  # a fleet member's values, as written: put back into a directory
-        self._next_reconnect = 0.0              # that restarted empty (see heartbeat)
-        self._reconnecting = threading.Lock()
-        self._heartbeat: threading.Thread | None = None
-        self._stopping = threading.Event()
         self._lost: str | None = None  # why the store connection is gone; every later call raises PeerLostError
         self.between_polls: Callable[[], None] | None = None  # run while a wait sleeps (the inbox's pump)
         self._store_sockets: list[socket.socket] = []  # our client connection(s) to the store, to cut a stuck call
@@ -95,10 +87,7 @@ class Rendezvous:
         self._raw = store
         self.store = dist.PrefixStore("tensorwire/", store)
         self._barrier_generation = 0
-        if env.fleet:
-            self.env = env = self._take_fleet_rank()
-        else:
-            self._claim_rank()
+        self.env = env = self._claim_identity()
         self.liveness = Liveness(env.rank, env.world_size, liveness_s, local_address(env), token, self._resolve)
         self.set(f"alive/{env.rank}", f"{self.liveness.address[0]} {self.liveness.address[1]}".encode())
         if env.rank != 0 and not env.fleet:  # the store's host: watched from the start (a lost store in any wait)
@@ -157,8 +146,9 @@ class Rendezvous:
             value = seal(self._token, key, value)
         # torch's set does not wait for an answer: without the check a set to a store that is gone "succeeds"
         # and the value is lost. The check is the round trip that says it arrived.
-        if self.env.fleet:
-            self._written[key] = value
+        self._store_sealed(key, value)
+
+    def _store_sealed(self, key: str, value: bytes) -> None:
         self._call(lambda: self.store.set(key, value), f"writing {key!r}")
         if not self._call(lambda: self.store.check([key]), f"confirming {key!r}"):
             raise PeerLostError(f"writing {key!r}: the store at {self.env.master_addr}:{self.env.master_port} "
@@ -205,55 +195,6 @@ class Rendezvous:
                     "Pass a larger timeout= or check the other ranks")
             time.sleep(min(0.02, max(0.0002, (now - start) / 32), max(deadline - now, 0.0)))
 
-    def get_now(self, key: str) -> bytes | None:
-        """``key``'s opened value if it is there and opens, else None. Two round trips; never waits."""
-        if not self.check(key):
-            return None
-        blob = self._call(lambda: self.store.get(key), f"reading {key!r}")
-        try:
-            return self._open(key, blob)
-        except AuthenticationError:
-            return None
-
-    def claim(self, key: str, value: bytes) -> tuple[bytes, bytes | None] | None:
-        """Take ``key`` for ``value`` if it is empty (atomically, sealed): None when taken, else what holds it
-        (the raw bytes, for ``take_over``, and the opened value, None if it does not open)."""
-        mine = seal(self._token, key, value) if self._token is not None else value
-        found = self._compare_set(key, b"", mine)
-        if found == mine:
-            self._claims[key] = mine
-            return None
-        return found, (self._open(key, found) if self._verifies(key, found) else None)
-
-    def take_over(self, key: str, found: bytes, value: bytes) -> bool:
-        """Replace exactly ``found`` (``claim``'s answer) by ``value``; False when someone changed it meanwhile."""
-        mine = seal(self._token, key, value) if self._token is not None else value
-        if self._compare_set(key, found, mine) == mine:
-            self._claims[key] = mine
-            return True
-        return False
-
-    def release(self, key: str) -> None:
-        """Give back what ``claim``/``take_over`` took, unless someone has taken it over since."""
-        mine = self._claims.pop(key, None)
-        if mine is not None:
-            self._compare_set(key, mine, b"")
-
-    def delete(self, key: str) -> None:
-        self._written.pop(key, None)
-        self._call(lambda: self.store.delete_key(key), f"deleting {key!r}")
-
-    def address_of(self, rank: int) -> tuple[str, int] | None:
-        """``rank``'s liveness address from its sealed ``alive/<rank>`` record, or None (none, or forged)."""
-        value = self.get_now(f"alive/{rank}")
-        if value is None:
-            return None
-        try:
-            host, port = value.decode().split()
-            return host, int(port)
-        except ValueError:
-            return None
-
     def add(self, key: str, amount: int) -> int:
         """The store's counter (unauthenticated: a counter cannot carry a MAC); tensorwire decides nothing on it."""
         return int(self._call(lambda: self.store.add(key, amount), f"adding to {key!r}"))
@@ -275,7 +216,6 @@ class Rendezvous:
 
     def close(self) -> None:
         """Local: stop watching peers (they learn at once that this rank is gone) and the call watchdog."""
-        self.stop_heartbeat()
         self.liveness.close()
         self._watchdog.close()
         if self._calls is not None:
@@ -289,6 +229,17 @@ class Rendezvous:
         self.store = self._raw = None
 
     # --- ranks ----------------------------------------------------------------------------------
+    def _claim_identity(self) -> Environment:
+        """Claim this process's rank; the environment with it (a fleet's directory assigns it: see
+        ``directory_client.py``)."""
+        self._claim_rank()
+        return self.env
+
+    def _reconnected(self) -> bool:
+        """Whether a lost store is back: a launcher's store that is lost stays lost (a fleet's directory does
+        not: ``directory_client.py``)."""
+        return False
+
     def _claim_rank(self) -> None:
         """Take ``rank/<r>`` for this process, atomically (``compare_set`` from empty); a second process with the
         same rank is refused while the first has not closed."""
@@ -317,23 +268,6 @@ class Rendezvous:
                 "MASTER_PORT if an earlier job still runs there"
             )
         self._claim = mine
-
-    def _take_fleet_rank(self) -> Environment:
-        """A fleet member's rank: the directory's next number (``add``: a counter, so unauthenticated; it only
-        proposes), claimed like a launcher's rank. A number already claimed (a race, or a counter an outsider set
-        back) is skipped, so ranks are unique for the directory's life and never reused."""
-        for _ in range(64):
-            proposed = self.add("fleet/next_rank", 1) - 1
-            if proposed < 0:
-                continue
-            self.env = dataclasses.replace(self.env, rank=proposed)
-            try:
-                self._claim_rank()
-            except InvalidArgumentError:
-                continue
-            return self.env
-        raise PeerLostError(f"init: no free member rank in the directory at {self.env.master_addr}:"
-                            f"{self.env.master_port} after 64 tries; its counter is being tampered with")
 
     def _running_holder(self) -> str | None:
         """Who still runs as this rank according to its verified ``alive/<rank>`` record and a probe of the
@@ -451,75 +385,6 @@ class Rendezvous:
             self._raise_typed(e, what, timeout_s)
         finally:
             self._watchdog.disarm(key)
-
-    # --- a fleet's directory comes back -----------------------------------------------------------------
-    def start_heartbeat(self) -> None:
-        """A fleet member's thread that looks at its directory every half ``liveness_s`` (one round trip):
-        reconnects to a directory that was lost, and puts this member's values back into one that came back
-        empty (restarted), so the fleet is whole again within the liveness bound. Stopped by ``close``."""
-        if self.env.fleet and self._heartbeat is None:
-            self._heartbeat = threading.Thread(target=self._beat, name=f"tensorwire-directory-{self.env.rank}",
-                                               daemon=True)
-            self._heartbeat.start()
-
-    def stop_heartbeat(self) -> None:
-        """Stop the heartbeat (before this member leaves: it would put the records back)."""
-        self._stopping.set()
-        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
-            self._heartbeat.join(timeout=2 * self.liveness_s + 1.0)
-
-    def _beat(self) -> None:
-        while not self._stopping.wait(self.liveness_s / 2):
-            try:
-                if self._lost is not None:
-                    self._reconnected()
-                elif not self.check(f"member/{self.env.rank}"):
-                    self._restore()
-            except Exception:  # noqa: BLE001 - down: found down again next time; nothing here may end the thread
-                continue
-
-    def _reconnected(self) -> bool:
-        """A fleet member whose directory was lost: connect again (at most once per half ``liveness_s``) and
-        put its values back; True once connected. A launcher's store that is lost stays lost."""
-        if not self.env.fleet or not self._owns_store:
-            return False
-        now = time.monotonic()
-        if now < self._next_reconnect or not self._reconnecting.acquire(blocking=False):
-            return False
-        try:
-            return self._connect_again(now)
-        finally:
-            self._reconnecting.release()
-
-    def _connect_again(self, now: float) -> bool:
-        self._next_reconnect = now + self.liveness_s / 2
-        before = socket_fds()
-        try:
-            store = dist.TCPStore(self.env.master_addr, self.env.master_port, None, is_master=False,
-                                  timeout=_delta(self.liveness_s), wait_for_workers=False)
-        except Exception:  # noqa: BLE001 - still down: the caller raises with the reason kept
-            return False
-        self._raw, self.store = store, dist.PrefixStore("tensorwire/", store)
-        self._store_sockets = store_client_sockets(before, store.port)
-        self._lost = None
-        try:
-            if not self.check(f"member/{self.env.rank}"):
-                self._restore()
-        except TensorwireError:
-            return False
-        return True
-
-    def _restore(self) -> None:
-        """Put this member's values back into a directory that lost them: its claims (from empty only: a
-        claim someone else made meanwhile stands), its records, and a rank counter past its own rank."""
-        for key, mine in [(f"rank/{self.env.rank}", self._claim), *self._claims.items()]:
-            if mine is not None:
-                self._compare_set(key, b"", mine)
-        for key, value in list(self._written.items()):
-            self._call(lambda k=key, v=value: self.store.set(k, v), f"restoring {key!r}")
-        behind = self.env.rank + 1 - self.add("fleet/next_rank", 0)
-        if behind > 0:
-            self.add("fleet/next_rank", behind)
 
     def _raise_typed(self, e: Exception, what: str, timeout_s: float | None) -> NoReturn:
         """Raise what a failed store call means: ``PeerLostError`` once the connection is gone (cut by the

@@ -28,6 +28,7 @@ from .backends.shm import ShmBackend
 from .blocks import BlockPool, BlockPoolDesc, BlockTransfer
 from .bootstrap import Rendezvous
 from .descriptors import MemoryKind, TensorDesc
+from .directory_client import DirectoryRendezvous
 from .environment import resolve_environment
 from .errors import InvalidArgumentError, PeerLostError, WaitTimeoutError
 from .membership import Member, Membership
@@ -106,7 +107,13 @@ class Communicator:
         self.device = device
         self.config = cfg
         self.timeout_s = timeout_s
-        self._rendezvous = Rendezvous(env, timeout_s, store, token=cfg.job_token, liveness_s=cfg.liveness_s)
+        if env.fleet:
+            if store is not None:
+                raise InvalidArgumentError("init: store= and directory= are two ways to meet; give one")
+            self._rendezvous: Rendezvous = DirectoryRendezvous(env, timeout_s, token=cfg.job_token,
+                                                               liveness_s=cfg.liveness_s)
+        else:
+            self._rendezvous = Rendezvous(env, timeout_s, store, token=cfg.job_token, liveness_s=cfg.liveness_s)
         env = self._rendezvous.env  # a fleet member's rank is the directory's
         self.rank = env.rank
         self.name: str | None = env.name  # a fleet member's name (None in a launcher's world)

@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from .bootstrap import Rendezvous
+from .directory_client import DirectoryRendezvous
 from .errors import InvalidArgumentError, WaitTimeoutError
 from .liveness import listening
 
@@ -44,7 +44,7 @@ class Membership:
     """This member's name and record in the directory, and the lookups of the others. Blocks only for
     directory round trips (bounded like every store call) and, in ``rank_of``, for the name to appear."""
 
-    def __init__(self, rendezvous: Rendezvous, name: str, host: str) -> None:
+    def __init__(self, rendezvous: DirectoryRendezvous, name: str, host: str) -> None:
         self._rendezvous = rendezvous
         self.rank = rendezvous.env.rank
         self.name = name
