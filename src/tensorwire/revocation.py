@@ -35,6 +35,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .errors import RevokedError, WaitTimeoutError
@@ -112,11 +113,17 @@ class Revocations:
                 continue
 
     def _left(self, rank: int) -> None:
-        released = []
         with self._lock:
             self._gone_ranks.add(rank)
+        self._stop_waiting_for(lambda r: r == rank)
+
+    def _stop_waiting_for(self, done: Callable[[int], bool]) -> None:
+        """Drop the ranks for which ``done(rank)`` from every revocation's waiters; release what waited only
+        for them (outside the lock: a release deregisters memory)."""
+        released = []
+        with self._lock:
             for key, left in list(self._awaiting.items()):
-                left.discard(rank)
+                left -= {rank for rank in left if done(rank)}
                 if not left:
                     del self._awaiting[key]
                     released.append(self._quarantine.pop(key, None))
@@ -243,16 +250,8 @@ class Revocations:
 
     def _sweep(self) -> None:
         """Ranks that are gone answer no more: release what waited only for them."""
-        liveness, released = self._runtime.liveness, []
-        with self._lock:
-            for key, left in list(self._awaiting.items()):
-                left -= {rank for rank in left if liveness.lost(rank) is not None}
-                if not left:
-                    del self._awaiting[key]
-                    released.append(self._quarantine.pop(key, None))
-        for release in released:
-            if release is not None:
-                release()
+        liveness = self._runtime.liveness
+        self._stop_waiting_for(lambda rank: liveness.lost(rank) is not None)
 
     def quarantined(self) -> int:
         """How many deregistrations still wait for a peer's answer (their memory is kept)."""

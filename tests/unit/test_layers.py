@@ -198,18 +198,24 @@ def test_doctor_and_the_benchmarks_do_not_import_each_other(graph):
     assert not any("tensorwire.cli" in graph[m] for m in graph if m != "tensorwire.__main__"), "only __main__ runs cli"
 
 
-def test_no_module_reaches_into_the_communicator_but_the_known_ones():
+def _private_reaches(holders: set[str], owner: str) -> dict[str, set[str]]:
+    """Per module (``owner`` itself left out): the private attributes read through a name in ``holders``."""
     reaches: dict[str, set[str]] = {}
     for name, (path, _) in _modules().items():
-        if name == "tensorwire.communicator":
+        if name == owner:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
                 continue
             holder = node.value
             held_by = holder.id if isinstance(holder, ast.Name) else getattr(holder, "attr", None)
-            if held_by in _COMMUNICATOR_NAMES:
+            if held_by in holders:
                 reaches.setdefault(name, set()).add(node.attr)
+    return reaches
+
+
+def test_no_module_reaches_into_the_communicator_but_the_known_ones():
+    reaches = _private_reaches(_COMMUNICATOR_NAMES, "tensorwire.communicator")
     new = {m: sorted(attrs - KNOWN_PRIVATE_REACHES.get(m, set())) for m, attrs in reaches.items()
            if attrs - KNOWN_PRIVATE_REACHES.get(m, set())}
     assert not new, f"private attributes of the Communicator used elsewhere: {new}; give it a public method"
@@ -225,15 +231,5 @@ _TRANSFER_NAMES = {"owner", "_owner", "core", "_core", "transfer", "_transfer"}
 
 
 def test_no_module_reaches_into_a_transfer():
-    reaches: dict[str, set[str]] = {}
-    for name, (path, _) in _modules().items():
-        if name == "tensorwire.transfer":
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
-                continue
-            holder = node.value
-            held_by = holder.id if isinstance(holder, ast.Name) else getattr(holder, "attr", None)
-            if held_by in _TRANSFER_NAMES:
-                reaches.setdefault(name, set()).add(node.attr)
+    reaches = _private_reaches(_TRANSFER_NAMES, "tensorwire.transfer")
     assert not reaches, f"private attributes of a Transfer used elsewhere: {reaches}; give it a method"
