@@ -104,6 +104,7 @@ class EtcdStore(dist.Store):
     def _post(self, path: str, payload: dict, deadline: float) -> dict:
         """One request, to the first endpoint that answers; ``PeerLostError`` when none did by ``deadline``."""
         failures: dict[str, str] = {}
+        waited: dict[str, float] = {}  # per endpoint, over the attempts of this request
         if not self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
             raise PeerLostError(f"no answer within {self._request_s:.3g}s (an earlier call still waits for etcd)")
         try:
@@ -116,10 +117,12 @@ class EtcdStore(dist.Store):
                         raise PeerLostError(self._unanswered(failures))
                     client = self._clients[index]
                     client.timeout = max(remaining / (count - i), 0.01)  # what is left, shared by the endpoints left
+                    endpoint, began = self.endpoints[index], time.monotonic()
                     try:
                         result = client.post(client.get_url(path), json=payload)
                     except (self._errors.ConnectionFailedError, self._errors.ConnectionTimeoutError) as e:
-                        failures[self.endpoints[index]] = self._why(e, client.timeout)
+                        waited[endpoint] = waited.get(endpoint, 0.0) + time.monotonic() - began
+                        failures[endpoint] = self._why(e, waited[endpoint])
                         continue
                     self._preferred = index
                     return result
@@ -127,12 +130,12 @@ class EtcdStore(dist.Store):
         finally:
             self._lock.release()
 
-    def _why(self, e: Exception, timeout_s: float) -> str:
+    def _why(self, e: Exception, waited_s: float) -> str:
         detail = getattr(e, "detail_text", None) or str(e)
         if "etcdserver:" in detail:  # the node answered: no leader, timed out waiting for a quorum, ...
             return detail[detail.index("etcdserver:"):].split('"')[0]
         if isinstance(e, self._errors.ConnectionTimeoutError):
-            return f"no answer within {timeout_s:.2g}s"
+            return f"no answer in {waited_s:.2g}s"
         if "refused" in detail:
             return "connection refused"
         return detail.splitlines()[0][:120] if detail else type(e).__name__
