@@ -85,7 +85,7 @@ class Rendezvous:
         if not self._store_sockets:  # a store passed to init, or no /proc here
             self._calls = CallThread("tensorwire-store-calls")
         self._raw = store
-        self.store = dist.PrefixStore("tensorwire/", store)
+        self.store = self._namespaced(store)
         self._barrier_generation = 0
         self.env = env = self._claim_identity()
         self.liveness = Liveness(env.rank, env.world_size, liveness_s, local_address(env), token, self._resolve)
@@ -93,6 +93,10 @@ class Rendezvous:
         if env.rank != 0 and not env.fleet:  # the store's host: watched from the start (a lost store in any wait)
             self.get("alive/0", timeout_s, "init: waiting for rank 0's liveness address")
             self.liveness.watch(0)
+
+    def _namespaced(self, store: dist.Store) -> dist.Store:
+        """The store under tensorwire's key prefix."""
+        return dist.PrefixStore("tensorwire/", store)
 
     def _resolve(self, rank: int) -> tuple[str, int] | None:
         """``rank``'s liveness address from the store, or None while it has not published one."""
@@ -392,8 +396,8 @@ class Rendezvous:
         text = str(e)
         if self._lost is not None:
             raise PeerLostError(f"{what}: {self._lost}") from e
-        if isinstance(e, getattr(dist, "DistNetworkError", ())) or "Connection" in text or "Broken pipe" in text \
-                or "connection" in text:
+        if isinstance(e, (getattr(dist, "DistNetworkError", ()), PeerLostError)) or "Connection" in text \
+                or "Broken pipe" in text or "connection" in text:
             self._lost = f"lost {self._store_name()} ({text.splitlines()[0] if text else type(e).__name__})"
             if self.env.fleet:
                 self._lost += ("; transfers with members already connected go on, and calls that need the "

@@ -62,7 +62,8 @@ def init(
 ) -> Communicator:
     """Join the job described by the launcher's environment (torchrun, mpirun, SLURM) or the keywords; or,
     with ``directory="tcp://HOST:PORT"`` and ``name=`` (or ``TENSORWIRE_DIRECTORY`` / ``TENSORWIRE_NAME``), join
-    a *fleet*: members launched apart that meet in a directory (``tensorwire directory``). A member's rank is
+    a *fleet*: members launched apart that meet in a directory (``tensorwire directory``, or an etcd cluster:
+    ``directory="etcd://HOST:PORT[,HOST:PORT...]"``). A member's rank is
     assigned by the directory (unique for its life, never reused), its name is unique among present members,
     and everything else (register, publish/lookup, prepare, transfers, blocks, notifications, revocation,
     liveness, the job token) works as in a launcher's world. Joining costs O(1) directory operations and no

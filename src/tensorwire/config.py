@@ -10,8 +10,9 @@
 |                                   |         | cut link ends every blocked call (``PeerLostError``) |
 | ``TENSORWIRE_JOB_TOKEN``          | unset   | the job's secret (>= 16 characters, the same on every|
 |                                   |         | rank): authenticates every value in the store        |
-| ``TENSORWIRE_DIRECTORY``          | unset   | ``tcp://HOST:PORT``: join a fleet there (``init``'s  |
-|                                   |         | ``directory=``) instead of a launcher's world        |
+| ``TENSORWIRE_DIRECTORY``          | unset   | ``tcp://HOST:PORT`` or ``etcd://HOST:PORT[,...]``:   |
+|                                   |         | join a fleet there (``init``'s ``directory=``)       |
+|                                   |         | instead of a launcher's world                        |
 | ``TENSORWIRE_NAME``               | unset   | this member's name in the fleet (``init``'s ``name=``;|
 |                                   |         | ``{rank}`` in it: the launcher's rank, e.g. torchrun)|
 

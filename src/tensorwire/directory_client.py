@@ -7,6 +7,12 @@ The directory is the control plane only: lost, every call raises ``PeerLostError
 not use it), the next call reconnects once it is back, and the heartbeat thread (one round trip every half
 ``liveness_s``) puts back what this member wrote when the directory came back empty (restarted): its claims, its
 values, a rank counter past its own rank. Everything written goes through ``Rendezvous``'s sealing.
+
+The directory is the embedded one (``tcp://``: torch's ``TCPStore`` client, ``directory.py``) or an etcd cluster
+(``etcd://``: ``etcd_store.py``, which fails over between its endpoints by itself). In etcd this member's keys
+live under its lease, which the heartbeat keeps alive: a member that died leaves etcd within twice
+``liveness_s``, and one whose lease expired while it could not reach etcd (no quorum for longer than the TTL)
+writes its keys again under a new lease, as into an embedded directory that came back empty.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch.distributed as dist
 from .bootstrap import Rendezvous, _delta
 from .environment import Environment
 from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, TensorwireError
+from .etcd_store import EtcdStore
 from .sealing import seal
 from .store_sockets import socket_fds, store_client_sockets
 
@@ -34,10 +41,23 @@ class DirectoryRendezvous(Rendezvous):
         self._claims: dict[str, bytes] = {}  # keys taken with claim()/take_over() -> the exact bytes written
         self._written: dict[str, bytes] = {}  # values as written (sealed): put back into a directory that lost them
         self._next_reconnect = 0.0
+        self._etcd_lease_lost = False  # found expired while reconnecting: its keys are written again
         self._reconnecting = threading.Lock()
         self._heartbeat: threading.Thread | None = None
         self._stopping = threading.Event()
-        super().__init__(env, timeout_s, None, token=token, liveness_s=liveness_s)
+        # etcd: the lease outlives two missed heartbeats; a call gives up before Rendezvous's bound (liveness_s).
+        self._etcd = EtcdStore(env.etcd, lease_ttl_s=2 * liveness_s, request_s=0.8 * liveness_s) if env.etcd else None
+        super().__init__(env, timeout_s, self._etcd, token=token, liveness_s=liveness_s)
+
+    def _namespaced(self, store: dist.Store) -> dist.Store:
+        return store if store is self._etcd else super()._namespaced(store)  # etcd's keys carry the prefix already
+
+    @property
+    def where(self) -> str:
+        """The directory, as ``init``'s ``directory=`` names it."""
+        if self._etcd is not None:
+            return "etcd://" + ",".join(self._etcd.endpoints)
+        return f"tcp://{self.env.master_addr}:{self.env.master_port}"
 
     def _claim_identity(self) -> Environment:
         """A fleet member's rank: the directory's next number (``add``: a counter, so unauthenticated; it only
@@ -53,8 +73,8 @@ class DirectoryRendezvous(Rendezvous):
             except InvalidArgumentError:
                 continue
             return self.env
-        raise PeerLostError(f"init: no free member rank in the directory at {self.env.master_addr}:"
-                            f"{self.env.master_port} after 64 tries; its counter is being tampered with")
+        raise PeerLostError(f"init: no free member rank in the directory {self.where} after 64 tries; its counter "
+                            "is being tampered with")
 
     def _store_sealed(self, key: str, value: bytes) -> None:
         self._written[key] = value
@@ -130,15 +150,22 @@ class DirectoryRendezvous(Rendezvous):
             try:
                 if self._lost is not None:
                     self._reconnected()
-                elif not self.check(f"member/{self.env.rank}"):
+                elif not self._lease_kept() or not self.check(f"member/{self.env.rank}"):
                     self._restore()
             except Exception:  # noqa: BLE001 - down: found down again next time; nothing here may end the thread
                 continue
 
+    def _lease_kept(self) -> bool:
+        """Keep this member's etcd lease alive; False when it had expired (its keys are gone). True for the
+        embedded directory (no leases)."""
+        if self._etcd is None:
+            return True
+        return bool(self._call(self._etcd.keep_alive, "keeping this member's etcd lease alive"))
+
     def _reconnected(self) -> bool:
         """A fleet member whose directory was lost: connect again (at most once per half ``liveness_s``) and
         put its values back; True once connected. A launcher's store that is lost stays lost."""
-        if not self._owns_store:
+        if not self._owns_store and self._etcd is None:
             return False
         now = time.monotonic()
         if now < self._next_reconnect or not self._reconnecting.acquire(blocking=False):
@@ -150,18 +177,26 @@ class DirectoryRendezvous(Rendezvous):
 
     def _connect_again(self, now: float) -> bool:
         self._next_reconnect = now + self.liveness_s / 2
-        before = socket_fds()
-        try:
-            store = dist.TCPStore(self.env.master_addr, self.env.master_port, None, is_master=False,
-                                  timeout=_delta(self.liveness_s), wait_for_workers=False)
-        except Exception:  # noqa: BLE001 - still down: the caller raises with the reason kept
-            return False
-        self._raw, self.store = store, dist.PrefixStore("tensorwire/", store)
-        self._store_sockets = store_client_sockets(before, store.port)
+        if self._etcd is not None:  # no connection to make: back once a quorum answers (bounded like every call)
+            try:
+                if not self._calls.run(self._etcd.keep_alive, self.liveness_s):
+                    self._etcd_lease_lost = True
+            except Exception:  # noqa: BLE001 - still no quorum: the caller raises with the reason kept
+                return False
+        else:
+            before = socket_fds()
+            try:
+                store = dist.TCPStore(self.env.master_addr, self.env.master_port, None, is_master=False,
+                                      timeout=_delta(self.liveness_s), wait_for_workers=False)
+            except Exception:  # noqa: BLE001 - still down: the caller raises with the reason kept
+                return False
+            self._raw, self.store = store, dist.PrefixStore("tensorwire/", store)
+            self._store_sockets = store_client_sockets(before, store.port)
         self._lost = None
         try:
-            if not self.check(f"member/{self.env.rank}"):
+            if self._etcd_lease_lost or not self.check(f"member/{self.env.rank}"):
                 self._restore()
+                self._etcd_lease_lost = False
         except TensorwireError:
             return False
         return True
@@ -178,6 +213,16 @@ class DirectoryRendezvous(Rendezvous):
         if behind > 0:
             self.add("fleet/next_rank", behind)
 
+    def _store_name(self) -> str:
+        return f"the directory {self.where}" if self._etcd is not None else super()._store_name()
+
     def close(self) -> None:
+        """Local, plus in etcd one bounded round trip: this member's lease is revoked, so its keys leave at once
+        (skipped while etcd does not answer: they expire)."""
         self.stop_heartbeat()
+        if self._etcd is not None and self._lost is None and self._calls is not None:
+            try:
+                self._call(self._etcd.revoke, "revoking this member's etcd lease")
+            except TensorwireError:
+                pass
         super().close()

@@ -36,6 +36,7 @@ class Environment:
     launcher: str
     agent_store: bool = False  # torchrun's agent already hosts a TCPStore at MASTER_ADDR:MASTER_PORT
     name: str | None = None  # a fleet member's name; then master_addr/port are the directory's, rank is assigned
+    etcd: tuple[tuple[str, int], ...] = ()  # a fleet's directory in etcd: its endpoints (master_addr/port: the first)
 
     @property
     def fleet(self) -> bool:
@@ -46,20 +47,21 @@ class Environment:
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 
 
-def parse_directory(directory: str) -> tuple[str, int]:
-    """``(host, port)`` of ``tcp://HOST:PORT``; ``InvalidArgumentError`` naming the accepted forms otherwise
-    (``etcd://`` is named but not served by this version)."""
+def parse_directory(directory: str) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """``("tcp", ((host, port),))`` of ``tcp://HOST:PORT`` (a ``tensorwire directory``), ``("etcd", endpoints)`` of
+    ``etcd://HOST:PORT[,HOST:PORT...]`` (an etcd cluster's client endpoints); ``InvalidArgumentError`` naming the
+    accepted forms otherwise."""
+    usage = "give 'tcp://HOST:PORT' (a 'tensorwire directory') or 'etcd://HOST:PORT[,HOST:PORT...]' (etcd's endpoints)"
     if not isinstance(directory, str) or "://" not in directory:
-        raise InvalidArgumentError(f"init: directory={directory!r}; give 'tcp://HOST:PORT' (a 'tensorwire directory')")
+        raise InvalidArgumentError(f"init: directory={directory!r}; {usage}")
     scheme, _, where = directory.partition("://")
-    if scheme == "etcd":
-        raise InvalidArgumentError(
-            f"init: directory={directory!r}: etcd directories are not available in this version; run "
-            "'tensorwire directory --host HOST --port PORT' and pass directory='tcp://HOST:PORT'")
-    host, _, port = where.rpartition(":")
-    if scheme != "tcp" or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgumentError(f"init: directory={directory!r}; give 'tcp://HOST:PORT' with a port in 1..65535")
-    return host.strip("[]"), int(port)
+    endpoints = []
+    for endpoint in where.split(",") if scheme == "etcd" else [where]:
+        host, _, port = endpoint.strip().rpartition(":")
+        if scheme not in ("tcp", "etcd") or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidArgumentError(f"init: directory={directory!r}; {usage}, with ports in 1..65535")
+        endpoints.append((host.strip("[]"), int(port)))
+    return scheme, tuple(endpoints)
 
 
 def _launcher_rank() -> int | None:
@@ -80,9 +82,10 @@ def _fleet_environment(directory: str, name: str) -> Environment:
     if not isinstance(name, str) or not 0 < len(name) <= 128 or not set(name) <= _NAME_CHARS:
         raise InvalidArgumentError(
             f"init: name={name!r}; give 1-128 characters of letters, digits and '-_.:' (e.g. 'decode-0')")
-    host, port = parse_directory(directory)
+    scheme, endpoints = parse_directory(directory)
+    (host, port) = endpoints[0]
     return Environment(rank=-1, world_size=OPEN_WORLD, local_rank=0, local_world_size=1, master_addr=host,
-                       master_port=port, launcher="fleet", name=name)
+                       master_port=port, launcher="fleet", name=name, etcd=endpoints if scheme == "etcd" else ())
 
 
 def _int(value: str, name: str) -> int:

@@ -63,7 +63,7 @@ class Membership:
             if rank is not None and self._present(rank):
                 raise InvalidArgumentError(
                     f"init: the name {self.name!r} is held by member rank {rank} of the fleet at "
-                    f"{self._rendezvous.env.master_addr}:{self._rendezvous.env.master_port}, which is present; "
+                    f"{self._rendezvous.where}, which is present; "
                     "give each member its own name (TENSORWIRE_NAME / name=), or close the other one first")
             if self._rendezvous.take_over(key, found, mine):  # its holder is gone (or it was forged, or released)
                 return
@@ -108,8 +108,8 @@ class Membership:
                 return rank
             if time.monotonic() >= deadline:
                 raise WaitTimeoutError(
-                    f"rank_of: no member named {name!r} is present in the fleet at {self._rendezvous.env.master_addr}:"
-                    f"{self._rendezvous.env.master_port} after {timeout_s:.3g}s; is it started with that name "
+                    f"rank_of: no member named {name!r} is present in the fleet at {self._rendezvous.where} after "
+                    f"{timeout_s:.3g}s; is it started with that name "
                     "(TENSORWIRE_NAME / name=) and the same directory? Pass a larger timeout= to wait longer")
             time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
             pause = min(pause * 2, 0.1)

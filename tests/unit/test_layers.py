@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                                     "tensorwire.cuda", "tensorwire.deadlines", "tensorwire.liveness",
                                     "tensorwire.environment", "tensorwire.sealing", "tensorwire.network",
                                     "tensorwire.store_sockets", "tensorwire.bootstrap", "tensorwire.sealed_store",
-                                    "tensorwire.directory_client", "tensorwire.membership",
+                                    "tensorwire.etcd_store", "tensorwire.directory_client", "tensorwire.membership",
                                     "tensorwire.directory"]),
     ("memory maps and waiting", ["tensorwire.memory_map", "tensorwire.progress"]),
     ("backends", ["tensorwire.backends", "tensorwire.backends.*"]),
