@@ -66,8 +66,8 @@ class FleetBenchConfig:
     blocks: int = 10_000
     block_bytes: int = 16384
     transports: tuple[str, ...] = ("nixl", "shm")
-    time_s: float = 1.0
-    rounds: int = 4
+    time_s: float = 2.0  # a 160 MiB READ over NIXL takes 60-75 ms here, its p90 up to 2x that: ~30 calls a path
+    rounds: int = 8
     first_contacts: int = 8
     timeout_s: float = 600.0
     quiet: bool = False
@@ -406,9 +406,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transports", type=_transports, default=defaults.transports, metavar="LIST",
                         help="steady READ transports: nixl, shm or nixl,shm (default nixl,shm)")
     parser.add_argument("--time", type=_positive, default=defaults.time_s, metavar="S",
-                        help="seconds of timed steady READs per path, transport and fleet size (default 1)")
+                        help="seconds of timed steady READs per path, transport and fleet size (default 2)")
     parser.add_argument("--rounds", type=at_least(int, 1), default=defaults.rounds, metavar="N",
-                        help="alternating rounds of fleet and world READs (default 4)")
+                        help="alternating rounds of fleet and world READs (default 8)")
     parser.add_argument("--first-contacts", type=at_least(int, 1), default=defaults.first_contacts, metavar="N",
                         help="never-seen members each reader reaches, at most (default 8)")
     parser.add_argument("--timeout", type=_positive, default=defaults.timeout_s, metavar="S",
