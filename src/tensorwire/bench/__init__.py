@@ -9,6 +9,8 @@
   ``inbox`` (the byte checks), ``raw_nixl`` (the baseline), ``report`` (tables, comparisons, JSON).
 - ``moe``: MoE dispatch and combine per backend beside a copy of the same bytes.
 - ``kv``: KV-cache block READ/WRITE by id beside raw NIXL and a contiguous copy; ``kv_report`` its table.
+- ``fleet``: members launched apart meeting in a directory: join, first READ from a never-seen member, the
+  steady READ beside one launcher world, descriptors per member; ``fleet_parties`` its processes.
 - ``plot``: GB/s as a small PNG (optional; needs matplotlib).
 """
 

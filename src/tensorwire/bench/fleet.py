@@ -1,0 +1,446 @@
+"""``tensorwire bench fleet``: members launched apart (a *fleet*, ``tw.init(directory=, name=)``): what joining
+costs, what the first READ from a member never contacted costs (handshake included), and whether the steady
+state READ between members of two launches matches the same READ inside one launcher world.
+
+This process runs the directory (``tensorwire.directory.Directory``) and starts every other party as a fresh
+process (``fleet_parties``; multiprocessing ``spawn``). For each fleet size N of ``--members``, ascending:
+
+- **join**: the first launch's members (``member-0`` ... ``member-<N-2>``, started together, imported and
+  idle) join one after another, each timing its own ``tw.init(directory=, name=)`` in a process that has not
+  called it before (what a starting member pays). The fleet grows from one size to the next, so the record
+  of N holds the joins of all N members, the reader's included. ``params["phases_ms"]`` splits the median
+  join: the directory connection with the rank claim and liveness listener, the NIXL agent, the name claim
+  and member record, and the rest.
+- **first contact**: a reader (``reader-<N>``), a second launch started after the first's members are up,
+  joins and reaches the members that joined since the last reader, which nobody has contacted (at most
+  ``--first-contacts``): ``rank_of`` + ``lookup_blocks`` + ``prepare_blocks`` + the first READ of
+  ``FIRST_READ_BLOCKS`` random blocks of a small pool over NIXL, each step timed; the median over those
+  members is the record, the same READ repeated (``again_us``) beside it.
+- **steady state**: the reader READs ``--blocks`` random ids of ``member-0``'s pool (``--block-bytes`` each,
+  in a ``/dev/shm`` file), one request per post, per ``--transports``; the two ranks of one launcher world
+  (``tensorwire.testing.launch``, started once at the beginning, pools of the same shape) do the same READ.
+  Both are timed in alternating rounds (``--rounds``, ``--time`` seconds per path in all), so a drift of this
+  machine weighs on both alike; the fleet's record is held against the world's (``ratio``). Bytes checked.
+- **descriptors**: ``/proc/self/fd`` of the reader after joining, after its first contacts and after the
+  steady state, and of every first-launch member after joining and at the end of the stage, split into the
+  members some reader contacted and those nobody did (``params["fds"]``): joining opens no connection to
+  anyone, a member holds connections only to the peers it used.
+
+Host memory only: the fleet's figures concern the control plane and the handshake, not a device; CUDA memory
+between members is ``bench kv``'s with a fleet in place of a world. Non-goals: cross-host figures, etcd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import WaitTimeoutError
+from .command import at_least, check_plot, header, parse_size, write_json
+from .fleet_parties import FIRST_READ_BLOCKS, SHM_PREFIX, holder, reader, world_rank
+from .record import Record, records_to_json
+from .timing import Budget, quantile, summarize
+
+__all__ = ["HELP", "FleetBenchConfig", "run", "add_arguments", "main", "format_report", "plot_fleet"]
+
+HELP = "fleet members launched apart: join, first READ from a never-seen member, steady READ beside one world"
+
+FLEET, WORLD = "fleet", "one world"  # the steady state's paths: members of two launches; two ranks of one
+GOALS_MS = {"join": 50.0, "first READ": 20.0}  # issue 24's goals on a 2-core host; steady state: >= 0.97x one world
+GOAL_RATIO = 0.97
+
+
+@dataclass(frozen=True)
+class FleetBenchConfig:
+    members: tuple[int, ...] = (2, 8, 32)
+    blocks: int = 10_000
+    block_bytes: int = 16384
+    transports: tuple[str, ...] = ("nixl", "shm")
+    time_s: float = 2.0  # a 160 MiB READ over NIXL takes 60-75 ms here, its p90 up to 2x that: ~30 calls a path
+    rounds: int = 8
+    first_contacts: int = 8
+    timeout_s: float = 600.0
+    quiet: bool = False
+
+
+class _Party:
+    """A process of the benchmark and the pipe it takes requests on; ``ask`` is bounded by the run's deadline."""
+
+    def __init__(self, name: str, conn: Any, deadline: float, alive: Callable[[], bool],
+                 why_gone: Callable[[], str]) -> None:
+        self.name, self.conn, self.deadline = name, conn, deadline
+        self._alive, self._why_gone = alive, why_gone
+
+    def reply(self) -> Any:
+        while not self.conn.poll(0.05):
+            if not self._alive():
+                if self.conn.poll(0):
+                    break  # its last words arrived as it exited
+                raise _failed(f"bench fleet: {self.name} exited without answering ({self._why_gone()})")
+            if time.monotonic() > self.deadline:
+                raise WaitTimeoutError(f"bench fleet: {self.name} did not answer within --timeout; raise "
+                                       "--timeout or measure fewer --members")
+        try:
+            kind, payload = self.conn.recv()
+        except EOFError:
+            raise _failed(f"bench fleet: {self.name} closed its pipe ({self._why_gone()})") from None
+        if kind == "error":
+            raise _failed(f"bench fleet: {self.name} failed:\n{payload}")
+        return payload
+
+    def ask(self, *request: Any) -> Any:
+        self.conn.send(request)
+        return self.reply()
+
+
+def _failed(message: str) -> Exception:
+    from ..testing import RankFailedError
+
+    return RankFailedError(message)
+
+
+class _Run:
+    """The parties of one run; ``close`` ends every one still running and removes their ``/dev/shm`` files."""
+
+    def __init__(self, config: FleetBenchConfig) -> None:
+        from ..directory import Directory
+
+        self.config = config
+        self.deadline = time.monotonic() + config.timeout_s
+        self.context = mp.get_context("spawn")
+        self.env = {"TENSORWIRE_JOB_TOKEN": secrets.token_hex(16)}  # the fleet's; the world gets its own
+        self.directory = Directory()
+        self.processes: list[Any] = []
+        self._world_conns: list[Any] = []
+
+    def say(self, line: str) -> None:
+        if not self.config.quiet:
+            print(f"bench fleet: {line}", file=sys.stderr, flush=True)
+
+    def start(self, name: str, target: Callable, *args: Any) -> _Party:
+        """Start a party process (it imports tensorwire, then waits for requests); not yet waited for."""
+        ours, theirs = self.context.Pipe()
+        process = self.context.Process(target=target, args=(theirs, self.env, self.directory.address, name, *args),
+                                       name=f"tensorwire-bench-{name}", daemon=True)
+        process.start()
+        theirs.close()
+        self.processes.append(process)
+        return _Party(name, ours, self.deadline, process.is_alive, lambda: f"exit code {process.exitcode}")
+
+    def start_world(self) -> tuple[_Party, _Party]:
+        """The launcher world of 2 ranks, run by ``launch`` on a thread of this process: its ranks' parties."""
+        from ..testing import launch
+
+        pipes = [self.context.Pipe() for _ in range(2)]
+        self._world_conns = [ours for ours, _ in pipes]
+        failure: list[BaseException] = []
+        c = self.config
+
+        def run_world() -> None:
+            try:
+                launch(world_rank, 2, tuple(theirs for _, theirs in pipes), c.blocks, c.block_bytes, c.transports,
+                       c.timeout_s, timeout=c.timeout_s)
+            except BaseException as e:  # noqa: BLE001 - reported by the parties' next answer
+                failure.append(e)
+
+        thread = threading.Thread(target=run_world, name="tensorwire-bench-world", daemon=True)
+        thread.start()
+        return tuple(_Party(f"rank {rank} of the launcher world", ours, self.deadline, thread.is_alive,
+                            lambda: str(failure[0]) if failure else "no error") for rank, ours in enumerate(
+                                self._world_conns))
+
+    def close(self) -> None:
+        for conn in self._world_conns:
+            conn.close()  # a rank's next recv fails: launch stops both
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=10)
+        self.directory.close()
+        prefix = f"{SHM_PREFIX}-{os.getpid()}-"
+        if os.path.isdir("/dev/shm"):
+            for name in os.listdir("/dev/shm"):
+                if name.startswith(prefix):
+                    os.unlink(os.path.join("/dev/shm", name))
+
+
+# --- one fleet size --------------------------------------------------------------------------------------------
+def _stage(run: _Run, size: int, holders: list[_Party], joined: list[dict[str, Any]], contacted: set[int],
+           world: _Party) -> list[Record]:
+    """Grow the fleet to ``size`` members (``size - 1`` holders and a new reader), then measure; the records."""
+    c = run.config
+    first_new = len(joined)
+    for member in range(first_new, size - 1):
+        joined.append(holders[member].ask("join", c.block_bytes))
+    run.say(f"{size - 1} member(s) joined (median {quantile([j['join_ms'] for j in joined], 0.5):.1f} ms); "
+            f"starting reader-{size}")
+    party = run.start(f"reader-{size}", reader, c.timeout_s)
+    party.reply()
+    reader_join = party.ask("join", c.block_bytes)
+    fds = {"reader after join": _fds(reader_join)}
+    targets = list(range(first_new, size - 1))[-c.first_contacts:]
+    firsts = party.ask("first", [(f"member-{m}", m) for m in targets], c.block_bytes)
+    contacted.update(targets)
+    fds["reader after first contacts"] = party.ask("fds")
+    run.say(f"first READ from {len(targets)} never-seen member(s): median "
+            f"{quantile([f['total_ms'] for f in firsts], 0.5):.1f} ms; steady state")
+    party.ask("steady", "member-0", c.blocks, c.block_bytes, c.transports)
+    contacted.add(0)
+    steady = _steady(run, party, world, size)
+    fds["reader after steady state"] = party.ask("fds")
+    ends = [h.ask("fds") for h in holders[:size - 1]]
+    fds["members after join"] = _spread([_fds(j) for j in joined])
+    fds["contacted members now"] = _spread([e for m, e in enumerate(ends) if m in contacted])
+    fds["untouched members now"] = _spread([e for m, e in enumerate(ends) if m not in contacted])
+    party.ask("stop")
+    joins = [*joined, reader_join]
+    return [_join_record(size, joins, fds), _first_record(size, firsts, c.block_bytes), *steady]
+
+
+def _steady(run: _Run, party: _Party, world: _Party, size: int) -> list[Record]:
+    """Each transport: the fleet's READ and the world's, warmed, then timed in alternating rounds."""
+    c = run.config
+    nbytes = c.blocks * c.block_bytes
+    out = []
+    for transport in c.transports:
+        per_call = max(party.ask("warm", transport), world.ask("warm", transport))
+        reps = math.ceil(Budget(time_s=c.time_s, min_reps=10).reps_for(per_call) / c.rounds)
+        samples: dict[str, list[float]] = {FLEET: [], WORLD: []}
+        for _ in range(c.rounds):
+            samples[FLEET] += party.ask("round", transport, reps)
+            samples[WORLD] += world.ask("round", transport, reps)
+        party.ask("check", transport)
+        world.ask("check", transport)
+        params = {"members": size, "blocks": c.blocks, "block_bytes": c.block_bytes, "ids": "random"}
+        world_record = Record.measured("fleet", "cpu", "READ", WORLD, transport, nbytes, summarize(samples[WORLD]),
+                                       **params)
+        fleet_record = Record.measured("fleet", "cpu", "READ", FLEET, transport, nbytes, summarize(samples[FLEET]),
+                                       **params).against(WORLD, world_record.gbps)
+        run.say(f"{size} members, {transport}: fleet {fleet_record.gbps:.2f} GB/s, one world "
+                f"{world_record.gbps:.2f} GB/s ({fleet_record.ratio:.3f}x)")
+        out += [fleet_record, world_record]
+    return out
+
+
+def _fds(counts: dict[str, Any]) -> dict[str, int]:
+    return {"fds": counts["fds"], "sockets": counts["sockets"]}
+
+
+def _spread(counts: list[dict[str, int]]) -> dict[str, Any] | None:
+    """Median and max of descriptor counts over members, and how many members; None for none."""
+    if not counts:
+        return None
+    return {key: {"median": quantile([float(c[key]) for c in counts], 0.5), "max": max(c[key] for c in counts)}
+            for key in ("fds", "sockets")} | {"members": len(counts)}
+
+
+def _join_record(size: int, joins: list[dict[str, Any]], fds: dict[str, Any]) -> Record:
+    """Join latency over the fleet's ``size`` members, the phases of each averaged by their median."""
+    timing = summarize([j["join_ms"] * 1e-3 for j in joins])
+    phases = {name: quantile([j["phases"].get(name, 0.0) for j in joins], 0.5) for name in joins[0]["phases"]}
+    return Record.measured("fleet", "cpu", "join", FLEET, "directory", 0, timing, members=size,
+                           max_ms=max(j["join_ms"] for j in joins), join_ms=[round(j["join_ms"], 2) for j in joins],
+                           reader_join_ms=joins[-1]["join_ms"], phases_ms=phases, fds=fds)
+
+
+def _first_record(size: int, firsts: list[dict[str, float]], block_bytes: int) -> Record:
+    """The first READ from never-seen members, handshake included: median over them, each step's median."""
+    steps = {key: quantile([f[key] for f in firsts], 0.5) for key in firsts[0] if key != "total_ms"}
+    return Record.measured("fleet", "cpu", "first READ", FLEET, "nixl", FIRST_READ_BLOCKS * block_bytes,
+                           summarize([f["total_ms"] * 1e-3 for f in firsts]), members=size, targets=len(firsts),
+                           max_ms=max(f["total_ms"] for f in firsts), **steps)
+
+
+def run(config: FleetBenchConfig) -> list[Record]:
+    """Measure every fleet size of ``config``; the records. Blocks for the whole run (bounded by
+    ``config.timeout_s``); raises ``RankFailedError`` when a party fails (wrong bytes: ``TransferError`` in its
+    message) and ``WaitTimeoutError`` past the timeout. Every process it started is gone when it returns."""
+    from ..backends.nixl import quiet_nixl_logging
+
+    quiet_nixl_logging()
+    bench_run = _Run(config)
+    try:
+        largest = max(config.members)
+        bench_run.say(f"directory at {bench_run.directory.address}; starting {largest - 1} member(s) and a "
+                      "2-rank launcher world")
+        world, world_source = bench_run.start_world()
+        holders = [bench_run.start(f"member-{m}", holder, m, (config.blocks, config.block_bytes) if m == 0 else None,
+                                   config.timeout_s) for m in range(largest - 1)]
+        for party in holders:
+            party.reply()
+        world.reply()
+        world_source.reply()
+        records: list[Record] = []
+        joined: list[dict[str, Any]] = []
+        contacted: set[int] = set()
+        for size in sorted(config.members):
+            records += _stage(bench_run, size, holders, joined, contacted, world)
+        world_source.ask("stop")
+        world.ask("stop")
+        for party in holders:
+            party.ask("stop")
+        return records
+    finally:
+        bench_run.close()
+
+
+# --- the report ------------------------------------------------------------------------------------------------
+def format_report(records: list[Record]) -> str:
+    """One block per fleet size: join, first READ, steady state per transport (fleet beside one world)."""
+    lines = []
+    for size in sorted({r.params["members"] for r in records}):
+        rows = [r for r in records if r.params["members"] == size]
+        join = next(r for r in rows if r.op == "join")
+        first = next(r for r in rows if r.op == "first READ")
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in join.params["phases_ms"].items())
+        lines.append(f"{size} members")
+        lines.append(f"  join        median {join.median_us / 1e3:7.1f} ms  max {join.params['max_ms']:7.1f} ms  "
+                     f"(goal <= {GOALS_MS['join']:.0f}; median phases, ms: {phases})")
+        lines.append(f"  first READ  median {first.median_us / 1e3:7.1f} ms  max {first.params['max_ms']:7.1f} ms  "
+                     f"(goal <= {GOALS_MS['first READ']:.0f}) over {first.params['targets']} never-seen member(s): "
+                     f"rank_of {first.params['rank_of_ms']:.1f}, lookup {first.params['lookup_ms']:.1f}, "
+                     f"prepare {first.params['prepare_ms']:.1f}, "
+                     f"READ {first.params['read_ms']:.1f} ms; again {first.params['again_us']:.0f} us")
+        for r in rows:
+            if r.op == "READ":
+                ratio = f"  {r.ratio:.3f}x one world (goal >= {GOAL_RATIO})" if r.reference == WORLD else ""
+                lines.append(f"  READ {r.params['blocks']}x{r.params['block_bytes'] // 1024}KiB {r.transport:5} "
+                             f"{r.path:10} {r.median_us / 1e3:8.2f} ms  {r.gbps:6.2f} GB/s{ratio}")
+        for what, counts in join.params["fds"].items():
+            if counts is not None:
+                text = (f"{counts['fds']} ({counts['sockets']} sockets)" if not isinstance(counts["fds"], dict)
+                        else f"median {counts['fds']['median']:.0f}, max {counts['fds']['max']} "
+                             f"({counts['sockets']['max']} sockets at most) over {counts['members']}")
+                lines.append(f"  fds {what:28} {text}")
+    return "\n".join(lines)
+
+
+def plot_fleet(records: list[Record], path: Path, title: str = "tensorwire bench fleet") -> None:
+    """Two panels over the fleet size: join and first-READ ms (median, max dotted); steady GB/s of the fleet
+    and of one world per transport. A small PNG."""
+    from .plot import require_matplotlib
+
+    pyplot = require_matplotlib()
+    sizes = sorted({r.params["members"] for r in records})
+    figure, (latency, steady) = pyplot.subplots(1, 2, figsize=(9, 3.2), dpi=80)
+    for op, color in (("join", "#1f77b4"), ("first READ", "#ff7f0e")):
+        rows = sorted((r for r in records if r.op == op), key=lambda r: r.params["members"])
+        latency.plot(sizes, [r.median_us / 1e3 for r in rows], marker="o", color=color, label=f"{op} (median)")
+        latency.plot(sizes, [r.params["max_ms"] for r in rows], marker=".", linestyle=":", color=color,
+                     label=f"{op} (max)")
+        latency.axhline(GOALS_MS[op], color=color, linewidth=0.8, linestyle="--", alpha=0.6)
+    latency.set_yscale("log")
+    latency.set_ylabel("ms", fontsize=9)
+    latency.set_title("join and first READ (handshake included); goals dashed", fontsize=9)
+    colors = iter(["#2ca02c", "#9467bd", "#8c564b", "#17becf"])
+    for transport in dict.fromkeys(r.transport for r in records if r.op == "READ"):
+        color = next(colors)
+        for name, style in ((FLEET, "-"), (WORLD, "--")):
+            rows = sorted((r for r in records if r.op == "READ" and (r.path, r.transport) == (name, transport)),
+                          key=lambda r: r.params["members"])
+            steady.plot(sizes, [r.gbps for r in rows], marker="o", linestyle=style, color=color,
+                        label=f"{name} ({transport})")
+    sample = next(r for r in records if r.op == "READ")
+    steady.set_ylim(bottom=0)
+    steady.set_ylabel("GB/s (median)", fontsize=9)
+    steady.set_title(f"steady READ {sample.params['blocks']} x {sample.params['block_bytes'] // 1024} KiB random "
+                     "blocks", fontsize=9)
+    for axis in (latency, steady):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(sizes, [str(s) for s in sizes], fontsize=8)
+        axis.minorticks_off()
+        axis.set_xlabel("members", fontsize=9)
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=80)
+    pyplot.close(figure)
+
+
+# --- the command -----------------------------------------------------------------------------------------------
+def _members(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        sizes = ()
+    if not sizes or sizes[0] < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: give fleet sizes of 2 or more members, e.g. 2,8,32")
+    return sizes
+
+
+def _transports(text: str) -> tuple[str, ...]:
+    transports = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    if not transports or set(transports) - {"nixl", "shm"}:
+        raise argparse.ArgumentTypeError(f"{text!r}: give nixl, shm or nixl,shm")
+    return transports
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of seconds")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = FleetBenchConfig()
+    parser.description = (HELP + ". Host memory only. The defaults take about 3 minutes on a 2-core machine.")
+    parser.add_argument("--members", type=_members, default=defaults.members, metavar="N,N",
+                        help="fleet sizes, members in all (default 2,8,32)")
+    parser.add_argument("--blocks", type=at_least(int, 1), default=defaults.blocks, metavar="N",
+                        help="blocks of the steady READ, one request per post (default 10000)")
+    parser.add_argument("--block-bytes", type=parse_size, default=defaults.block_bytes, metavar="SIZE",
+                        help="bytes per block, a multiple of 4 (default 16K)")
+    parser.add_argument("--transports", type=_transports, default=defaults.transports, metavar="LIST",
+                        help="steady READ transports: nixl, shm or nixl,shm (default nixl,shm)")
+    parser.add_argument("--time", type=_positive, default=defaults.time_s, metavar="S",
+                        help="seconds of timed steady READs per path, transport and fleet size (default 2)")
+    parser.add_argument("--rounds", type=at_least(int, 1), default=defaults.rounds, metavar="N",
+                        help="alternating rounds of fleet and world READs (default 8)")
+    parser.add_argument("--first-contacts", type=at_least(int, 1), default=defaults.first_contacts, metavar="N",
+                        help="never-seen members each reader reaches, at most (default 8)")
+    parser.add_argument("--timeout", type=_positive, default=defaults.timeout_s, metavar="S",
+                        help="give up (and stop every process) after this many seconds (default 600)")
+    parser.add_argument("--memory", choices=["cpu", "cuda"], default="cpu",
+                        help="host memory only (cpu, the default); cuda is refused")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write every record to PATH")
+    parser.add_argument("--plot", type=Path, default=None, metavar="PNG", help="plot to PNG (needs matplotlib)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def config_from(args: argparse.Namespace) -> FleetBenchConfig:
+    if args.memory != "cpu":
+        args.parser.error("--memory cuda: bench fleet measures host memory only (joins, handshakes and the READ "
+                          "between members launched apart); use bench kv --memory cuda for GPU block transfers")
+    if args.block_bytes % 4:
+        args.parser.error(f"--block-bytes {args.block_bytes}: give a multiple of 4")
+    return replace(FleetBenchConfig(), members=args.members, blocks=args.blocks, block_bytes=args.block_bytes,
+                   transports=args.transports, time_s=args.time, rounds=args.rounds,
+                   first_contacts=args.first_contacts, timeout_s=args.timeout, quiet=args.quiet)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark, print the report, write ``--json`` / ``--plot``; exit code 0, or raises."""
+    config = config_from(args)
+    check_plot(args)
+    records = run(config)
+    print(format_report(records), flush=True)
+    if args.json is not None:
+        write_json(args.json, {"header": {**header(args.argv), "config": asdict(config)},
+                               "records": records_to_json(records)})
+    if args.plot is not None:
+        plot_fleet(records, args.plot, title=" ".join(["tensorwire", *args.argv]))
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
