@@ -524,12 +524,15 @@ class Communicator:
         # store leaves liveness first (peers see it gone and send it nothing); the store's host, which stays
         # watchable until every rank departed, keeps its agent until then (a closing peer's last messages would
         # otherwise reach a destroyed agent, which NIXL reports as an error line).
+        # A rank says it departed first, while the store is surely up (the store's host stops waiting for a rank
+        # whose liveness is gone, and may then take the store away).
         hosts_store = self._rendezvous.hosts_store
-        attempt(self._rendezvous.leave)
         if not hosts_store:
+            attempt(lambda: self._rendezvous.depart(self.timeout_s))
+            attempt(self._rendezvous.leave)
             self._close_backends(attempt)
-        attempt(lambda: self._rendezvous.depart(self.timeout_s))  # rank 0: until every rank departed or is gone
-        if hosts_store:
+        else:
+            attempt(lambda: self._rendezvous.depart(self.timeout_s))  # until every rank departed or is gone
             self._close_backends(attempt)
         self._rendezvous.close()  # and its liveness sockets: peers watching this rank learn at once that it left
         remote = [e for e in failures if isinstance(e, (PeerLostError, WaitTimeoutError))]
