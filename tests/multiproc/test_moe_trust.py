@@ -164,3 +164,35 @@ def _dispatch_unauthenticated() -> bool:
 def test_an_unauthenticated_job_dispatches_over_torch_as_before():
     """Without a token the Gloo group's values are stored as they are, and the torch engine works."""
     assert launch(_dispatch_unauthenticated, 2, env={"TENSORWIRE_JOB_TOKEN": ""}) == [True, True]
+
+
+def _store_lives_with_its_group():
+    """NCCL reads the group's store after the group is made (it connects at the first collective); the Python
+    store must then still be there. Seen with Gloo's group here (no GPU): the store outlives a collection."""
+    import gc
+    import weakref
+
+    from tensorwire.moe import collectives
+
+    made = []
+
+    class Recorded(collectives.SealedStore):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    collectives.SealedStore = Recorded
+    comm = tw.init(timeout=INIT_TIMEOUT)
+    group = collectives.process_group(comm, comm.device)
+    gc.collect()
+    alive = bool(made) and made[0]() is not None
+    del group
+    comm.barrier(timeout=WAIT)
+    comm.close()
+    return alive
+
+
+def test_the_process_groups_store_lives_as_long_as_the_group():
+    """Before: the store was a local of process_group(); NCCL's first collective then found no Python store
+    ("INTERNAL ASSERT FAILED ... Not implemented" on an H100, moe --ranks 1 with the torch backend)."""
+    assert launch(_store_lives_with_its_group, 2) == [True, True]

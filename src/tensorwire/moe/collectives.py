@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["all_gather", "all_to_all", "availability", "process_group", "shutdown"]
 
 _GROUPS: weakref.WeakKeyDictionary[Communicator, dict[str, Any]] = weakref.WeakKeyDictionary()
+_STORES: weakref.WeakKeyDictionary[Communicator, dict[str, Any]] = weakref.WeakKeyDictionary()  # alive with groups
 
 
 def _kind(device: torch.device) -> str:
@@ -80,11 +81,16 @@ def process_group(comm: Communicator, device: torch.device) -> Any:
             options._timeout = timeout
             group = dist.ProcessGroupNCCL(store, comm.rank, comm.world_size, options)
         groups[kind] = group
+        # The group holds the store through a C++ trampoline that does not keep this Python object alive; NCCL
+        # connects lazily, at the first collective (and its heartbeat reads the store later), so the store must
+        # live as long as the group.
+        _STORES.setdefault(comm, {})[kind] = store
     return group
 
 
 def shutdown(comm: Communicator) -> None:
     """Abort and forget ``comm``'s process groups (idempotent; local, never blocks on peers)."""
+    _STORES.pop(comm, None)
     for group in _GROUPS.pop(comm, {}).values():
         method = getattr(group, "abort", None) or getattr(group, "shutdown", None)
         if method is not None:
