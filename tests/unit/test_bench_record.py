@@ -66,8 +66,12 @@ def test_host_quantiles_interpolate_as_numpy_does():
 def test_the_committed_results_read_as_records(path):
     """Each benchmark's old keys land in the common fields; its own in params."""
     records = records_from_json(json.loads(path.read_text()))
+    benchmark = records[0].benchmark if records else None
+    if path.name.startswith("fleet-"):  # joins and first contacts are times, not transfers
+        assert benchmark == "fleet" and all(r.median_us > 0 for r in records)
+        assert any(r.gbps > 0 for r in records) and all(r.gbps > 0 for r in records if r.op == "READ")
+        return
     assert records and all(r.median_us > 0 and r.gbps > 0 and r.nbytes > 0 for r in records)
-    benchmark = records[0].benchmark
     assert benchmark == ("kv" if path.name.startswith("kv-") else "moe" if path.name.startswith("moe-") else "p2p")
     if benchmark == "moe":
         assert all(r.reference == "copy" and "tokens" in r.params for r in records)
