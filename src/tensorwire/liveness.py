@@ -318,15 +318,14 @@ class Liveness:
                     return reason
             return self._lost.get(rank)
 
-    def peers(self) -> list[int]:
-        """The ranks this rank has a liveness connection with (it watches them, or they watch it), and those that
-        opened one to it whose answer has not been verified yet: every rank that may hold a transfer to this
-        rank's memory (it connected before it prepared one), for the revocation, which must not miss one; an
-        unverified claim only costs a message to that rank."""
+    def callers(self) -> list[int]:
+        """The ranks that opened a liveness connection to this one, verified or not: every rank that may hold a
+        transfer to this rank's memory (a rank connects to a peer before it prepares a transfer to it); what a
+        revocation must reach. A rank this one only watches itself is not among them."""
         with self._lock:
             if not self.closed:
                 self._handshake()
-            return sorted(self._offered | {rank for rank, sockets in self._sockets.items() if sockets})
+            return sorted(self._offered)
 
     def watch(self, rank: int) -> None:
         """Connect to ``rank`` now (bounded by ``liveness_s``) so that a later wait knows at once if it is gone."""

@@ -3,9 +3,9 @@
 Protocol (notifications on the channel ``b"twrev"``; the owner is the rank that deregisters):
 
 1. The owner publishes its memory map without the ranges (a new ``prepare`` of them fails).
-2. It sends ``R <new map epoch> <epochs>`` to every rank that may hold a transfer to them: every rank it has a
-   liveness connection with, or that opened one (each rank that prepared a transfer to this one connected to it
-   first; ``Liveness.peers``), or whose NIXL metadata it loaded.
+2. It sends ``R <new map epoch> <epochs>`` to every rank that may hold a transfer to them: every rank that
+   opened a liveness connection to it (each rank that prepared a transfer to this one connected to it first;
+   ``Liveness.callers``). A rank it only connected to itself holds nothing of it and is not asked.
 3. A holder handles ``R`` at once, on its revocation thread (below), whatever its user threads do: every
    transfer of it to those epochs is failed (``RevokedError`` from every later call, however tight a
    ``post()``/``wait()`` loop: its CPU post never reaches the backend, and the doorbell of a stream post is
@@ -190,7 +190,7 @@ class Revocations:
         self._sweep()
         with self._lock:
             gone = set(self._gone_ranks)
-        targets = (set(self._runtime.liveness.peers()) | set(self._nixl.loaded_peers())) - {rank} - gone
+        targets = set(self._runtime.liveness.callers()) - {rank} - gone
         pending = set()
         for target in sorted(targets):
             try:

@@ -563,7 +563,7 @@ def test_a_replayed_liveness_handshake_is_refused():
         answered = _offer(listener, recorded)  # replayed: hello and answer as rank 1 sent them
         assert answered[-1:] != b"K", "the replayed answer was accepted"
         assert listener.lost(1, fresh=True) is None, "rank 0 counted the replayed connection for rank 1"
-        assert 1 in listener.peers() and genuine.lost(0, fresh=True) is None
+        assert 1 in listener.callers() and genuine.lost(0, fresh=True) is None
     finally:
         genuine.close()
         listener.close()
