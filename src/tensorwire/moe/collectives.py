@@ -90,12 +90,14 @@ def process_group(comm: Communicator, device: torch.device) -> Any:
 
 def shutdown(comm: Communicator) -> None:
     """Abort and forget ``comm``'s process groups (idempotent; local, never blocks on peers)."""
-    _STORES.pop(comm, None)
-    for group in _GROUPS.pop(comm, {}).values():
+    groups = _GROUPS.pop(comm, {})
+    for group in groups.values():
         method = getattr(group, "abort", None) or getattr(group, "shutdown", None)
         if method is not None:
             with contextlib.suppress(Exception):  # best effort: the peers may be gone already
                 method()
+    groups.clear()  # the groups (and NCCL's monitor thread, which reads the store) go before their stores
+    _STORES.pop(comm, None)
 
 
 def _wait(work: Any, comm: Communicator, what: str, on_host: bool) -> None:
