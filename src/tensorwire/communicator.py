@@ -31,6 +31,8 @@ from .descriptors import MemoryKind, TensorDesc
 from .directory_client import DirectoryRendezvous
 from .environment import resolve_environment
 from .errors import InvalidArgumentError, PeerLostError, WaitTimeoutError
+from .freshness import CHANNEL as FRESHNESS_CHANNEL
+from .freshness import Freshness
 from .membership import Member, Membership
 from .memory_map import host_identity
 from .network import ucx_net_devices
@@ -139,6 +141,10 @@ class Communicator:
         self._runtime.stream_waiters.add(self._notifications)
         self._revocations = Revocations(self._runtime, self._inbox, self._nixl, self._peers)
         self._inbox.open_channel(REVOCATION_CHANNEL, self._revocations.handle)
+        if cfg.job_token is not None:  # maps are confirmed with their owners (an old one written back is refused)
+            freshness = Freshness(self._runtime, self._nixl, lambda: self._epoch, self._revocations.reach)
+            self._inbox.open_channel(FRESHNESS_CHANNEL, freshness.handle)
+            self._peers.current_epoch = freshness.current_epoch
         self._rendezvous.between_polls = self._revocations.pump  # a rank in a barrier answers revocations too
         self._runtime.between_polls = self._revocations.pump  # and so does every sleeping wait
         self._epoch = 0

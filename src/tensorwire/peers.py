@@ -59,6 +59,10 @@ class Peers:
         self._touched: set[tuple] = set()  # remote ranges NIXL has mapped (see touch_remote_allocations)
         self._revoked: dict[int, set[int]] = {}  # rank -> registration epochs it revoked (tensorwire.revocation)
         self._floor: dict[int, int] = {}  # rank -> the map epoch its last revocation announced: nothing older counts
+        self._confirmed: dict[int, int] = {}  # rank -> the map epoch it confirmed is current (freshness.py)
+        # (rank, timeout) -> rank's current map epoch as it says (Freshness.current_epoch); set by the communicator
+        # in an authenticated job, None otherwise.
+        self.current_epoch: Callable[[int, float], int] | None = None
         self._warned: set[str] = set()
 
     def publish(self, rank: int, epoch: int, regions: list[TensorDesc]) -> None:
@@ -81,16 +85,28 @@ class Peers:
         """The host of a peer whose view is loaded (``view`` first)."""
         return self._views[rank].host
 
-    def view(self, rank: int, min_epoch: int, timeout_s: float) -> PeerView:
+    def view(self, rank: int, min_epoch: int, timeout_s: float, confirm: bool = True) -> PeerView:
         """``rank``'s current memory map (at least ``min_epoch``), read from the store on every call. Blocks
-        for one store round trip (longer while the map is behind ``min_epoch``: bounded by ``timeout_s``)."""
+        for one store round trip (longer while the map is behind ``min_epoch``: bounded by ``timeout_s``). In an
+        authenticated job a map at an epoch not confirmed yet is confirmed with ``rank`` itself (``freshness.py``:
+        one round trip, first contact and after the map changed) unless ``confirm`` is False (the revocation
+        thread loading a peer's metadata only to answer it)."""
         what = f"prepare: loading the memory map of rank {rank}"
         self._runtime.liveness.watch(rank)  # connect now (not from the progress thread), so waits know if it dies
+        self._wait_for_map(rank, min_epoch, timeout_s, what)
+        if confirm and self.current_epoch is not None and self._confirmed.get(rank) != self._views[rank].epoch:
+            said = self.current_epoch(rank, min(timeout_s, 2 * self._runtime.config.liveness_s))
+            if said > self._views[rank].epoch:  # the store holds an older map than its owner published
+                self._floor[rank] = max(self._floor.get(rank, 0), said)
+                self._wait_for_map(rank, min_epoch, timeout_s, what)
+            self._confirmed[rank] = self._views[rank].epoch
+        return self._views[rank]
+
+    def _wait_for_map(self, rank: int, min_epoch: int, timeout_s: float, what: str) -> None:
         give_up_at = time.monotonic() + min(timeout_s, self._runtime.config.liveness_s)
         wait_until(lambda: self._load(rank, min_epoch, timeout_s, give_up_at), timeout_s,
                    lambda: f"prepare: memory map of rank {rank} at epoch >= {min_epoch}", self._runtime.config,
                    self._runtime.alive(rank, what))
-        return self._views[rank]
 
     def _load(self, rank: int, min_epoch: int, timeout_s: float, give_up_at: float) -> bool:
         """One look at ``rank``'s map in the store: True once a view of at least ``min_epoch`` is loaded."""
@@ -114,8 +130,8 @@ class Peers:
             # the owner has freed and reused.
             if time.monotonic() > give_up_at:
                 raise AuthenticationError(
-                    f"prepare: the store holds memory map epoch {epoch} of rank {rank}, older than epoch {floor} that "
-                    f"rank {rank} announced when it revoked memory: an old value was written back (a replay by a "
+                    f"prepare: the store holds memory map epoch {epoch} of rank {rank}, older than epoch {floor}, the "
+                    f"one rank {rank} says is current: an old value was written back (a replay by a "
                     "process that reaches the store) or the store lost the newer one; it was not used. Keep the store "
                     "port away from processes outside the job, and look the descriptors up again")
             return False

@@ -242,11 +242,15 @@ class Revocations:
         self._await_answers(key)
         return True
 
+    def reach(self, rank: int) -> None:
+        """Load ``rank``'s NIXL metadata if it is not loaded, to send it a notification (see ``_reach``)."""
+        self._reach(rank)
+
     def _reach(self, rank: int) -> None:
         """Load ``rank``'s NIXL metadata once if it is not loaded (a store round trip, bounded by the liveness
         period), so a notification can be sent to it."""
         if rank not in self._nixl.loaded_peers():
-            self._peers.view(rank, 0, self._runtime.config.liveness_s)
+            self._peers.view(rank, 0, self._runtime.config.liveness_s, confirm=False)
 
     def _sweep(self) -> None:
         """Ranks that are gone answer no more: release what waited only for them."""

@@ -301,3 +301,58 @@ def test_an_old_memory_map_written_back_by_a_stranger_is_refused(tmp_path):
     assert outcome["prepare"] in ("AuthenticationError", "RevokedError"), outcome
     assert outcome["write"] in ("AuthenticationError", "RevokedError"), outcome
     assert untouched, "a WRITE landed in rank 1's reused buffer"
+
+
+def _victim_of_a_first_contact_replay(tmp: str):
+    """As above, but the victim (rank 2) never touched rank 1 before the replay (its descriptor came from rank 0),
+    so no revocation told it anything (rank 0 watches every rank in barriers: it is not the victim here)."""
+    comm = tw.init(timeout=INIT_TIMEOUT)
+    n = 4096
+    if comm.rank == 1:
+        target = torch.full((n,), -7.0)
+        reg = comm.register(target)
+        comm.publish("target", reg.descs)
+        comm.barrier(timeout=STRANGER_WAIT)  # rank 2 looked the descriptor up, the stranger saved this map
+        reg.close()
+        again = comm.register(target)  # the same bytes reused under a new registration
+        target.fill_(-7.0)
+        comm.barrier(timeout=STRANGER_WAIT)  # the old map is back in the store; rank 2 tries to write
+        comm.barrier(timeout=STRANGER_WAIT)
+        untouched = bool((target == -7.0).all())
+        callers = comm._rendezvous.liveness.callers()
+        again.close()
+        comm.close()
+        return untouched, callers
+    if comm.rank == 0:  # hands rank 1's descriptor on (descriptors are values: they travel any way the user likes)
+        comm.publish("relayed", comm.lookup("target", 1, timeout=WAIT))
+        for _ in range(3):
+            comm.barrier(timeout=STRANGER_WAIT)
+        comm.close()
+        return None
+    src = rank_values(2, n)
+    comm.register(src)
+    old = comm.lookup("relayed", 0, timeout=WAIT)  # rank 2 has not contacted rank 1
+    path, port = os.path.join(tmp, "old-map"), int(os.environ["MASTER_PORT"])
+    _run_stranger(f"_stranger_replays({port}, {path!r}, 'save')")
+    comm.barrier(timeout=STRANGER_WAIT)
+    comm.barrier(timeout=STRANGER_WAIT)
+    _run_stranger(f"_stranger_replays({port}, {path!r}, 'restore')")
+    try:
+        comm.write(src, old, timeout=WAIT)
+        outcome = "accepted"
+    except tw.TensorwireError as e:
+        outcome = f"{type(e).__name__}: {e}"
+    comm.barrier(timeout=STRANGER_WAIT)
+    comm.close()
+    return outcome
+
+
+def test_an_old_memory_map_is_refused_at_first_contact_too(tmp_path):
+    """Before: a rank that had never touched rank 1 used the replayed map, and its WRITE landed in the reused
+    buffer; now prepare asks rank 1 which map is current (freshness.py)."""
+    _, (untouched, callers), outcome = launch(_victim_of_a_first_contact_replay, 3, str(tmp_path),
+                                              env={"TENSORWIRE_LIVENESS_S": "2"})
+    print(f"\nafter the replay: {outcome}")
+    assert 2 in callers  # connected when it prepared, after the replay: no revocation could have reached it
+    assert outcome.startswith("AuthenticationError") and "older than epoch" in outcome, outcome
+    assert untouched, "a WRITE landed in rank 1's reused buffer"

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("communicator", ["tensorwire.communicator", "tensorwire.registration", "tensorwire.transfer",
                       "tensorwire.blocks", "tensorwire.revocation", "tensorwire.runtime", "tensorwire.notifications",
                       "tensorwire.stream_completion", "tensorwire.transfer_state", "tensorwire.peers",
-                      "tensorwire.arguments"]),
+                      "tensorwire.arguments", "tensorwire.freshness"]),
     ("moe", ["tensorwire.moe", "tensorwire.moe.*"]),
     ("launcher and test data", ["tensorwire.testing", "tensorwire.testing.launch", "tensorwire.testing.data",
                                 "tensorwire.testing.netns"]),
