@@ -14,6 +14,7 @@ peer: the peer is this rank -> ``local``; same host and GPU memory on both sides
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -60,6 +61,7 @@ class Peers:
         self._revoked: dict[int, set[int]] = {}  # rank -> registration epochs it revoked (tensorwire.revocation)
         self._floor: dict[int, int] = {}  # rank -> the map epoch its last revocation announced: nothing older counts
         self._confirmed: dict[int, int] = {}  # rank -> the map epoch it confirmed is current (freshness.py)
+        self._loading = threading.RLock()  # one view replaced at a time (re-entrant: a store wait pumps)
         # (rank, timeout) -> rank's current map epoch as it says (Freshness.current_epoch); set by the communicator
         # in an authenticated job, None otherwise.
         self.current_epoch: Callable[[int, float], int] | None = None
@@ -135,6 +137,13 @@ class Peers:
                     "process that reaches the store) or the store lost the newer one; it was not used. Keep the store "
                     "port away from processes outside the job, and look the descriptors up again")
             return False
+        # The user's thread and the revocation thread (loading a peer's metadata to answer it) may both load a map
+        # of one rank: the look at the view held and the load replacing it are one step, so an older map read
+        # first never replaces a newer one loaded meanwhile (NIXL would then miss the newer registrations).
+        with self._loading:
+            return self._replace_view(rank, epoch, blob, source)
+
+    def _replace_view(self, rank: int, epoch: int, blob: bytes, source: str) -> bool:
         view = self._views.get(rank)
         # With a job token a newer view is authentic: an older map (a replayed value) never replaces it. Without
         # one, a forged map with a far-off epoch must not shadow the real one for good.
