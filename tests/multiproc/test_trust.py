@@ -410,7 +410,7 @@ def _corrupt_maps_are_typed_and_do_not_poison():
         comm = tw.init(timeout=INIT_TIMEOUT)
     unauthenticated = [str(w.message) for w in caught if "unauthenticated" in str(w.message)]
     assert len(unauthenticated) == 1, [str(w.message) for w in caught]
-    assert all(w.category is RuntimeWarning for w in caught if "unauthenticated" in str(w.message))
+    assert all(w.category is tw.TensorwireWarning for w in caught if "unauthenticated" in str(w.message))
     n = 256
     buf, out = rank_values(comm.rank, n), sentinel(n)
     reg = comm.register([buf, out])
