@@ -24,6 +24,7 @@ from .errors import (
     PeerLostError,
     RevokedError,
     TensorwireError,
+    TensorwireWarning,
     TransferError,
     WaitTimeoutError,
 )
@@ -35,12 +36,22 @@ from .transfer import Transfer
 READ = Op.READ
 WRITE = Op.WRITE
 
-__version__ = "0.1.0"
+def _package_version() -> str:
+    """The installed distribution's version (pyproject.toml is the one place it is written)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tensorwire")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "0+unknown"
+
+
+__version__ = _package_version()
 
 __all__ = [
     "READ", "WRITE", "Op", "Status", "init", "Communicator", "Registration", "Transfer", "TensorDesc",
     "BlockPool", "BlockPoolDesc", "BlockTransfer",
-    "MemoryKind", "BackendInfo", "backends", "testing", "TensorwireError", "InvalidArgumentError",
+    "MemoryKind", "BackendInfo", "backends", "testing", "TensorwireError", "TensorwireWarning", "InvalidArgumentError",
     "ClosedError", "BackendUnavailableError", "TransferError", "WaitTimeoutError", "PeerLostError",
     "RevokedError",
     "AuthenticationError", "moe", "all_to_all_v", "Member",

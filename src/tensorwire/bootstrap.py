@@ -13,7 +13,7 @@ same key, else ``AuthenticationError`` (the value is not used; a later valid val
 store's counters (``add``) cannot carry a MAC, so tensorwire does not decide anything on a counter: barriers
 and departures are per-rank sealed records, and each rank claims its rank number once (``compare_set``) at
 ``init``. Without a token values are stored as they are and the job is unauthenticated (one
-``RuntimeWarning`` says so).
+``TensorwireWarning`` says so).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .deadlines import CallThread, Deadlines
 from .environment import Environment, hostname
-from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, WaitTimeoutError
+from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, TensorwireWarning, WaitTimeoutError
 from .liveness import Liveness, probe
 from .sealing import seal, unseal
 from .store_sockets import listen_socket, local_address, socket_fds, store_client_sockets
@@ -49,7 +49,7 @@ _warned: set[str] = set()
 def _warn_once(topic: str, message: str, stacklevel: int) -> None:
     if topic not in _warned:
         _warned.add(topic)
-        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+        warnings.warn(message, TensorwireWarning, stacklevel=stacklevel + 1)
 
 
 class Rendezvous:

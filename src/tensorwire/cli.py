@@ -25,6 +25,7 @@ import importlib
 import sys
 from types import ModuleType
 
+from . import __version__
 from .backends.nixl import quiet_nixl_logging
 from .bench.command import at_least, parse_size
 from .errors import TensorwireError
@@ -41,6 +42,7 @@ def _bench_module(name: str) -> ModuleType:
 def _parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
     """The parser, and the flags of bench subcommands that take a value (see ``_with_bench_name``)."""
     parser = argparse.ArgumentParser(prog="tensorwire", description="tensorwire diagnostics and benchmarks")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     doctor = commands.add_parser("doctor", help="what works here: backends, versions, CUDA, VRAM, UCX transports",
@@ -85,7 +87,9 @@ def _with_bench_name(argv: list[str], takes_value: frozenset[str]) -> list[str]:
         if token in BENCH_COMMANDS:
             return ["bench", token, *argv[1:index], *argv[index + 1:]]
         if not token.startswith("-"):
-            break  # a stray word: argparse refuses it where it stands
+            # A word that is no flag's value and no benchmark: a misspelt name. Left in the NAME position,
+            # argparse refuses it listing the benchmarks.
+            return ["bench", token, *argv[1:index], *argv[index + 1:]]
         index += 2 if token in takes_value else 1
     return ["bench", BENCH_COMMANDS[0], *argv[1:]]
 

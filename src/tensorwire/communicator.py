@@ -30,7 +30,7 @@ from .bootstrap import Rendezvous
 from .descriptors import MemoryKind, TensorDesc
 from .directory_client import DirectoryRendezvous
 from .environment import resolve_environment
-from .errors import InvalidArgumentError, PeerLostError, WaitTimeoutError
+from .errors import InvalidArgumentError, PeerLostError, TensorwireWarning, WaitTimeoutError
 from .freshness import CHANNEL as FRESHNESS_CHANNEL
 from .freshness import Freshness
 from .membership import Member, Membership
@@ -498,7 +498,7 @@ class Communicator:
         within ``TENSORWIRE_LIVENESS_S``). Idempotent.
 
         Everything local is closed even when a step fails, and ``closed`` is True afterwards. A peer or store
-        that is gone does not make ``close`` fail (one ``RuntimeWarning`` says the departure was not recorded);
+        that is gone does not make ``close`` fail (one ``TensorwireWarning`` says the departure was not recorded);
         a local failure (a backend refusing to release) is raised once, after everything is closed."""
         if self.closed:
             return
@@ -545,7 +545,7 @@ class Communicator:
         local = [e for e in failures if e not in remote]
         if remote:
             warnings.warn(f"tensorwire: close() of rank {self.rank}: closed locally, but the peers were not told "
-                          f"({remote[0]})", RuntimeWarning, stacklevel=2)
+                          f"({remote[0]})", TensorwireWarning, stacklevel=2)
         if local:
             raise local[0]
 

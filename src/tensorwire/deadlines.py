@@ -16,15 +16,17 @@ import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from .errors import TensorwireWarning
+
 __all__ = ["CallThread", "Deadlines", "warn_from_progress_thread"]
 
 
 def warn_from_progress_thread(message: str) -> None:
-    """``warnings.warn(message, RuntimeWarning)`` for work a background thread (progress, deadlines) did. Never
+    """``warnings.warn(message, TensorwireWarning)`` for work a background thread (progress, deadlines) did. Never
     raises: a filter that turns warnings into errors must not stop the thread or the work after the warning (the
     error it reports also reaches its owner's next call)."""
     try:
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        warnings.warn(message, TensorwireWarning, stacklevel=2)
     except Exception:  # noqa: BLE001 - an "error" filter raised the warning
         pass
 

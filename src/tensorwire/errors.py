@@ -2,7 +2,9 @@
 
 Every error raised at the public API is a ``TensorwireError`` and also subclasses the builtin that a
 caller would naturally catch (``ValueError``, ``RuntimeError``, ``TimeoutError``, ``ConnectionError``).
-Messages name the function, the observed values and the fix.
+Messages name the function, the observed values and the fix. Warnings tensorwire issues are a
+``TensorwireWarning`` (a ``RuntimeWarning``), so ``warnings.filterwarnings("ignore", category=tw.TensorwireWarning)``
+silences ours and nothing else.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ __all__ = [
     "ClosedError",
     "AuthenticationError",
     "RevokedError",
+    "TensorwireWarning",
 ]
 
 
@@ -56,3 +59,9 @@ class PeerLostError(TensorwireError, ConnectionError):
 class AuthenticationError(TensorwireError, PermissionError):
     """A value in the job's store failed verification against the job token (``TENSORWIRE_JOB_TOKEN``):
     written by a process outside the job, by a rank with another token, or corrupted. It was not used."""
+
+
+class TensorwireWarning(RuntimeWarning):
+    """Base class of every warning tensorwire issues: something went wrong that did not stop the call (a peer's
+    departure not recorded, a background thread's failure, a stranger's request dropped). A ``RuntimeWarning``,
+    so filters on that class keep catching it."""

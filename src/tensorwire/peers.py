@@ -31,6 +31,7 @@ from .errors import (
     InvalidArgumentError,
     PeerLostError,
     RevokedError,
+    TensorwireWarning,
     TransferError,
 )
 from .memory_map import MemoryMap, PeerView, typed_decoding
@@ -234,7 +235,7 @@ class Peers:
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warnings.warn(message, TensorwireWarning, stacklevel=4)
 
     def ipc_pointer(self, desc: TensorDesc, device_index: int) -> int:
         """A device pointer on ``device_index`` to ``desc``'s bytes in a same-host peer's GPU memory, through a

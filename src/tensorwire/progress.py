@@ -182,7 +182,7 @@ class ProgressEngine:
     def watch(self, poll: Callable[[], bool], on_error: Callable[[Exception], None] | None = None) -> None:
         """Poll ``poll()`` from the progress thread until it returns True. If it raises, the watch ends and
         the exception goes to ``on_error`` (its owner raises it from its next call); without an owner it is
-        warned about (``RuntimeWarning``) and kept in ``self.error``. Never raises itself."""
+        warned about (``TensorwireWarning``) and kept in ``self.error``. Never raises itself."""
         with self._cond:
             if on_error is not None:
                 self._on_error[poll] = on_error

@@ -19,7 +19,7 @@ from typing import Any
 from . import cuda
 from .config import Config
 from .deadlines import Deadlines
-from .errors import ClosedError, InvalidArgumentError
+from .errors import ClosedError, InvalidArgumentError, TensorwireWarning
 from .liveness import Liveness
 from .notifications import Outbox
 from .progress import ProgressEngine
@@ -107,7 +107,7 @@ class Runtime:
         if pending:
             warnings.warn(
                 f"tensorwire: close() released {pending} stream wait(s) that were not complete; close the "
-                "communicator only after the GPU work that waits on its transfers has run", RuntimeWarning,
+                "communicator only after the GPU work that waits on its transfers has run", TensorwireWarning,
                 stacklevel=4)
 
     def close(self, attempt: Callable[[Callable[[], Any]], None]) -> None:

@@ -321,7 +321,7 @@ class Transfer(Closeable):
         A CPU-posted transfer still in flight is waited for first (sleeping, bounded by the communicator's
         timeout, and ended early when the peer is gone), so once ``close`` returns no byte of it lands: NIXL
         cannot cancel a READ or WRITE that UCX has started. A peer that is gone moves no more bytes; one that is
-        alive but did not complete within the timeout is warned about (``RuntimeWarning``): its bytes may still
+        alive but did not complete within the timeout is warned about (``TensorwireWarning``): its bytes may still
         land. A stream post enqueued before ``close`` whose ring comes later is still served (the request is
         released once the GPU work enqueued before ``close`` has run). Never raises for the transfer's own
         failure."""

@@ -8,12 +8,15 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _tensorwire(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tensorwire", *args], capture_output=True, text=True,
                           timeout=timeout, check=False)
 
 
+@pytest.mark.slow
 def test_bench_fleet_records_join_first_read_and_the_steady_state_beside_one_world(tmp_path):
     out = tmp_path / "fleet.json"
     done = _tensorwire("bench", "fleet", "--members", "2", "--blocks", "100", "--block-bytes", "4K", "--time",
@@ -43,6 +46,7 @@ def test_bench_fleet_records_join_first_read_and_the_steady_state_beside_one_wor
     assert document["header"]["config"]["members"] == [2]
 
 
+@pytest.mark.slow
 def test_bench_fleet_refuses_bad_usage():
     for args, says in ((["--members", "1"], "2 or more"), (["--memory", "cuda"], "host memory only"),
                        (["--transports", "ucx"], "nixl, shm"), (["--block-bytes", "6"], "multiple of 4")):

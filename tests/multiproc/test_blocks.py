@@ -256,6 +256,7 @@ def _two_ranks_body(memory: str, transport: str, files: list[str]):
 
 
 @pytest.mark.parametrize("memory, transport", [("plain", "nixl"), ("shm", "shm")])
+@pytest.mark.slow
 def test_two_processes_read_write_notify_and_revoke(memory, transport):
     assert launch(_two_ranks, 2, memory, transport) == [True, True]
 

@@ -17,6 +17,7 @@ def _tensorwire(*args: str, timeout: float = 240) -> subprocess.CompletedProcess
                           timeout=timeout, check=False)
 
 
+@pytest.mark.slow
 def test_bench_writes_every_path_on_host_memory(tmp_path):
     """Each size has tensorwire, raw NIXL and the copy (and tensorwire in-process for WRITE), with positive
     bandwidth; the bytes were checked on the way (a path moving wrong bytes makes the command fail)."""
@@ -50,6 +51,7 @@ def test_bench_moe_reports_each_backend():
     assert all(r.params["shared_copy_gbps"] > 0 and r.params["ratio_to_shared_copy"] > 0 for r in records)
 
 
+@pytest.mark.slow
 def test_bench_moe_takes_ranks_and_backends(tmp_path):
     """``bench moe --ranks 1 --backends nixl``: only that backend's rows, measured by one rank (and a small PNG
     with --plot where matplotlib is installed)."""
@@ -64,6 +66,7 @@ def test_bench_moe_takes_ranks_and_backends(tmp_path):
         assert 0 < png.stat().st_size < 100_000
 
 
+@pytest.mark.slow
 def test_bench_kv_writes_every_path_on_host_memory(tmp_path):
     """``bench kv`` on host memory: tensorwire (shm, and nixl forced), raw NIXL per-request and prepped, and the
     contiguous copy for every case, the tensorwire paths' bytes verified (wrong bytes fail the command)."""
@@ -99,6 +102,7 @@ def test_doctor_gives_a_verdict():
     (("bench", "moe", "--ranks", "0"), "pass 1 or more"),
     (("bench", "--ranks", "4"), "applies to 'tensorwire bench moe'"),
 ])
+@pytest.mark.slow
 def test_bad_arguments_are_refused_with_the_reason(args, words):
     done = _tensorwire(*args, timeout=60)
     assert done.returncode == 2 and words in done.stderr.lower(), done.stderr

@@ -196,6 +196,7 @@ def _descriptor_refusals(transport: str, paths: list[str]):
 
 
 @pytest.mark.parametrize("transport", ["nixl", "shm", "local"])
+@pytest.mark.slow
 def test_hand_built_descriptors_are_refused_before_anything_moves(transport):
     """Before: a negative stride was accepted by prepare_blocks and its post wrote below the pool (the issue
     saw SIGSEGV over shm); wrapping or negative fields reached the copy or struct.error."""
@@ -295,6 +296,7 @@ def _loop_against_a_killed_peer(op_name: str, kind: str, path: str, pid_path: st
 
 @pytest.mark.parametrize("kind", ["plain", "blocks"])
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
+@pytest.mark.slow
 def test_a_peer_killed_during_a_shm_loop_is_peer_lost_within_the_liveness_bound(tmp_path, op, kind):
     """Before: no error for 10 s: WRITEs "succeeded" into the dead rank's file, READs returned its stale bytes."""
     path = _shm_path()
@@ -375,6 +377,7 @@ def _closed_pool_over_a_user_registration(memory: str, path: str):
 
 
 @pytest.mark.parametrize("memory", ["plain", "shm"])
+@pytest.mark.slow
 def test_a_closed_pool_over_a_user_registration_refuses_every_peer(memory):
     """Before: the peer's READs and WRITEs into the closed pool went on succeeding and a new prepare_blocks was
     accepted (the pool's descriptor named the registration's epoch, which stayed live)."""

@@ -68,6 +68,7 @@ def _peer_killed_during_moe_dispatch(backend: str):
 
 
 @pytest.mark.parametrize("backend", ["nixl", "torch"])
+@pytest.mark.slow
 def test_a_killed_peer_ends_a_moe_dispatch_within_the_liveness_bound(backend):
     error, seconds, close_s = launch(_peer_killed_during_moe_dispatch, 2, backend, env=ENV, may_die=(1,))[0]
     print(f"\nmoe dispatch ({backend}): {error} {seconds:.2f}s after the call began (peer killed after ~1s); "
@@ -97,6 +98,7 @@ def _peer_killed_while_blocked(call: str):
 
 
 @pytest.mark.parametrize("call", ["wait_notification", "barrier", "lookup"])
+@pytest.mark.slow
 def test_a_killed_peer_ends_blocked_calls_and_close_within_the_liveness_bound(call):
     error, seconds, close_s, closed = launch(_peer_killed_while_blocked, 2, call, env=ENV, may_die=(1,))[0]
     print(f"\n{call}: {error} {seconds:.2f}s after the call began (peer killed after ~1s); close {close_s:.2f}s")
@@ -125,6 +127,7 @@ def _store_host_killed(call: str):
 
 
 @pytest.mark.parametrize("call", ["wait_notification", "barrier", "lookup"])
+@pytest.mark.slow
 def test_a_killed_store_host_ends_blocked_calls_publish_and_close(call):
     results = launch(_store_host_killed, 2, call, env=ENV, may_die=(0,))[1]
     print("\n" + ", ".join(f"{k}: {name} in {s:.2f}s" for k, (name, s) in results.items()))
@@ -297,6 +300,7 @@ STORE_CALLS = {
 
 @pytest.mark.parametrize("whose", ["own", "user"])
 @pytest.mark.parametrize("call", sorted(STORE_CALLS))
+@pytest.mark.slow
 def test_every_store_call_is_bounded_when_the_store_stops_answering(call, whose):
     """torch's client blocks forever in add/check/compare_set (and after the timeout of get/wait) when the
     store's host goes silent; tensorwire's calls end with PeerLostError within the liveness bound, on its own
@@ -352,6 +356,7 @@ def _close_in_flight():
     return in_flight_closes
 
 
+@pytest.mark.slow
 def test_closing_a_transfer_in_flight_waits_for_it_so_no_byte_lands_after():
     counts = launch(_close_in_flight, 2, env={**ENV, "UCX_TLS": "tcp"})  # TCP completes after post() returns
     if max(counts) == 0:
@@ -384,6 +389,7 @@ def _shm_and_garbled_epochs(directory: str):
     return timings
 
 
+@pytest.mark.slow
 def test_prepare_accepts_a_forced_shm_transport_and_refuses_garbled_epochs_in_bounded_time():
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm here")
@@ -437,6 +443,7 @@ def _revocation():
     return error
 
 
+@pytest.mark.slow
 def test_deregistering_memory_revokes_the_peers_prepared_transfers():
     """The owner closes a registration its peer holds a prepared WRITE to: the peer's next post raises
     RevokedError and no byte lands (before, the WRITE went into the deregistered memory)."""
@@ -492,6 +499,7 @@ def _tight_loop_holder(directory: str, transport: str):
 
 
 @pytest.mark.parametrize("transport", ["nixl", "shm"])
+@pytest.mark.slow
 def test_close_returns_only_when_a_holder_in_a_tight_loop_can_no_longer_write(tmp_path, transport):
     """Before, the holder's loop never slept, never handled the revocation, and kept writing into the reused
     memory (0.5-1.5 M posts); now close() returns once the holder acknowledged, and not one byte lands after."""
@@ -557,6 +565,7 @@ def _stopped_holder(directory: str, then: str):
 
 
 @pytest.mark.parametrize("then", ["continued", "killed"])
+@pytest.mark.slow
 def test_a_holder_that_cannot_answer_makes_close_raise_and_keeps_the_memory_registered(tmp_path, then):
     """A live holder that does not acknowledge within 2 x the liveness bound (stopped) makes close() raise
     WaitTimeoutError and keeps the memory registered (its prepared WRITE could still land); close() again returns

@@ -273,6 +273,7 @@ def _finish(process: subprocess.Popen, what: str, timeout: float = 120) -> None:
 
 
 @pytest.mark.parametrize("memory", ["nixl", "shm"])
+@pytest.mark.slow
 def test_members_launched_apart_meet_by_name_and_fail_alone(fleet, memory):
     if memory == "shm" and not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm here")
@@ -311,6 +312,7 @@ def test_members_launched_apart_meet_by_name_and_fail_alone(fleet, memory):
     assert seen["members_end"] == ["decode-0", "prefill-0", "prefill-1"]
 
 
+@pytest.mark.slow
 def test_a_process_with_another_token_or_none_cannot_join(fleet):
     work = fleet.work
     directory = fleet.directory()
@@ -354,6 +356,7 @@ again.close()
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_the_directory_killed_and_started_again_costs_no_transfer(fleet):
     """While the directory is down, prepared transfers keep flowing and directory calls fail typed, naming it;
     started again empty, it is repopulated by the live members within the liveness bound, and a member that
@@ -420,6 +423,7 @@ def _read_both(directory: str, work: str) -> None:
     comm.close()
 
 
+@pytest.mark.slow
 def test_a_torchrun_job_joins_a_fleet_and_is_read_from_by_a_member_launched_apart(fleet):
     work = fleet.work
     directory = fleet.directory()

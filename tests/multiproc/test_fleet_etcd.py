@@ -103,6 +103,7 @@ def fleet(tmp_path):
     f.close()
 
 
+@pytest.mark.slow
 def test_members_meet_in_etcd_fail_alone_and_their_keys_expire(fleet, etcd):
     """Cases 1-3 of test_fleet over etcd: two prefill members, a decode member started afterwards reading blocks by
     name; prefill-1 killed (its transfers fail typed, prefill-0's go on, members() drops it, its keys leave etcd
@@ -218,6 +219,7 @@ def _decode_through_etcd_loss(directory: str, work: str) -> None:
     comm.close()
 
 
+@pytest.mark.slow
 def test_losing_one_etcd_node_changes_nothing_and_losing_two_fails_directory_calls_typed(fleet, etcd):
     work, directory = fleet.work, etcd.directory
     prefill = [fleet.start(f"_prefill({directory!r}, 'prefill-0', {work!r}, 0, 'nixl')")]

@@ -206,6 +206,7 @@ def test_lookup_of_unpublished_key_times_out():
     assert "nobody-publishes-this" in message, message
 
 
+@pytest.mark.slow
 def test_barrier_times_out_when_a_rank_does_not_come():
     """barrier raises WaitTimeoutError after about its timeout when a rank never enters it."""
     elapsed, message = launch(_barrier_absent_rank, 2)[0]
@@ -225,6 +226,7 @@ def test_peer_killed_mid_job():
 
 
 @pytest.mark.parametrize("first", [0, 1], ids=["rank0-closes-first", "rank0-closes-last"])
+@pytest.mark.slow
 def test_close_order(first):
     """Ranks may close in either order: both finish, and rank 0 keeps the store up until rank 1 has closed."""
     close_s = launch(_close_order, 2, first)
@@ -240,6 +242,7 @@ def test_context_managers():
     assert launch(_context_managers, 2) == [True, True]
 
 
+@pytest.mark.slow
 def test_launch_returns_results_in_rank_order():
     """launch passes *args to every rank and returns the per-rank results in rank order."""
     assert launch(_square, 3, 10, timeout=60) == [10, 11, 14]

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 import tensorwire as tw
 from tensorwire.testing import free_port
 from tensorwire.testing.data import assert_equal, rank_values, sentinel
@@ -92,6 +94,7 @@ def _out_of_descriptors_while_contacting_a_live_peer():
     return result
 
 
+@pytest.mark.slow
 def test_running_out_of_descriptors_is_a_local_error_and_not_a_verdict_on_a_live_peer():
     """Rank 1 has no descriptor to spare when it first contacts rank 2 (alive): the READ fails with a typed error
     that says the trouble is local (the limit and ``ulimit -n``), not PeerLostError, and once descriptors are
@@ -152,6 +155,7 @@ def _flooded_listener():
     return result
 
 
+@pytest.mark.slow
 def test_a_flood_of_unfinished_liveness_handshakes_costs_a_bounded_number_of_descriptors():
     """A process without the token opens 600 connections to rank 0's liveness port and sends nothing: rank 0
     holds at most its cap of pending handshakes (64) plus a few, not one descriptor per connection."""
@@ -199,6 +203,7 @@ def _deleted_claim():
     return result
 
 
+@pytest.mark.slow
 def test_a_second_process_claiming_a_live_rank_whose_claim_was_deleted_is_refused():
     """A process outside the job deletes ``rank/1`` from the store; a second process of the job then claims rank 1
     while the first still runs: it is refused with a typed error naming both processes."""
@@ -229,6 +234,7 @@ def _store_client(port: int) -> None:
     os._exit(0)  # a close would wait for the stopped host
 
 
+@pytest.mark.slow
 def test_a_stopped_store_host_is_reported_as_not_answering():
     """The store's host is stopped with SIGSTOP (alive, but silent): a barrier on the other rank ends with
     PeerLostError saying the store did not answer within the bound and that its host may be stopped."""
@@ -297,6 +303,7 @@ def _jobs_with_a_killed_peer(jobs: int):
     return counts
 
 
+@pytest.mark.slow
 def test_closing_after_a_peer_died_gives_back_every_descriptor_and_thread_without_the_collector():
     """Four communicators in one process, one after the other, each with a peer killed while connected, each
     closed: with the garbage collector off, the process holds no more descriptors or threads after the last

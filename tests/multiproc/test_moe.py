@@ -124,6 +124,7 @@ def _everything(backend: str):
 
 @pytest.mark.parametrize("world", [2, 4], ids=["world2", "world4"])
 @pytest.mark.parametrize("backend", HOST_BACKENDS)
+@pytest.mark.slow
 def test_dispatch_combine_all_to_all_v(backend, world):
     """Every case (K = 1, 2, 4, 8; skew; a silent rank; a rank with no tokens; float32 and bfloat16),
     capacity, two dispatches in flight and all_to_all_v, against the single-process reference."""
@@ -394,6 +395,7 @@ def _interpreter_job(call: str) -> None:
 
 
 @pytest.mark.parametrize("world,slack", [(2, 3), (3, -1)], ids=["world2", "world3-overflow"])
+@pytest.mark.slow
 def test_cuda_backend_kernels_on_the_triton_interpreter(world, slack):
     """The cuda backend's kernels and device tables, run by Triton's interpreter on host memory: rows land
     where the receive order says, combine pulls and sums them, an overflow is flagged (not written)."""
@@ -454,6 +456,7 @@ def _interpreted_routing_tables() -> list[str]:
     return problems
 
 
+@pytest.mark.slow
 def test_routing_kernels_compute_the_torch_tables():
     """The cuda backend's routing kernels (counting sort, block tables) on Triton's interpreter give what
     ``layout``'s torch ops give."""

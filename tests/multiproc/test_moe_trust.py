@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch.distributed as dist
 
 import tensorwire as tw
@@ -114,6 +115,7 @@ def _gloo_values_are_sealed() -> dict[str, tuple[str, str]] | None:
     return seen
 
 
+@pytest.mark.slow
 def test_gloo_rendezvous_values_are_sealed_with_the_job_token():
     """Every value the torch engine's Gloo group writes verifies under the job token at its own key: the stranger
     reads no bare address record (and, once sealing encrypts, no address)."""
@@ -145,6 +147,7 @@ def _forged_gloo_value_is_refused() -> str:
     return outcome
 
 
+@pytest.mark.slow
 def test_a_forged_gloo_value_is_refused_not_used():
     """The stranger writes rank 0's genuine (sealed) address record again under rank 1's key while rank 0 waits
     for rank 1's: rank 0 refuses it with AuthenticationError (the record is bound to its key), typed, at once."""

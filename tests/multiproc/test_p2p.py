@@ -320,30 +320,35 @@ def test_ring_write(world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.slow
 def test_several_tensors_in_one_transfer(world):
     """One prepared READ (and one WRITE) moves three tensors of different dtypes and sizes."""
     assert launch(_several_tensors, world) == list(range(world))
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.slow
 def test_views_inside_registered_tensors(world):
     """A local slice of a registered tensor and a remote desc.narrow() address exactly those bytes."""
     assert launch(_views, world) == list(range(world))
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.slow
 def test_dtypes_and_sizes(world):
     """float32/bfloat16/int64 tensors of 1 element to 1 Mi elements arrive exactly, READ and WRITE."""
     assert launch(_dtypes_and_sizes, world) == list(range(world))
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.slow
 def test_repost_prepared_transfer(world):
     """One prepared READ and one prepared WRITE re-posted 25 times carry each round's new data."""
     assert launch(repost, world, 25) == [25] * world
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.slow
 def test_notifications_follow_data_in_order(world):
     """WRITE notifications arrive in order per sender, after their data; then wait_notification times out."""
     elapsed = launch(_notify_ring, world, 5)
@@ -365,6 +370,7 @@ def test_a_failed_notification_does_not_strand_the_next():
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.slow
 def test_zero_byte_items(world):
     """Zero-byte items are skipped inside a transfer; a transfer of only zero-byte items completes at once."""
     assert launch(_zero_bytes, world) == list(range(world))

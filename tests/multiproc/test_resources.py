@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import time
 
+import pytest
 import torch
 
 import tensorwire as tw
@@ -97,6 +98,7 @@ def _idle_cpu():
     return idle, waiting
 
 
+@pytest.mark.slow
 def test_churn_keeps_rss_flat():
     """10,000 prepare/post/wait/close cycles and 1,000 register/close cycles grow RSS by less than 20 MiB."""
     numbers = launch(_churn, 2, 10_000, 1_000, timeout=300)[0]
@@ -111,6 +113,7 @@ def test_churn_keeps_rss_flat():
     assert after_r - after_t < RSS_GROWTH_LIMIT, f"register cycles grew RSS by {(after_r - after_t) / MiB:.1f} MiB"
 
 
+@pytest.mark.slow
 def test_idle_communicator_costs_no_cpu():
     """A communicator with a registered buffer and a connected peer uses < 0.05 core while idle for 2 s, and a
     blocked wait_notification sleeps (< 0.15 core) instead of spinning."""

@@ -166,6 +166,7 @@ def _receiver_of_forged_notifications(tmp: str):
     return {"sent": sent, "received": [m.decode() for m in received], "extra": extra, "dropped": dropped}
 
 
+@pytest.mark.slow
 def test_notifications_from_agents_outside_the_job_are_dropped_and_members_lose_none(tmp_path):
     result, _ = launch(_receiver_of_forged_notifications, 2, str(tmp_path))
     assert result["sent"] == 9
@@ -293,6 +294,7 @@ def _victim_of_a_replay(tmp: str):
     return outcome
 
 
+@pytest.mark.slow
 def test_an_old_memory_map_written_back_by_a_stranger_is_refused(tmp_path):
     """Before: rank 0's prepare accepted the replayed map and its WRITE overwrote rank 1's reused buffer."""
     outcome, untouched = launch(_victim_of_a_replay, 2, str(tmp_path), env={"TENSORWIRE_LIVENESS_S": "2"})

@@ -430,6 +430,7 @@ def test_stream_waits_are_released_on_time_while_the_progress_thread_is_stuck():
                     "read_after": True}, seen
 
 
+@pytest.mark.slow
 def test_stream_waits_refuse_the_legacy_default_stream_and_time_out():
     """CPU-driven transfers refuse the legacy default stream (for waits and posts, losing nothing); a stream
     waiting for a CPU post is released with a WaitTimeoutError once that wait's timeout passed, which does not

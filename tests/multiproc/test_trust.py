@@ -144,6 +144,7 @@ def test_the_job_token_is_read_by_config_and_never_shown(monkeypatch):
     assert config.job_token_status()[0] is True
 
 
+@pytest.mark.slow
 def test_launch_gives_each_job_a_fresh_token_without_touching_this_process():
     before = os.environ.get("TENSORWIRE_JOB_TOKEN")
     first, second = launch(_token_of_rank, 2), launch(_token_of_rank, 2)
@@ -394,6 +395,7 @@ def _forged_values_are_refused(directory: str):
     return refusals, time.perf_counter() - t0
 
 
+@pytest.mark.slow
 def test_forged_values_from_outside_the_job_are_refused(tmp_path):
     (rank0, close0), (rank1, _) = launch(_forged_values_are_refused, 2, str(tmp_path))
     assert rank0 == {k: "AuthenticationError" for k in ("lookup kv", "lookup replayed", "lookup macked", "prepare",
@@ -410,7 +412,7 @@ def _corrupt_maps_are_typed_and_do_not_poison():
         comm = tw.init(timeout=INIT_TIMEOUT)
     unauthenticated = [str(w.message) for w in caught if "unauthenticated" in str(w.message)]
     assert len(unauthenticated) == 1, [str(w.message) for w in caught]
-    assert all(w.category is RuntimeWarning for w in caught if "unauthenticated" in str(w.message))
+    assert all(w.category is tw.TensorwireWarning for w in caught if "unauthenticated" in str(w.message))
     n = 256
     buf, out = rank_values(comm.rank, n), sentinel(n)
     reg = comm.register([buf, out])

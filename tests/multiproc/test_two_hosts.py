@@ -105,6 +105,7 @@ def two_hosts():
         yield hosts
 
 
+@pytest.mark.slow
 def test_two_hosts_move_bytes_over_nixl_and_a_cut_link_ends_both_ranks(two_hosts, tmp_path):
     signals = str(tmp_path)
     cutter_error = []

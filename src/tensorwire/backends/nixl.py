@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from ..descriptors import MemoryKind
-from ..errors import AuthenticationError, BackendUnavailableError, PeerLostError, TransferError
+from ..errors import AuthenticationError, BackendUnavailableError, PeerLostError, TensorwireWarning, TransferError
 from .base import BackendInfo, Capabilities, Op, Poster, Segment, Status
 from .block_copy import BlockBindings, BlockLayout
 
@@ -397,7 +397,7 @@ class NixlBackend:
 
     def notifications(self) -> list[tuple[int, bytes]]:
         """``(sender rank, message)`` of what arrived, in order per sender. Messages from an agent that proves no
-        rank are dropped here (``strangers()`` counts them; one ``RuntimeWarning`` per name)."""
+        rank are dropped here (``strangers()`` counts them; one ``TensorwireWarning`` per name)."""
         try:
             new = self.agent.get_new_notifs()
         except Exception as e:  # noqa: BLE001
@@ -417,7 +417,7 @@ class NixlBackend:
             warnings.warn(
                 f"tensorwire: dropped {count} NIXL notification(s) from agent {name[:64]!r}, which is not a member of "
                 f"this job (its name proves no rank{' with the job token' if self._token else ''}); a process "
-                "outside the job reached this rank's NIXL agent", RuntimeWarning, stacklevel=3)
+                "outside the job reached this rank's NIXL agent", TensorwireWarning, stacklevel=3)
         self._strangers[name] = self._strangers.get(name, 0) + count
 
     def strangers(self) -> dict[str, int]:

@@ -10,18 +10,22 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..machine import cpu_summary, gpu_names, hostname, software_versions
 
-__all__ = ["parse_size", "parse_sizes", "at_least", "add_common_arguments", "memories", "write_json",
-           "check_plot", "header"]
+__all__ = ["parse_size", "parse_sizes", "at_least", "positive", "list_of", "MEMORY_CHOICES", "add_common_arguments",
+           "memories", "write_json", "check_plot", "header"]
+
+MEMORY_CHOICES = ("cpu", "cuda", "all")  # --memory of every benchmark; 'all' is cpu plus cuda when torch sees a GPU
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmg]?)(?:i?b)?\s*$", re.IGNORECASE)
 _UNIT = {"": 0, "k": 10, "m": 20, "g": 30}
@@ -44,21 +48,55 @@ def at_least(kind: type, minimum: int = 0):
     """An argparse ``type=`` that converts with ``kind`` and refuses values below ``minimum``."""
     def parse(text: str):
         value = kind(text)
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number; pass {minimum} or more")
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{text!r} is below {minimum}; pass {minimum} or more")
         return value
 
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value: 'x'"
+    return parse
+
+
+def positive(text: str) -> float:
+    """An argparse ``type=`` for seconds: a finite number above 0."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of seconds")
+    return value
+
+
+positive.__name__ = "float"
+
+
+def list_of(kind: Callable[[str], Any], choices: tuple[str, ...] | None = None, minimum: int | None = None):
+    """An argparse ``type=`` for a comma-separated list (``READ,WRITE``, ``1000,10000``): each part converted
+    with ``kind``, checked against ``choices`` or ``minimum``; the distinct values in the order given."""
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(dict.fromkeys(kind(part.strip()) for part in text.split(",") if part.strip()))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated {kind.__name__} values") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a comma-separated list")
+        if choices is not None and set(values) - set(choices):
+            raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {','.join(choices)}")
+        if minimum is not None and min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: every value must be {minimum} or more")
+        return values
+
+    parse.__name__ = "list"
     return parse
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, graphs_help: str) -> None:
     """The flags every benchmark takes: memory, outputs, time limit, progress lines, CUDA graphs."""
-    parser.add_argument("--memory", choices=["cpu", "cuda", "all"], default="all",
+    parser.add_argument("--memory", choices=MEMORY_CHOICES, default="all",
                         help="memory to benchmark; 'all' (default) is cpu plus cuda when torch sees a GPU")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write every record to PATH")
     parser.add_argument("--plot", type=Path, default=None, metavar="PNG",
                         help="plot GB/s to PNG (needs matplotlib)")
-    parser.add_argument("--timeout", type=at_least(float), default=900.0, metavar="S",
+    parser.add_argument("--timeout", type=positive, default=900.0, metavar="S",
                         help="give up after this many seconds (default 900)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--graphs", action="store_true", help=graphs_help)

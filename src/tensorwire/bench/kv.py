@@ -33,15 +33,15 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError, TransferError
-from .command import at_least, header, write_json
+from ..errors import TransferError
+from .command import MEMORY_CHOICES, check_plot, header, list_of, memories, parse_sizes, positive, write_json
 from .kv_report import COPY, format_report, plot_kv
 from .record import Record, compare_with, records_to_json
 from .timing import Budget, CudaEventClock, HostClock, Timing, measure, quantile, time_call
@@ -53,6 +53,8 @@ HELP = "KV-cache block READ/WRITE by id between two local ranks beside raw NIXL,
 LLAMA = "llama70b-tp8"
 _LLAMA_VIEWS, _LLAMA_BLOCKS, _LLAMA_BLOCK_BYTES = 160, 512, 4096
 _RAW_GPU_MAX_BLOCKS = 10_000
+OPS = ("READ", "WRITE")
+PATTERNS = ("random", "contiguous")
 
 
 @dataclass(frozen=True)
@@ -390,44 +392,47 @@ def run(config: KvBenchConfig) -> list[Record]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--memory", default=None, help="cpu, cuda or cpu,cuda (default: cpu, plus cuda with a GPU)")
-    parser.add_argument("--blocks", default=None, help="block counts, e.g. 1000,10000,50000")
-    parser.add_argument("--block-bytes", default=None, help="bytes per block and view, e.g. 4096,16384")
-    parser.add_argument("--ops", default=None, help="READ,WRITE")
-    parser.add_argument("--patterns", default=None, help="random,contiguous")
+    """The flags of ``tensorwire bench kv``, spelled and checked as in the other benchmarks."""
+    defaults = KvBenchConfig()
+    parser.add_argument("--memory", choices=MEMORY_CHOICES, default="all",
+                        help="memory to benchmark; 'all' (default) is cpu plus cuda when torch sees a GPU")
+    parser.add_argument("--blocks", type=list_of(int, minimum=1), default=defaults.blocks, metavar="LIST",
+                        help="block counts, e.g. 1000,10000,50000 (the default)")
+    parser.add_argument("--block-bytes", type=parse_sizes, default=defaults.block_bytes, metavar="LIST",
+                        help="bytes per block and view, multiples of 4, e.g. 4K,16K (the default)")
+    parser.add_argument("--ops", type=list_of(str.upper, choices=OPS), default=defaults.ops, metavar="LIST",
+                        help="READ, WRITE or READ,WRITE (the default)")
+    parser.add_argument("--patterns", type=list_of(str.lower, choices=PATTERNS), default=defaults.patterns,
+                        metavar="LIST", help="random, contiguous or random,contiguous (the default)")
     parser.add_argument("--no-llama", action="store_true", help="skip the Llama-3-70B TP8 layout")
     parser.add_argument("--no-raw", action="store_true", help="skip the raw NIXL references")
-    parser.add_argument("--time", type=float, default=None, help="seconds of timed calls per path (default 0.2)")
-    parser.add_argument("--timeout", type=at_least(float), default=None, metavar="S",
-                        help="give up after this many seconds (default 1800)")
-    parser.add_argument("--json", default=None, help="write the records (and the command) as JSON here")
-    parser.add_argument("--plot", default=None, help="write a PNG of GB/s per path here (needs matplotlib)")
+    parser.add_argument("--time", type=positive, default=defaults.time_s, metavar="S",
+                        help=f"seconds of timed calls per path (default {defaults.time_s})")
+    parser.add_argument("--timeout", type=positive, default=defaults.timeout_s, metavar="S",
+                        help=f"give up after this many seconds (default {defaults.timeout_s:.0f})")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write every record to PATH")
+    parser.add_argument("--plot", type=Path, default=None, metavar="PNG", help="plot GB/s to PNG (needs matplotlib)")
 
 
 def config_from(args: argparse.Namespace) -> KvBenchConfig:
-    def split(text: str | None, kind: Callable[[str], Any]) -> tuple | None:
-        return None if text is None else tuple(kind(part) for part in text.split(",") if part)
-
-    memory = split(args.memory, str) or (("cpu", "cuda") if torch.cuda.is_available() else ("cpu",))
-    if "cuda" in memory and not torch.cuda.is_available():
-        raise InvalidArgumentError("bench kv: --memory cuda, but torch sees no GPU here; pass --memory cpu")
-    config = KvBenchConfig(memory=memory, llama=not args.no_llama, raw=not args.no_raw)
-    overrides = {"blocks": split(args.blocks, int), "block_bytes": split(args.block_bytes, int),
-                 "ops": split(args.ops, str.upper), "patterns": split(args.patterns, str), "time_s": args.time,
-                 "timeout_s": args.timeout}
-    return replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    """The run ``args`` ask for; bad usage (``--memory cuda`` without a GPU, a block size not a multiple of 4)
+    exits 2 through ``args.parser.error`` before anything is measured."""
+    if not args.block_bytes or any(size % 4 for size in args.block_bytes):
+        args.parser.error(f"--block-bytes {','.join(map(str, args.block_bytes))}: give multiples of 4")
+    return KvBenchConfig(memory=memories(args), blocks=args.blocks, block_bytes=args.block_bytes, ops=args.ops,
+                         patterns=args.patterns, llama=not args.no_llama, raw=not args.no_raw, time_s=args.time,
+                         timeout_s=args.timeout)
 
 
 def main(args: argparse.Namespace) -> int:
     config = config_from(args)
-    if any(size % 4 for size in config.block_bytes):
-        args.parser.error(f"--block-bytes {config.block_bytes}: give multiples of 4")
+    check_plot(args)
     records = run(config)
     print(format_report(records))
-    if args.json:
-        write_json(Path(args.json), {"header": {**header(args.argv), "config": asdict(config)},
+    if args.json is not None:
+        write_json(args.json, {"header": {**header(args.argv), "config": asdict(config)},
                                      "records": records_to_json(records)})
-    if args.plot:
-        plot_kv(records, Path(args.plot))
+    if args.plot is not None:
+        plot_kv(records, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0

@@ -36,7 +36,7 @@ import torch
 from ..errors import InvalidArgumentError, TransferError
 from ..moe import collectives
 from ..moe.selection import BACKENDS
-from .command import add_common_arguments, at_least, check_plot, header, write_json
+from .command import add_common_arguments, at_least, check_plot, header, memories, write_json
 from .record import Record, records_to_json
 from .timing import CudaEventClock, HostClock, Timing, summarize, time_call
 
@@ -366,9 +366,7 @@ def main(args: argparse.Namespace) -> int:
 
     quiet_nixl_logging()
     check_plot(args)
-    memory = "cuda" if args.memory != "cpu" and torch.cuda.is_available() else "cpu"
-    if args.memory == "cuda" and memory != "cuda":
-        args.parser.error(f"--memory cuda: torch {torch.__version__} sees no CUDA device; use --memory cpu")
+    memory = memories(args)[-1]  # one memory per run: cuda where torch sees a GPU and --memory allows it
     backends = None
     if args.backends is not None:
         backends = tuple(dict.fromkeys(b.strip() for b in args.backends.split(",") if b.strip()))

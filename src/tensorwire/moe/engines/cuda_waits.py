@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ... import cuda
+from ...errors import TensorwireWarning
 from ..rows import next_power_of_two
 
 if TYPE_CHECKING:
@@ -87,11 +88,11 @@ class StreamWaits:
                 for address in addresses:
                     cuda.check(cu.cuMemsetD32Async(address, target, 1, handle), "cuMemsetD32Async")
         warnings.warn(f"tensorwire: backend='cuda': {why}; forced it open, MoE calls on this communicator raise "
-                      "from now on", RuntimeWarning, stacklevel=2)
+                      "from now on", TensorwireWarning, stacklevel=2)
 
     def _watchdog_failed(self, error: Exception) -> None:
         self.timed_out = True
-        warnings.warn(f"tensorwire: backend='cuda': the watchdog could not open a GPU wait: {error}", RuntimeWarning,
+        warnings.warn(f"tensorwire: backend='cuda': the watchdog could not open a GPU wait: {error}", TensorwireWarning,
                       stacklevel=2)
 
     def release(self) -> bool:
