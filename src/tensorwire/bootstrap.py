@@ -199,6 +199,10 @@ class Rendezvous:
                     "Pass a larger timeout= or check the other ranks")
             time.sleep(min(0.02, max(0.0002, (now - start) / 32), max(deadline - now, 0.0)))
 
+    def delete(self, key: str) -> None:
+        """Remove ``key`` from the store (bounded, like every store call)."""
+        self._call(lambda: self.store.delete_key(key), f"deleting {key!r}")
+
     def add(self, key: str, amount: int) -> int:
         """The store's counter (unauthenticated: a counter cannot carry a MAC); tensorwire decides nothing on it."""
         return int(self._call(lambda: self.store.add(key, amount), f"adding to {key!r}"))

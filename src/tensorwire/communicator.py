@@ -142,7 +142,7 @@ class Communicator:
         self._revocations = Revocations(self._runtime, self._inbox, self._nixl, self._peers)
         self._inbox.open_channel(REVOCATION_CHANNEL, self._revocations.handle)
         if cfg.job_token is not None:  # maps are confirmed with their owners (an old one written back is refused)
-            freshness = Freshness(self._runtime, self._nixl, lambda: self._epoch, self._revocations.reach)
+            freshness = Freshness(self._runtime, self._nixl, self._rendezvous, lambda: self._epoch)
             self._inbox.open_channel(FRESHNESS_CHANNEL, freshness.handle)
             self._peers.current_epoch = freshness.current_epoch
         self._rendezvous.between_polls = self._revocations.pump  # a rank in a barrier answers revocations too

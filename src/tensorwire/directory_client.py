@@ -116,7 +116,7 @@ class DirectoryRendezvous(Rendezvous):
 
     def delete(self, key: str) -> None:
         self._written.pop(key, None)
-        self._call(lambda: self.store.delete_key(key), f"deleting {key!r}")
+        super().delete(key)
 
     def address_of(self, rank: int) -> tuple[str, int] | None:
         """``rank``'s liveness address from its sealed ``alive/<rank>`` record, or None (none, or forged)."""

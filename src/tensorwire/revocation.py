@@ -242,10 +242,6 @@ class Revocations:
         self._await_answers(key)
         return True
 
-    def reach(self, rank: int) -> None:
-        """Load ``rank``'s NIXL metadata if it is not loaded, to send it a notification (see ``_reach``)."""
-        self._reach(rank)
-
     def _reach(self, rank: int) -> None:
         """Load ``rank``'s NIXL metadata once if it is not loaded (a store round trip, bounded by the liveness
         period), so a notification can be sent to it."""
