@@ -272,6 +272,22 @@ def _finish(process: subprocess.Popen, what: str, timeout: float = 120) -> None:
     assert code == 0, f"{what} exited with {code}"
 
 
+def check_decode_saw(seen: dict) -> None:
+    """What ``_decode`` must have seen: both members read by name, the killed one failing alone and typed, dropped
+    from ``members()``, its old handle refused, its new incarnation a new rank read correctly."""
+    assert seen["first"] == {"prefill-0": True, "prefill-1": True}, seen
+    assert seen["members_before"] == ["decode-0", "prefill-0", "prefill-1"]
+    assert seen["errors"] and seen["errors"][0][0] == "PeerLostError", seen["errors"]
+    assert seen["errors"][0][1] < LIVENESS_S + 5.0, "the killed member's transfer failed too late"
+    assert seen["good_after"] >= 20, "reads from the live member stopped with the other's death"
+    assert seen["members_after_kill"] == ["decode-0", "prefill-0"]
+    assert seen["dropped_after_s"] < LIVENESS_S + 5.0
+    assert seen["old_handle"] in ("PeerLostError", "RevokedError"), seen["old_handle"]
+    assert seen["new_rank"] not in seen["ranks"].values() and seen["new_rank"] > seen["rank"]
+    assert seen["again"] is True
+    assert seen["members_end"] == ["decode-0", "prefill-0", "prefill-1"]
+
+
 @pytest.mark.parametrize("memory", ["nixl", "shm"])
 @pytest.mark.slow
 def test_members_launched_apart_meet_by_name_and_fail_alone(fleet, memory):
@@ -299,17 +315,7 @@ def test_members_launched_apart_meet_by_name_and_fail_alone(fleet, memory):
     with open(os.path.join(work, "decode.json")) as f:
         seen = json.load(f)
     print(f"\n{memory}: {seen}")
-    assert seen["first"] == {"prefill-0": True, "prefill-1": True}, seen
-    assert seen["members_before"] == ["decode-0", "prefill-0", "prefill-1"]
-    assert seen["errors"] and seen["errors"][0][0] == "PeerLostError", seen["errors"]
-    assert seen["errors"][0][1] < LIVENESS_S + 5.0, "the killed member's transfer failed too late"
-    assert seen["good_after"] >= 20, "reads from the live member stopped with the other's death"
-    assert seen["members_after_kill"] == ["decode-0", "prefill-0"]
-    assert seen["dropped_after_s"] < LIVENESS_S + 5.0
-    assert seen["old_handle"] in ("PeerLostError", "RevokedError"), seen["old_handle"]
-    assert seen["new_rank"] not in seen["ranks"].values() and seen["new_rank"] > seen["rank"]
-    assert seen["again"] is True
-    assert seen["members_end"] == ["decode-0", "prefill-0", "prefill-1"]
+    check_decode_saw(seen)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from test_fleet import LIVENESS_S, WAIT, _await, _finish, _Fleet, _touch, _value
+from test_fleet import LIVENESS_S, WAIT, _await, _finish, _Fleet, _touch, _value, check_decode_saw
 
 import tensorwire as tw
 
@@ -141,17 +141,7 @@ def test_members_meet_in_etcd_fail_alone_and_their_keys_expire(fleet, etcd):
     print(f"\netcd: {seen}; the killed member's {len(mine)} keys left etcd after {expired_after_s:.2f}s")
     assert not left, f"the killed member's keys are still in etcd after {expired_after_s:.1f}s: {left}"
     assert expired_after_s < 2 * LIVENESS_S + 2.0, expired_after_s
-    assert seen["first"] == {"prefill-0": True, "prefill-1": True}, seen
-    assert seen["members_before"] == ["decode-0", "prefill-0", "prefill-1"]
-    assert seen["errors"] and seen["errors"][0][0] == "PeerLostError", seen["errors"]
-    assert seen["errors"][0][1] < LIVENESS_S + 5.0, "the killed member's transfer failed too late"
-    assert seen["good_after"] >= 20, "reads from the live member stopped with the other's death"
-    assert seen["members_after_kill"] == ["decode-0", "prefill-0"]
-    assert seen["dropped_after_s"] < LIVENESS_S + 5.0
-    assert seen["old_handle"] in ("PeerLostError", "RevokedError"), seen["old_handle"]
-    assert seen["new_rank"] not in seen["ranks"].values() and seen["new_rank"] > seen["rank"]
-    assert seen["again"] is True
-    assert seen["members_end"] == ["decode-0", "prefill-0", "prefill-1"]
+    check_decode_saw(seen)
 
 
 def _decode_through_etcd_loss(directory: str, work: str) -> None:
