@@ -211,6 +211,11 @@ class Rendezvous:
         return bool(self._call(lambda: self.store.check([key]), f"checking {key!r}"))
 
     @property
+    def owns_store(self) -> bool:
+        """The store connection is tensorwire's own (not a store the user passed to ``init`` and calls too)."""
+        return self._owns_store
+
+    @property
     def hosts_store(self) -> bool:
         """This rank hosts the store (rank 0 of a launcher's world, unless torchrun's agent or init's store=)."""
         return self.env.rank == 0 and self._owns_store and not self.env.agent_store and not self.env.fleet

@@ -141,7 +141,10 @@ class Communicator:
         self._runtime.stream_waiters.add(self._notifications)
         self._revocations = Revocations(self._runtime, self._inbox, self._nixl, self._peers)
         self._inbox.open_channel(REVOCATION_CHANNEL, self._revocations.handle)
-        if cfg.job_token is not None:  # maps are confirmed with their owners (an old one written back is refused)
+        # Maps are confirmed with their owners (an old one written back is refused), whose revocation threads
+        # answer in the store: not on a store the user lent to init and calls too (a blocking wait of theirs on
+        # that one client would hold our answer, and the peer waiting for it, until the timeouts).
+        if cfg.job_token is not None and self._rendezvous.owns_store:
             freshness = Freshness(self._runtime, self._nixl, self._rendezvous, lambda: self._epoch)
             self._inbox.open_channel(FRESHNESS_CHANNEL, freshness.handle)
             self._peers.current_epoch = freshness.current_epoch
