@@ -184,44 +184,6 @@ def probe(address: tuple[str, int], rank: int, token: bytes | None, timeout_s: f
     return f"{who.decode(errors='replace')}, whose liveness socket at {where} answered ({verified})"
 
 
-def listening(addresses: list[tuple[str, int]], timeout_s: float) -> set[tuple[str, int]]:
-    """The addresses whose listener takes a TCP connection within ``timeout_s`` (all tried at once, non-blocking;
-    each connection closed at once, before any hello). A dead process's port refuses at once; a gone host's does
-    not answer. Says nothing about who listens: for listings (``members()``), not for verdicts on transfers."""
-    import selectors
-
-    pending: dict[socket.socket, tuple[str, int]] = {}
-    found: set[tuple[str, int]] = set()
-    with selectors.DefaultSelector() as selector:
-        for address in set(addresses):
-            try:
-                sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
-            except OSError:
-                continue  # out of fds here: not a verdict on the peer, but nothing to say either
-            sock.setblocking(False)
-            code = sock.connect_ex(address)
-            if code == 0:
-                found.add(address)
-                sock.close()
-            elif code in (errno.EINPROGRESS, errno.EAGAIN):
-                pending[sock] = address
-                selector.register(sock, selectors.EVENT_WRITE)
-            else:
-                sock.close()
-        deadline = time.monotonic() + timeout_s
-        while pending and time.monotonic() < deadline:
-            for key, _ in selector.select(max(deadline - time.monotonic(), 0.0)):
-                sock = key.fileobj
-                selector.unregister(sock)
-                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
-                    found.add(pending[sock])
-                del pending[sock]
-                sock.close()
-        for sock in pending:
-            sock.close()
-    return found
-
-
 class _Handshake(enum.Enum):
     PENDING = "pending"  # waiting for the other end's next message
     COUNTED = "counted"  # verified: the connection counts for its rank

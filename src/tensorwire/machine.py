@@ -25,7 +25,7 @@ __all__ = [
 
 def nixl_module() -> str | None:
     """The wheel the ``nixl`` meta package picked (``nixl_cu12`` / ``nixl_cu13``), or None if none imports."""
-    from .backends.nixl import _import_nixl
+    from .backends.nixl_setup import _import_nixl
 
     try:
         api, _ = _import_nixl()
@@ -79,7 +79,7 @@ def software_versions() -> dict[str, str | None]:
     import torch
 
     from . import __version__
-    from .backends.nixl import _version as nixl_version
+    from .backends.nixl_setup import _version as nixl_version
 
     module = nixl_module()
     return {

@@ -9,7 +9,7 @@ never reused) and then, here, claims its name and publishes its record. Keys (se
 * ``member/<rank>`` -> ``name``, the member's host identity and pid: what ``members()`` lists. Deleted when the
   member leaves (``close``); a member that died leaves its record behind, and is not *present*.
 
-Present: the member's liveness listener (``alive/<rank>``) takes a connection (``liveness.listening``): a dead
+Present: the member's liveness listener (``alive/<rank>``) takes a connection (``network.listening``): a dead
 process's port refuses it at once, a gone host's does not answer within the bound. So ``members()`` drops a
 dead member within ``liveness_s`` without any connection kept open: a member holds connections only to the peers
 it uses. Every lookup costs directory round trips (one per key) and one connect per listed member, made
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .directory_client import DirectoryRendezvous
 from .errors import InvalidArgumentError, WaitTimeoutError
-from .liveness import listening
+from .network import listening
 
 __all__ = ["Member", "Membership"]
 

@@ -36,7 +36,7 @@ def _stranger_steals(port: int, address: int) -> None:
     """Without the token: read rank 0's memory map from the store and try every way to use it."""
     if os.environ.get("TENSORWIRE_JOB_TOKEN"):
         raise RuntimeError("the stranger must run without the job token")
-    from tensorwire.backends.nixl import _import_nixl
+    from tensorwire.backends.nixl_setup import _import_nixl
     from tensorwire.memory_map import MemoryMap
 
     client = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10))
@@ -62,7 +62,7 @@ def _stranger_steals(port: int, address: int) -> None:
 
 def _stranger_notifies(metadata_path: str) -> None:
     """With rank 0's NIXL metadata in hand (as if leaked): send it notifications as agents claiming rank 1."""
-    from tensorwire.backends.nixl import _import_nixl
+    from tensorwire.backends.nixl_setup import _import_nixl
 
     with open(metadata_path, "rb") as f:
         metadata = f.read()

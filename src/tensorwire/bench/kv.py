@@ -163,7 +163,7 @@ def _raw_wait(agent: Any, handle: Any) -> None:
 def _rank_main(config: KvBenchConfig) -> list[Record]:
     import tensorwire as tw
 
-    from ..backends.nixl import _import_nixl, _make_agent
+    from ..backends.nixl_setup import _import_nixl, _make_agent
 
     comm = tw.init(timeout=120)
     records: list[Record] = []

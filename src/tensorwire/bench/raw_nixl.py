@@ -17,7 +17,7 @@ class RawNixl:
     """A bare NIXL agent per rank, driven as a raw NIXL user would (see the module docstring)."""
 
     def __init__(self, rank: int, store: Any, raw_config: str, wakeup_ms: float) -> None:
-        from ..backends.nixl import _import_nixl, _make_agent
+        from ..backends.nixl_setup import _import_nixl, _make_agent
 
         api, bindings = _import_nixl()
         self.rank = rank
