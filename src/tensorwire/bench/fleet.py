@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import WaitTimeoutError
-from .command import at_least, check_plot, header, parse_size, write_json
+from .command import at_least, check_plot, header, parse_size, positive, write_json
 from .fleet_parties import FIRST_READ_BLOCKS, SHM_PREFIX, holder, reader, world_rank
 from .record import Record, records_to_json
 from .timing import Budget, quantile, summarize
@@ -387,12 +387,6 @@ def _transports(text: str) -> tuple[str, ...]:
     return transports
 
 
-def _positive(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of seconds")
-    return value
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = FleetBenchConfig()
@@ -405,13 +399,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes per block, a multiple of 4 (default 16K)")
     parser.add_argument("--transports", type=_transports, default=defaults.transports, metavar="LIST",
                         help="steady READ transports: nixl, shm or nixl,shm (default nixl,shm)")
-    parser.add_argument("--time", type=_positive, default=defaults.time_s, metavar="S",
+    parser.add_argument("--time", type=positive, default=defaults.time_s, metavar="S",
                         help="seconds of timed steady READs per path, transport and fleet size (default 2)")
     parser.add_argument("--rounds", type=at_least(int, 1), default=defaults.rounds, metavar="N",
                         help="alternating rounds of fleet and world READs (default 8)")
     parser.add_argument("--first-contacts", type=at_least(int, 1), default=defaults.first_contacts, metavar="N",
                         help="never-seen members each reader reaches, at most (default 8)")
-    parser.add_argument("--timeout", type=_positive, default=defaults.timeout_s, metavar="S",
+    parser.add_argument("--timeout", type=positive, default=defaults.timeout_s, metavar="S",
                         help="give up (and stop every process) after this many seconds (default 600)")
     parser.add_argument("--memory", choices=["cpu", "cuda"], default="cpu",
                         help="host memory only (cpu, the default); cuda is refused")
