@@ -13,7 +13,8 @@ from __future__ import annotations
 from . import testing
 from .backends import BackendInfo, backends
 from .backends.base import Op, Status
-from .blocks import BlockPool, BlockPoolDesc, BlockTransfer
+from .block_transfer import BlockTransfer
+from .blocks import BlockPool, BlockPoolDesc
 from .communicator import Communicator, init
 from .descriptors import MemoryKind, TensorDesc
 from .errors import (

@@ -103,7 +103,7 @@ def fine_timer_slack() -> Iterator[None]:
 
 
 class Inbox:
-    """Per-sender FIFOs of notification messages, filled by polling one backend.
+    """Per-sender FIFOs of notification messages, filled by polling the message channels (``poll``).
 
     Messages are routed by prefix into channels: a layer above (e.g. ``tensorwire.moe``, prefix
     ``b"twmoe"``) opens its own channel so its traffic never mixes with the user's, which lands in the

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..descriptors import MemoryKind
 from ..errors import AuthenticationError, BackendUnavailableError, PeerLostError, TensorwireWarning, TransferError
-from .base import Capabilities, Op, Poster, Segment, Status
+from .base import BackendContext, Capabilities, Op, Poster, Segment, Status
 from .block_copy import BlockBindings, BlockLayout
 from .nixl_names import agent_name, member_rank
 from .nixl_setup import _error_classes, _import_nixl, _make_agent, info, quiet_nixl_logging
@@ -50,7 +50,13 @@ class NixlBackend:
 
     name = "nixl"
     capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.CPU, MemoryKind.CUDA}), remote=True,
-                                stream_ordered=False, message_channel=True)
+                                stream_ordered=False, message_channel=True, first_touch=True)
+
+    @classmethod
+    def create(cls, context: BackendContext) -> NixlBackend:
+        """Blocks while NIXL starts UCX (~0.4 s); ``BackendUnavailableError`` when it cannot."""
+        return cls(context.rank, progress_wakeup_ms=context.config.progress_wakeup_ms, token=context.config.job_token,
+                   net_devices=context.net_devices)
 
     def __init__(self, rank: int, *, progress_wakeup_ms: float = 10.0, token: bytes | None = None,
                  net_devices: str | None = None) -> None:
@@ -325,6 +331,8 @@ def _strided_rows(layout: BlockLayout) -> np.ndarray:
 class _BlockRequest:
     """A block transfer over NIXL: the two prepped lists, and the NIXL requests bound for the posts to come
     (``_handle`` is the current one's, for ``status``)."""
+
+    takes_device_ids = False  # ids become NIXL descriptor indices on the host
 
     def __init__(self, agent: Any, op: Op, local_list: Any, remote_list: Any, local_blocks: int,
                  remote_blocks: int, num_regions: int) -> None:
