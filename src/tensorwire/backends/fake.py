@@ -212,9 +212,6 @@ class HostStream(cuda.StandInStream):
         finally:
             self._graph = None
 
-    def is_capturing(self) -> bool:
-        return self._graph is not None
-
     def synchronize(self, timeout: float = 10.0) -> None:
         """Block until every operation enqueued so far ran; ``WaitTimeoutError`` (naming the operation the
         stream is stuck at) after ``timeout`` seconds; raises what a launched function raised."""

@@ -80,7 +80,9 @@ class NixlBackend:
                 "run 'tensorwire doctor' to see what works here"
             ) from e
         self._bound = self.agent.agent  # the nixlBind.nixlAgent under nixl_agent
-        self._success, self._in_progress = bindings.NIXL_SUCCESS, bindings.NIXL_IN_PROG
+        self._success = bindings.NIXL_SUCCESS
+        # NIXL's status codes as ``Status``, the one mapping (post, its unbundled form and status use it).
+        self._status_of = functools.partial(_status_of, bindings.NIXL_SUCCESS, bindings.NIXL_IN_PROG)
         self._loaded_peers: set[int] = set()
         self._scratch: dict[tuple[MemoryKind, int], tuple[Any, Any]] = {}  # (kind, device) -> (tensor, reg)
 
@@ -231,9 +233,7 @@ class NixlBackend:
                 code = self._bound.postXferReq(request._handle, notify or b"")
         except Exception as e:  # noqa: BLE001
             raise self._translate(e, "posting a transfer") from e
-        if code == self._success:
-            return Status.DONE
-        return Status.IN_PROGRESS if code == self._in_progress else Status.ERROR
+        return self._status_of(code)
 
     def poster(self, request: Any, notify: bytes | None) -> Poster:
         """``post`` unbundled for ``Transfer``'s hot path: the NIXL call with its arguments resolved once,
@@ -246,7 +246,7 @@ class NixlBackend:
         return Poster(
             call=call,
             done=self._success,
-            finish=lambda code: Status.IN_PROGRESS if code == self._in_progress else Status.ERROR,
+            finish=self._status_of,
             error=lambda e: self._translate(e, "posting a transfer"),
         )
 
@@ -255,9 +255,7 @@ class NixlBackend:
             code = self._bound.getXferStatus(request._handle)
         except Exception as e:  # noqa: BLE001
             raise self._translate(e, "checking a transfer") from e
-        if code == self._success:
-            return Status.DONE
-        return Status.IN_PROGRESS if code == self._in_progress else Status.ERROR
+        return self._status_of(code)
 
     def release(self, request: Any) -> None:
         try:
@@ -319,6 +317,13 @@ class NixlBackend:
         if kind in self._errors:
             return TransferError(f"nixl: {what}{where} failed with {kind}: {error}")
         return TransferError(f"nixl: {what}{where} failed: {kind}: {error}")
+
+
+def _status_of(success: Any, in_progress: Any, code: Any) -> Status:
+    """A NIXL status code (``NIXL_SUCCESS``, ``NIXL_IN_PROG``, an ``NIXL_ERR_*``) as a ``Status``."""
+    if code == success:
+        return Status.DONE
+    return Status.IN_PROGRESS if code == in_progress else Status.ERROR
 
 
 def _strided_rows(layout: BlockLayout) -> np.ndarray:
