@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                       "tensorwire.blocks", "tensorwire.block_transfer", "tensorwire.revocation", "tensorwire.runtime",
                       "tensorwire.notifications", "tensorwire.outbox", "tensorwire.stream_completion",
                       "tensorwire.transfer_state", "tensorwire.peers", "tensorwire.arguments", "tensorwire.freshness",
-                      "tensorwire.local_memory"]),
+                      "tensorwire.local_memory", "tensorwire.joining"]),
     ("moe", ["tensorwire.moe", "tensorwire.moe.*"]),
     ("launcher and test data", ["tensorwire.testing", "tensorwire.testing.launch", "tensorwire.testing.data",
                                 "tensorwire.testing.netns"]),
