@@ -361,7 +361,7 @@ def _stream_waits_released_while_progress_is_stuck():
             remote = comm.lookup("buf", 1 - comm.rank, timeout=WAIT)[0].narrow(0, n)
             comm.barrier(timeout=WAIT)
             if comm.rank == 0:
-                local, backend = buffer[n:], comm._nixl
+                local, backend = buffer[n:], comm.runtime.transports["nixl"]
                 unstick, stuck_calls = threading.Event(), []
 
                 def stuck_in_progress_thread(call):
