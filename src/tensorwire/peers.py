@@ -73,8 +73,8 @@ class Peers:
         made it: a descriptor is valid only while that very registration is, even if the same addresses are
         registered again later."""
         sections = {"host": self.host.encode()}
-        sections.update({name: backend.metadata() for name, backend in self._backends.items()
-                         if backend.capabilities.remote})
+        sections.update({name: metadata for name, backend in self._backends.items()
+                         if backend.capabilities.remote and (metadata := backend.metadata()) is not None})
         self._rendezvous.set(f"memmap/{rank}", MemoryMap(epoch, sections, regions).pack())
 
     def revoked(self, rank: int, epochs: list[int], map_epoch: int) -> None:
@@ -108,7 +108,8 @@ class Peers:
     def _wait_for_map(self, rank: int, min_epoch: int, timeout_s: float, what: str) -> None:
         give_up_at = time.monotonic() + min(timeout_s, self._runtime.config.liveness_s)
         wait_until(lambda: self._load(rank, min_epoch, timeout_s, give_up_at), timeout_s,
-                   lambda: f"prepare: memory map of rank {rank} at epoch >= {min_epoch}", self._runtime.config,
+                   lambda: f"prepare: memory map of rank {rank} at epoch >= {min_epoch} with its NIXL agent's metadata",
+                   self._runtime.config,
                    self._runtime.alive(rank, what))
 
     def _load(self, rank: int, min_epoch: int, timeout_s: float, give_up_at: float) -> bool:
@@ -151,6 +152,8 @@ class Peers:
         if view is not None and (view.epoch == epoch or (view.epoch > epoch and self._runtime.config.job_token)):
             return True
         memory_map = MemoryMap.unpack(blob, source)
+        if self._nixl.name not in memory_map.sections:
+            return False  # its NIXL agent is still being made: the map published once it exists carries it
         host = memory_map.sections.pop("host").decode()
         for name, metadata in memory_map.sections.items():
             if name in self._backends and (not self._backends[name].capabilities.same_host_only or host == self.host):
