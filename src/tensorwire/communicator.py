@@ -66,10 +66,13 @@ class Communicator:
         self.rank = env.rank
         self.name: str | None = env.name  # a fleet member's name (None in a launcher's world)
         self._membership: Membership | None = None
-        self._memory = None  # LocalMemory, once the transports exist (their local view reads its map)
+        self._memory: LocalMemory | None = None  # once the transports exist (their local view reads its map)
+        # A transport that starts in the background (NIXL's agent, ~0.5 s) calls on_ready once its metadata
+        # exists: the map is published again with it.
         transports = Transports(BackendContext(
             env.rank, cfg, lambda segment: self._memory.map.view(segment), self._rendezvous.liveness.lost,
-            ucx_net_devices(self._rendezvous.liveness.address[0])[0]))
+            ucx_net_devices(self._rendezvous.liveness.address[0])[0], timeout_s,
+            on_ready=lambda: self._memory is not None and self._memory.republish()))
         self._runtime = Runtime(env.rank, cfg, timeout_s, self._rendezvous, transports, Inbox(transports.notifications))
         self._memory = LocalMemory(self._runtime)
         self._peers = Peers(self._runtime, host_identity(), self._memory.regions)

@@ -9,6 +9,7 @@ the transports let go.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Sequence
 
@@ -34,6 +35,7 @@ class LocalMemory:
         self._transports = runtime.transports
         self.map = LocalMemoryMap()
         self.epoch = 0
+        self._map_lock = threading.RLock()  # an epoch and the map published under it are one step
         self.closing = False
         self.registrations: weakref.WeakSet[Registration] = weakref.WeakSet()
         self._pool_spans: dict[int, list[TensorDesc]] = {}  # epoch -> spans of an open pool in user registrations
@@ -58,14 +60,15 @@ class LocalMemory:
         except Exception:
             self._release_handles(handles)
             raise
-        epoch = self.epoch + 1
         rank = self._runtime.rank
-        descs = [TensorDesc(rank, s.addr, s.nbytes, s.kind, s.device_index, epoch) for s in segments]
-        registration = Registration(self._deregister, tensors, segments, handles, descs)
-        for s, t in zip(segments, tensors):
-            self.map.add(s, registration, t)
-        self.registrations.add(registration)
-        self.publish()
+        with self._map_lock:
+            epoch = self.epoch + 1
+            descs = [TensorDesc(rank, s.addr, s.nbytes, s.kind, s.device_index, epoch) for s in segments]
+            registration = Registration(self._deregister, tensors, segments, handles, descs)
+            for s, t in zip(segments, tensors):
+                self.map.add(s, registration, t)
+            self.registrations.add(registration)
+            self.publish()
         return registration
 
     def _deregister(self, registration: Registration, handles: list | None) -> None:
@@ -98,8 +101,16 @@ class LocalMemory:
 
     def publish(self) -> None:
         """Publish the map under a new epoch. One store write."""
-        self.epoch += 1
-        self._peers.publish(self._runtime.rank, self.epoch, self.published_ranges())
+        with self._map_lock:
+            self.epoch += 1
+            self._peers.publish(self._runtime.rank, self.epoch, self.published_ranges())
+
+    def republish(self) -> None:
+        """A transport's metadata became ready (called on the thread that started it): publish the map again, now
+        with that metadata, unless the first map is still to come (it carries it) or the communicator closes."""
+        with self._map_lock:
+            if self.epoch > 0 and not self.closing and not self._runtime.closed:
+                self.publish()
 
     def published_ranges(self) -> list[TensorDesc]:
         """The registered ranges, and the spans of the pools in them that have their own epoch (a descriptor of
@@ -112,10 +123,12 @@ class LocalMemory:
 
     def expose_pool(self, spans: list[Segment]) -> int:
         """Publish ``spans`` (a pool's, inside registrations) under a new epoch; return it."""
-        epoch = self.epoch + 1
         rank = self._runtime.rank
-        self._pool_spans[epoch] = [TensorDesc(rank, s.addr, s.nbytes, s.kind, s.device_index, epoch) for s in spans]
-        self.publish()
+        with self._map_lock:
+            epoch = self.epoch + 1
+            self._pool_spans[epoch] = [TensorDesc(rank, s.addr, s.nbytes, s.kind, s.device_index, epoch)
+                                       for s in spans]
+            self.publish()
         return epoch
 
     def withdraw_pool(self, epoch: int) -> None:

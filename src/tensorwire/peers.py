@@ -74,8 +74,8 @@ class Peers:
         made it: a descriptor is valid only while that very registration is, even if the same addresses are
         registered again later."""
         sections = {"host": self.host.encode()}
-        sections.update({name: backend.metadata() for name, backend in self._backends.items()
-                         if backend.capabilities.remote})
+        sections.update({name: metadata for name, backend in self._backends.items()
+                         if backend.capabilities.remote and (metadata := backend.metadata()) is not None})
         self._rendezvous.set(f"memmap/{rank}", MemoryMap(epoch, sections, regions).pack())
 
     def revoked(self, rank: int, epochs: list[int], map_epoch: int) -> None:
@@ -109,7 +109,8 @@ class Peers:
     def _wait_for_map(self, rank: int, min_epoch: int, timeout_s: float, what: str) -> None:
         give_up_at = time.monotonic() + min(timeout_s, self._runtime.config.liveness_s)
         wait_until(lambda: self._load(rank, min_epoch, timeout_s, give_up_at), timeout_s,
-                   lambda: f"prepare: memory map of rank {rank} at epoch >= {min_epoch}", self._runtime.config,
+                   lambda: f"prepare: memory map of rank {rank} at epoch >= {min_epoch} with its messenger's metadata",
+                   self._runtime.config,
                    self._runtime.alive(rank, what))
 
     def _load(self, rank: int, min_epoch: int, timeout_s: float, give_up_at: float) -> bool:
@@ -152,6 +153,9 @@ class Peers:
         if view is not None and (view.epoch == epoch or (view.epoch > epoch and self._runtime.config.job_token)):
             return True
         memory_map = MemoryMap.unpack(blob, source)
+        if self._backends.messenger.name not in memory_map.sections:
+            # Its messenger (NIXL's agent) is still starting: the map published once it is ready carries it.
+            return False
         host = memory_map.sections.pop("host").decode()
         for name, metadata in memory_map.sections.items():
             if name in self._backends and (not self._backends[name].capabilities.same_host_only or host == self.host):
@@ -290,7 +294,7 @@ class Peers:
             touchers.append(backend)
         messenger = self._backends.messenger
         if (notifies and peer != self._runtime.rank and not backend.capabilities.message_channel
-                and messenger.capabilities.first_touch and messenger not in touchers):  # type: ignore[attr-defined]
+                and messenger.capabilities.first_touch and messenger not in touchers):
             touchers.append(messenger)
         return touchers
 

@@ -154,17 +154,21 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class BackendContext:
-    """What every backend is built from (``registry.create_backends`` hands the same one to each ``create``).
+    """What every backend is built from (``transports.Transports`` hands the same one to each ``create``).
 
     ``local_view(segment)``: a flat uint8 tensor over a registered range of this process; ``peer_lost(rank,
     fresh=False)``: why ``rank`` is gone, or None while it is alive (``Liveness.lost``); ``net_devices``: the
-    network devices a transport may listen on (None: every one)."""
+    network devices a transport may listen on (None: every one); ``timeout_s``: the communicator's timeout;
+    ``on_ready()``: what a backend that starts in the background calls (on its own thread) once its
+    ``metadata()`` exists (the communicator publishes its map again)."""
 
     rank: int
     config: Config
     local_view: Callable[[Segment], torch.Tensor]
     peer_lost: Callable[..., str | None]
     net_devices: str | None = None
+    timeout_s: float = 300.0
+    on_ready: Callable[[], None] = lambda: None
 
 
 @dataclass(frozen=True)
@@ -195,8 +199,9 @@ class Backend(Protocol):
 
     def deregister(self, handle: Any) -> None: ...
 
-    def metadata(self) -> bytes:
-        """What a peer needs to reach this process and its registered memory (changes on register)."""
+    def metadata(self) -> bytes | None:
+        """What a peer needs to reach this process and its registered memory (changes on register); None while a
+        backend that starts in the background is not ready (it calls ``BackendContext.on_ready`` then)."""
 
     def load_peer(self, rank: int, metadata: bytes) -> None:
         """Add or refresh a peer from its ``metadata()``."""
@@ -243,8 +248,7 @@ class BlockRequest(Protocol):
     takes_device_ids: bool
 
 
-@runtime_checkable
-class MessageChannel(Protocol):
+class MessageChannel(Backend, Protocol):
     """A backend with ``Capabilities.message_channel``: it delivers messages between ranks itself."""
 
     def send_notification(self, peer: int, message: bytes) -> None:
@@ -257,7 +261,7 @@ class MessageChannel(Protocol):
         """The ranks it can send messages to now."""
 
 
-class StreamOrdered(Protocol):
+class StreamOrdered(Backend, Protocol):
     """A backend with ``Capabilities.stream_ordered``: its requests' copies run on a CUDA stream."""
 
     def completion_event(self, request: Any) -> torch.cuda.Event | None:
@@ -265,7 +269,7 @@ class StreamOrdered(Protocol):
         ``Transfer.wait(stream=)`` makes a stream wait on."""
 
 
-class FirstTouch(Protocol):
+class FirstTouch(Backend, Protocol):
     """A backend with ``Capabilities.first_touch``."""
 
     def touch(self, peer: int, remote: Segment, local_kind: MemoryKind, local_device: int) -> Any:
@@ -273,7 +277,7 @@ class FirstTouch(Protocol):
         with ``status`` and ``release``."""
 
 
-class PeerPointers(Protocol):
+class PeerPointers(Backend, Protocol):
     """A backend with ``Capabilities.peer_pointers``."""
 
     def pointer(self, peer: int, segment: Segment, device_index: int) -> int:

@@ -26,7 +26,7 @@ class Transports:
     def __init__(self, context: BackendContext) -> None:
         self._context = context
         self._backends: dict[str, Backend] = {}
-        self._channels: list[Any] = []  # the MessageChannel backends, in preference order
+        self._channels: list[MessageChannel] = []  # in preference order
         try:
             for entry in registry.TRANSPORTS:
                 self._add(entry)

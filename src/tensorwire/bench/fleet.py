@@ -9,13 +9,15 @@ process (``fleet_parties``; multiprocessing ``spawn``). For each fleet size N of
   idle) join one after another, each timing its own ``tw.init(directory=, name=)`` in a process that has not
   called it before (what a starting member pays). The fleet grows from one size to the next, so the record
   of N holds the joins of all N members, the reader's included. ``params["phases_ms"]`` splits the median
-  join: the directory connection with the rank claim and liveness listener, the NIXL agent, the name claim
-  and member record, and the rest.
+  join: the directory connection with the rank claim and liveness listener, starting the NIXL agent (made on
+  its own thread meanwhile), the name claim and member record, and the rest. ``serving_ms``: joined and the
+  first pool registered, which waits for that agent: when the member can serve a READ.
 - **first contact**: a reader (``reader-<N>``), a second launch started after the first's members are up,
   joins and reaches the members that joined since the last reader, which nobody has contacted (at most
   ``--first-contacts``): ``rank_of`` + ``lookup_blocks`` + ``prepare_blocks`` + the first READ of
   ``FIRST_READ_BLOCKS`` random blocks of a small pool over NIXL, each step timed; the median over those
-  members is the record, the same READ repeated (``again_us``) beside it.
+  members is the record, the same READ repeated (``again_us``) beside it. Held against raw NIXL's first
+  contact (``fleet_raw``: metadata load + the same READ between two fresh bare agents), measured at the end.
 - **steady state**: the reader READs ``--blocks`` random ids of ``member-0``'s pool (``--block-bytes`` each,
   in a ``/dev/shm`` file), one request per post, per ``--transports``; the two ranks of one launcher world
   (``tensorwire.testing.launch``, started once at the beginning, pools of the same shape) do the same READ.
@@ -47,7 +49,9 @@ from typing import Any
 
 from ..errors import WaitTimeoutError
 from .command import at_least, check_plot, header, parse_size, positive, write_json
-from .fleet_parties import FIRST_READ_BLOCKS, SHM_PREFIX, holder, reader, world_rank
+from .fleet_parties import FIRST_POOL_BLOCKS, FIRST_READ_BLOCKS, SHM_PREFIX, holder, reader, world_rank
+from .fleet_raw import raw_first_contacts
+from .fleet_report import FLEET, RAW_NIXL, WORLD, format_report, plot_fleet
 from .record import Record, records_to_json
 from .timing import Budget, quantile, summarize
 
@@ -55,9 +59,6 @@ __all__ = ["HELP", "FleetBenchConfig", "run", "add_arguments", "main", "format_r
 
 HELP = "fleet members launched apart: join, first READ from a never-seen member, steady READ beside one world"
 
-FLEET, WORLD = "fleet", "one world"  # the steady state's paths: members of two launches; two ranks of one
-GOALS_MS = {"join": 50.0, "first READ": 20.0}  # issue 24's goals on a 2-core host; steady state: >= 0.97x one world
-GOAL_RATIO = 0.97
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,9 @@ def _join_record(size: int, joins: list[dict[str, Any]], fds: dict[str, Any]) ->
     phases = {name: quantile([j["phases"].get(name, 0.0) for j in joins], 0.5) for name in joins[0]["phases"]}
     return Record.measured("fleet", "cpu", "join", FLEET, "directory", 0, timing, members=size,
                            max_ms=max(j["join_ms"] for j in joins), join_ms=[round(j["join_ms"], 2) for j in joins],
-                           reader_join_ms=joins[-1]["join_ms"], phases_ms=phases, fds=fds)
+                           reader_join_ms=joins[-1]["join_ms"], phases_ms=phases, fds=fds,
+                           serving_ms=quantile([j["serving_ms"] for j in joins], 0.5),
+                           serving_max_ms=max(j["serving_ms"] for j in joins))
 
 
 def _first_record(size: int, firsts: list[dict[str, float]], block_bytes: int) -> Record:
@@ -289,84 +292,20 @@ def run(config: FleetBenchConfig) -> list[Record]:
         world.ask("stop")
         for party in holders:
             party.ask("stop")
-        return records
+        return _against_raw_nixl(bench_run, records)
     finally:
         bench_run.close()
 
 
-# --- the report ------------------------------------------------------------------------------------------------
-def format_report(records: list[Record]) -> str:
-    """One block per fleet size: join, first READ, steady state per transport (fleet beside one world)."""
-    lines = []
-    for size in sorted({r.params["members"] for r in records}):
-        rows = [r for r in records if r.params["members"] == size]
-        join = next(r for r in rows if r.op == "join")
-        first = next(r for r in rows if r.op == "first READ")
-        phases = ", ".join(f"{k} {v:.1f}" for k, v in join.params["phases_ms"].items())
-        lines.append(f"{size} members")
-        lines.append(f"  join        median {join.median_us / 1e3:7.1f} ms  max {join.params['max_ms']:7.1f} ms  "
-                     f"(goal <= {GOALS_MS['join']:.0f}; median phases, ms: {phases})")
-        lines.append(f"  first READ  median {first.median_us / 1e3:7.1f} ms  max {first.params['max_ms']:7.1f} ms  "
-                     f"(goal <= {GOALS_MS['first READ']:.0f}) over {first.params['targets']} never-seen member(s): "
-                     f"rank_of {first.params['rank_of_ms']:.1f}, lookup {first.params['lookup_ms']:.1f}, "
-                     f"prepare {first.params['prepare_ms']:.1f}, "
-                     f"READ {first.params['read_ms']:.1f} ms; again {first.params['again_us']:.0f} us")
-        for r in rows:
-            if r.op == "READ":
-                ratio = f"  {r.ratio:.3f}x one world (goal >= {GOAL_RATIO})" if r.reference == WORLD else ""
-                lines.append(f"  READ {r.params['blocks']}x{r.params['block_bytes'] // 1024}KiB {r.transport:5} "
-                             f"{r.path:10} {r.median_us / 1e3:8.2f} ms  {r.gbps:6.2f} GB/s{ratio}")
-        for what, counts in join.params["fds"].items():
-            if counts is not None:
-                text = (f"{counts['fds']} ({counts['sockets']} sockets)" if not isinstance(counts["fds"], dict)
-                        else f"median {counts['fds']['median']:.0f}, max {counts['fds']['max']} "
-                             f"({counts['sockets']['max']} sockets at most) over {counts['members']}")
-                lines.append(f"  fds {what:28} {text}")
-    return "\n".join(lines)
-
-
-def plot_fleet(records: list[Record], path: Path, title: str = "tensorwire bench fleet") -> None:
-    """Two panels over the fleet size: join and first-READ ms (median, max dotted); steady GB/s of the fleet
-    and of one world per transport. A small PNG."""
-    from .plot import require_matplotlib
-
-    pyplot = require_matplotlib()
-    sizes = sorted({r.params["members"] for r in records})
-    figure, (latency, steady) = pyplot.subplots(1, 2, figsize=(9, 3.2), dpi=80)
-    for op, color in (("join", "#1f77b4"), ("first READ", "#ff7f0e")):
-        rows = sorted((r for r in records if r.op == op), key=lambda r: r.params["members"])
-        latency.plot(sizes, [r.median_us / 1e3 for r in rows], marker="o", color=color, label=f"{op} (median)")
-        latency.plot(sizes, [r.params["max_ms"] for r in rows], marker=".", linestyle=":", color=color,
-                     label=f"{op} (max)")
-        latency.axhline(GOALS_MS[op], color=color, linewidth=0.8, linestyle="--", alpha=0.6)
-    latency.set_yscale("log")
-    latency.set_ylabel("ms", fontsize=9)
-    latency.set_title("join and first READ (handshake included); goals dashed", fontsize=9)
-    colors = iter(["#2ca02c", "#9467bd", "#8c564b", "#17becf"])
-    for transport in dict.fromkeys(r.transport for r in records if r.op == "READ"):
-        color = next(colors)
-        for name, style in ((FLEET, "-"), (WORLD, "--")):
-            rows = sorted((r for r in records if r.op == "READ" and (r.path, r.transport) == (name, transport)),
-                          key=lambda r: r.params["members"])
-            steady.plot(sizes, [r.gbps for r in rows], marker="o", linestyle=style, color=color,
-                        label=f"{name} ({transport})")
-    sample = next(r for r in records if r.op == "READ")
-    steady.set_ylim(bottom=0)
-    steady.set_ylabel("GB/s (median)", fontsize=9)
-    steady.set_title(f"steady READ {sample.params['blocks']} x {sample.params['block_bytes'] // 1024} KiB random "
-                     "blocks", fontsize=9)
-    for axis in (latency, steady):
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(sizes, [str(s) for s in sizes], fontsize=8)
-        axis.minorticks_off()
-        axis.set_xlabel("members", fontsize=9)
-        axis.grid(True, alpha=0.3)
-        axis.legend(fontsize=7)
-    figure.suptitle(title, fontsize=9)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=80)
-    pyplot.close(figure)
+def _against_raw_nixl(run: _Run, records: list[Record]) -> list[Record]:
+    """The first READs held against raw NIXL's first contact (``fleet_raw``), measured now; its record added."""
+    c = run.config
+    run.say(f"raw NIXL's first contact, {c.first_contacts} fresh pair(s) of processes")
+    seconds = raw_first_contacts(FIRST_POOL_BLOCKS, FIRST_READ_BLOCKS, c.block_bytes, c.first_contacts, c.timeout_s)
+    raw = Record.measured("fleet", "cpu", "first READ", RAW_NIXL, "nixl", FIRST_READ_BLOCKS * c.block_bytes,
+                          summarize(seconds), max_ms=max(seconds) * 1e3, contacts=len(seconds))
+    held = [r.against(RAW_NIXL, raw.gbps) if r.op == "first READ" else r for r in records]
+    return [*held, raw]
 
 
 # --- the command -----------------------------------------------------------------------------------------------
