@@ -294,7 +294,7 @@ STORE_CALLS = {
     "get": lambda r: r.get("missing", 30.0),
     "compare_set": lambda r: r._compare_set("cas", b"", b"x"),
     "set": lambda r: r.set("key", b"value"),
-    "barrier": lambda r: r.barrier(timeout=30.0),
+    "barrier": lambda r: r.barrier(30.0),
 }
 
 
