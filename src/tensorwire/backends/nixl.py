@@ -48,7 +48,8 @@ from .nixl_setup import _error_classes, _import_nixl, _make_agent, info, quiet_n
 __all__ = ["NixlBackend", "info", "agent_name", "member_rank", "quiet_nixl_logging"]
 
 _MEM_TYPE = {MemoryKind.CPU: "DRAM", MemoryKind.CUDA: "VRAM"}
-_MADE_BY_AGENT_THREAD = frozenset({"agent", "_bound", "_errors", "_success", "_status_of"})
+_MADE_BY_AGENT_THREAD = frozenset({"agent", "_bound", "_errors", "_success", "_statuses"})
+_ERROR = Status.ERROR  # every NIXL code but success and in-progress
 
 
 class NixlBackend:
@@ -103,8 +104,9 @@ class NixlBackend:
             api, bindings = _import_nixl()
             self._errors = _error_classes(bindings)
             self._success = bindings.NIXL_SUCCESS
-            # NIXL's status codes as ``Status``, the one mapping (post, its unbundled form and status use it).
-            self._status_of = functools.partial(_status_of, bindings.NIXL_SUCCESS, bindings.NIXL_IN_PROG)
+            # NIXL's status codes as ``Status``, the one mapping (post, its unbundled form and status read it):
+            # ``self._statuses.get(code, _ERROR)``, a lookup in C on the hot path.
+            self._statuses = {bindings.NIXL_SUCCESS: Status.DONE, bindings.NIXL_IN_PROG: Status.IN_PROGRESS}
             agent = _make_agent(api, bindings, self.agent_name, progress_wakeup_ms, net_devices=self.net_devices)
             self._bound = agent.agent  # the nixlBind.nixlAgent under nixl_agent
             self.agent = agent
@@ -293,7 +295,7 @@ class NixlBackend:
                 code = self._bound.postXferReq(request._handle, notify or b"")
         except Exception as e:  # noqa: BLE001
             raise self._translate(e, "posting a transfer") from e
-        return self._status_of(code)
+        return self._statuses.get(code, _ERROR)
 
     def poster(self, request: Any, notify: bytes | None) -> Poster:
         """``post`` unbundled for ``Transfer``'s hot path: the NIXL call with its arguments resolved once,
@@ -310,12 +312,15 @@ class NixlBackend:
             error=lambda e: self._translate(e, "posting a transfer"),
         )
 
+    def _status_of(self, code: Any) -> Status:
+        return self._statuses.get(code, _ERROR)
+
     def status(self, request: Any) -> Status:
         try:
             code = self._bound.getXferStatus(request._handle)
         except Exception as e:  # noqa: BLE001
             raise self._translate(e, "checking a transfer") from e
-        return self._status_of(code)
+        return self._statuses.get(code, _ERROR)
 
     def release(self, request: Any) -> None:
         try:
@@ -385,13 +390,6 @@ class NixlBackend:
         if kind in self._errors:
             return TransferError(f"nixl: {what}{where} failed with {kind}: {error}")
         return TransferError(f"nixl: {what}{where} failed: {kind}: {error}")
-
-
-def _status_of(success: Any, in_progress: Any, code: Any) -> Status:
-    """A NIXL status code (``NIXL_SUCCESS``, ``NIXL_IN_PROG``, an ``NIXL_ERR_*``) as a ``Status``."""
-    if code == success:
-        return Status.DONE
-    return Status.IN_PROGRESS if code == in_progress else Status.ERROR
 
 
 def _strided_rows(layout: BlockLayout) -> np.ndarray:
