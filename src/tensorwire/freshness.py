@@ -28,8 +28,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .backends.nixl import NixlBackend
-    from .bootstrap import Rendezvous
     from .runtime import Runtime
 
 __all__ = ["Freshness", "CHANNEL"]
@@ -45,9 +43,8 @@ class Freshness:
 
     ``published_epoch()`` is this rank's last published map epoch."""
 
-    def __init__(self, runtime: Runtime, nixl: NixlBackend, rendezvous: Rendezvous,
-                 published_epoch: Callable[[], int]) -> None:
-        self._runtime, self._nixl, self._rendezvous = runtime, nixl, rendezvous
+    def __init__(self, runtime: Runtime, published_epoch: Callable[[], int]) -> None:
+        self._runtime, self._rendezvous = runtime, runtime.store
         self._published_epoch = published_epoch
 
     def current_epoch(self, rank: int, timeout_s: float) -> int:
@@ -55,7 +52,7 @@ class Freshness:
         round trip, at most ``timeout_s``: ``WaitTimeoutError``; ``PeerLostError`` once ``rank`` is gone."""
         nonce = secrets.randbits(64)
         key = f"fresh/{rank}/{nonce:016x}"
-        self._nixl.send_notification(rank, CHANNEL + _QUERY + _QUERY_FORMAT.pack(nonce))
+        self._runtime.transports.messenger.send_notification(rank, CHANNEL + _QUERY + _QUERY_FORMAT.pack(nonce))
         answer = self._rendezvous.get(key, timeout_s, f"prepare: asking rank {rank} which memory map is current",
                                       ranks=(rank,))
         try:

@@ -106,6 +106,7 @@ class HostBlockRequest:
     indexing (gather, then scatter) took ~3.5x, torch's ``index_select`` + ``index_copy_`` ~6x."""
 
     event = None  # completes inside post
+    takes_device_ids = False
 
     def __init__(self, destination: list[int], source: list[int], regions: list[tuple[int, int, int]],
                  local_is_destination: bool) -> None:
@@ -152,6 +153,8 @@ class DeviceBlockRequest(StreamOrderedRequest):
     """Blocks between GPU memory of this process and (through CUDA IPC mappings) a peer's, moved by one
     Triton kernel per post on the post's stream. Stream-ordered and CUDA-graph capturable when the ids are
     device tensors (the kernel reads them at run time)."""
+
+    takes_device_ids = True
 
     def __init__(self, destination: list[int], source: list[int], regions: list[tuple[int, int, int]],
                  blocks: tuple[int, int], device_index: int, local_is_destination: bool) -> None:

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 
 from ..descriptors import MemoryKind
 from ..errors import InvalidArgumentError, PeerLostError, TransferError
-from .base import BackendInfo, Capabilities, Op, Poster, Segment, Status
-from .block_copy import BlockLayout, HostBlockRequest, copy_request
+from .base import BackendContext, BackendInfo, Capabilities, Op, Poster, Segment, Status
+from .block_copy import BlockBindings, BlockLayout, HostBlockRequest, copy_request
 
 __all__ = ["ShmBackend", "shared_file_of", "info"]
 
@@ -113,8 +113,10 @@ class _Request:
     watch: _PeerWatch
     blocks: HostBlockRequest | None = None  # a block request's copies instead of ``copies``
 
+    takes_device_ids = False  # host memory only
+
     @property
-    def bindings(self):  # a block request's ids, as a copying transport's block request has them
+    def bindings(self) -> BlockBindings:  # a block request (base.BlockRequest): the host copy's ids
         return self.blocks.bindings
 
 
@@ -157,6 +159,10 @@ class ShmBackend:
         self._exports: dict[tuple[int, int], _Export] = {}  # (addr, nbytes) -> export, this process
         self._peer_exports: dict[int, list[_Export]] = {}
         self._mapped: dict[tuple[int, _Export], tuple[mmap.mmap, ctypes.Array, int]] = {}  # -> (map, view, base)
+
+    @classmethod
+    def create(cls, context: BackendContext) -> ShmBackend:
+        return cls(authenticated=context.config.job_token is not None, peer_lost=context.peer_lost)
 
     # --- memory -------------------------------------------------------------------------------
     def register(self, segment: Segment) -> tuple[int, int] | None:
@@ -304,9 +310,6 @@ class ShmBackend:
         if request.blocks is not None:
             request.blocks.release()
         request.copies = []
-
-    def notifications(self) -> list[tuple[int, bytes]]:
-        return []  # notifications to a peer travel through NIXL
 
     def close(self) -> None:
         for key in list(self._mapped):

@@ -192,8 +192,9 @@ def _bench_shape(comm: Any, raw: Any, config: KvBenchConfig, shape: tuple[int, i
     comm.publish_blocks(f"kv-source-{tag}", pools.pools[0])
     comm.publish_blocks(f"kv-target-{tag}", pools.pools[1])
     if raw is not None:
-        comm._rendezvous.set(f"bench-kv-raw/{tag}/{comm.rank}", raw.get_agent_metadata())
-        raw.add_remote_agent(comm._rendezvous.get(f"bench-kv-raw/{tag}/{1 - comm.rank}", 60, "bench kv: raw metadata"))
+        store = comm.runtime.store
+        store.set(f"bench-kv-raw/{tag}/{comm.rank}", raw.get_agent_metadata())
+        raw.add_remote_agent(store.get(f"bench-kv-raw/{tag}/{1 - comm.rank}", 60, "bench kv: raw metadata"))
     records = []
     comm.barrier(timeout=120)
     if comm.rank == 0:
