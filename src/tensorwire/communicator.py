@@ -25,7 +25,6 @@ from .blocks import BlockPool, BlockPoolDesc
 from .bootstrap import Rendezvous
 from .descriptors import MemoryKind, TensorDesc
 from .errors import InvalidArgumentError, PeerLostError, TensorwireWarning, WaitTimeoutError
-from .freshness import CHANNEL as FRESHNESS_CHANNEL
 from .freshness import Freshness
 from .local_memory import LocalMemory
 from .membership import Member, Membership
@@ -90,17 +89,13 @@ class Communicator:
         self._handed_out = True  # from here on a leak is the user's (see __del__)
 
     def _open_channels(self, cfg: config_module.Config) -> None:
-        """The communicator's own message channels: revocations, and map confirmations where they can be
-        answered."""
+        """The communicator's own message channel (revocations), and the map confirmations: its liveness listener
+        tells askers its map epoch; with a token, its prepares ask the owners (``freshness.py``)."""
         runtime = self._runtime
         runtime.channel(REVOCATION_CHANNEL, self._revocations.handle)
-        # Maps are confirmed with their owners (an old one written back is refused), whose revocation threads
-        # answer in the store: not on a store the user lent to init and calls too (a blocking wait of theirs on
-        # that one client would hold our answer, and the peer waiting for it, until the timeouts).
-        if cfg.job_token is not None and self._rendezvous.owns_store:
-            freshness = Freshness(runtime, lambda: self._memory.epoch)
-            runtime.channel(FRESHNESS_CHANNEL, freshness.handle)
-            self._peers.current_epoch = freshness.current_epoch
+        runtime.liveness.map_epoch = lambda: self._memory.epoch
+        if cfg.job_token is not None:
+            self._peers.current_epoch = Freshness(runtime).current_epoch
         self._rendezvous.between_polls = self._revocations.pump  # a rank in a barrier answers revocations too
         runtime.between_polls = self._revocations.pump  # and so does every sleeping wait
 

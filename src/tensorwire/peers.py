@@ -144,24 +144,30 @@ class Peers:
         # of one rank: the look at the view held and the load replacing it are one step, so an older map read
         # first never replaces a newer one loaded meanwhile (NIXL would then miss the newer registrations).
         with self._loading:
-            return self._replace_view(rank, epoch, blob, source)
+            return self._replace_view(rank, epoch, blob, source, give_up_at)
 
-    def _replace_view(self, rank: int, epoch: int, blob: bytes, source: str) -> bool:
+    def _replace_view(self, rank: int, epoch: int, blob: bytes, source: str, give_up_at: float) -> bool:
         view = self._views.get(rank)
         # With a job token a newer view is authentic: an older map (a replayed value) never replaces it. Without
         # one, a forged map with a far-off epoch must not shadow the real one for good.
         if view is not None and (view.epoch == epoch or (view.epoch > epoch and self._runtime.config.job_token)):
             return True
         memory_map = MemoryMap.unpack(blob, source)
-        if self._backends.messenger.name not in memory_map.sections:
-            # Its messenger (NIXL's agent) is still starting: the map published once it is ready carries it.
-            return False
         host = memory_map.sections.pop("host").decode()
         for name, metadata in memory_map.sections.items():
             if name in self._backends and (not self._backends[name].capabilities.same_host_only or host == self.host):
                 loading = f"prepare: loading rank {rank}'s {name} metadata"
                 with typed_decoding(f"{source}, section {name!r}"), self.lost_as_such(rank, loading):
                     self._backends[name].load_peer(rank, metadata)
+        messenger = self._backends.messenger.name
+        if messenger not in memory_map.sections:
+            # Its messenger (NIXL's agent) is still being made (the map published once it exists carries it),
+            # within the bound.
+            if time.monotonic() > give_up_at:
+                raise InvalidArgumentError(
+                    f"{source}: epoch {epoch} has no {messenger} section: rank {rank}'s {messenger} agent was not made "
+                    "(its own register() says why) or the map is corrupt")
+            return False
         self._views[rank] = PeerView(epoch, host, memory_map.regions)
         return True
 

@@ -24,10 +24,11 @@ Protocol (notifications on the channel ``b"twrev"``; the owner is the rank that 
 The revocation thread. A holder must answer while its user threads are busy outside tensorwire, or spin in a
 tight loop of transfers that never sleeps, and every rank must answer (the owner cannot tell which of the ranks
 it has met hold transfers to it). One daemon thread per communicator with peers, started at ``init``, pumps the
-notification inbox every ``_LISTEN_PERIOD_S`` (one ``get_new_notifs`` call: ~100
-cheap wake-ups a second, ~0 CPU) and handles ``twrev`` messages as they arrive; user notifications it pumps are
-only queued (``wait_notification`` reads them as before). The hot path costs nothing: a revoked transfer's bound
-post call is cleared, so its next post takes the slow path, which raises.
+notification inbox every ``_LISTEN_PERIOD_S`` (one ``get_new_notifs`` call: ~100 cheap wake-ups a second, ~0
+CPU) and handles ``twrev`` messages as they arrive; it waits in ``Liveness.serve``, so handshakes and questions to
+this rank's liveness listener are answered as they arrive; user notifications it pumps are only queued
+(``wait_notification`` reads them as before). The hot path costs nothing: a revoked transfer's bound post call is
+cleared, so its next post takes the slow path, which raises.
 """
 
 from __future__ import annotations
@@ -140,9 +141,14 @@ class Revocations:
         self._listener.start()
 
     def _listen(self) -> None:
-        while not self._stop.wait(_LISTEN_PERIOD_S):
+        liveness = self._runtime.liveness
+        while not self._stop.is_set():
             try:
-                self.pump(force=True)
+                # Waits up to the period, waking at once for a connection or a question to this rank's liveness
+                # listener (a peer's handshake, a map epoch asked by freshness.py), which it answers.
+                liveness.serve(_LISTEN_PERIOD_S)
+                if not self._stop.is_set():
+                    self.pump(force=True)
             except Exception:  # noqa: BLE001 - a failed pump (a peer gone mid-answer) is retried next period
                 continue
 

@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("errors", ["tensorwire.errors"]),
     ("values and the environment", ["tensorwire.config", "tensorwire.lifetime", "tensorwire.descriptors",
                                     "tensorwire.cuda", "tensorwire.deadlines", "tensorwire.liveness",
+                                    "tensorwire.listener_queries",
                                     "tensorwire.environment", "tensorwire.sealing", "tensorwire.network",
                                     "tensorwire.store_sockets", "tensorwire.bootstrap", "tensorwire.sealed_store",
                                     "tensorwire.etcd_store", "tensorwire.directory_client", "tensorwire.membership",

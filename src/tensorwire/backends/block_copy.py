@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cuda import enqueue_copies
 from ..descriptors import MemoryKind
 from ..errors import BackendUnavailableError, InvalidArgumentError
 from .base import Segment, Status, StreamOrderedRequest
@@ -183,6 +184,7 @@ class DeviceBlockRequest(StreamOrderedRequest):
         self._chunks = -(-max(r[2] for r in regions) // _CHUNK_BYTES)
         self._num_regions, self._blocks = len(regions), blocks
         self._staging = _IdStaging(device)
+        self._compiled: dict[tuple, Any] = {}  # (id dtypes, id alignments) -> Triton's compiled kernel (_launch)
         if self._chunks > 65535 or self._num_regions > 65535:
             raise InvalidArgumentError(
                 f"prepare_blocks: {self._num_regions} views of up to {max(r[2] for r in regions)} bytes per block "
@@ -218,12 +220,26 @@ class DeviceBlockRequest(StreamOrderedRequest):
         return Status.IN_PROGRESS
 
     def _launch(self, destination_ids: torch.Tensor, source_ids: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """One kernel on ``stream``. Triton's JIT binds and specialises every argument on each call (~40 µs of
+        Python); its specialisation here depends only on the two id tensors' dtypes and 16-byte alignment (the
+        rest is fixed per request), so the compiled kernel is kept per such key and launched directly, with the
+        constexprs in the order Triton's own launch passes them. The first launch of a key, and any launch while
+        another device is current, go through the JIT."""
         destination_blocks, source_blocks = self._blocks
         grid = (destination_ids.numel(), self._num_regions, self._chunks)
+        args = (self._anchor, self._table, destination_ids, source_ids, self._num_regions, destination_blocks,
+                source_blocks, self._chunk, self._chunk, self._align)
+        key = (destination_ids.dtype, source_ids.dtype, destination_ids.data_ptr() % 16 == 0,
+               source_ids.data_ptr() % 16 == 0)
+        compiled = self._compiled.get(key)
+        if compiled is not None and torch.cuda.current_device() == self.device_index:
+            compiled[grid](*args, stream=stream.cuda_stream)
+            return
         with torch.cuda.device(self.device_index), torch.cuda.stream(stream):
-            self._kernel[grid](self._anchor, self._table, destination_ids, source_ids, self._num_regions,
-                               destination_blocks, source_blocks, CHUNK=self._chunk, TILE=self._chunk,
-                               ALIGN=self._align, num_warps=_NUM_WARPS)
+            kernel = self._kernel[grid](*args[:7], CHUNK=self._chunk, TILE=self._chunk, ALIGN=self._align,
+                                        num_warps=_NUM_WARPS)
+        if hasattr(kernel, "run") and hasattr(kernel, "__getitem__"):  # a CompiledKernel (Triton >= 3)
+            self._compiled[key] = kernel
 
     def release(self) -> None:
         self.bindings.clear()
@@ -232,6 +248,7 @@ class DeviceBlockRequest(StreamOrderedRequest):
 class _Slot:
     def __init__(self, capacity: int, device: torch.device) -> None:
         self.host = torch.empty(2 * capacity, dtype=torch.int32, pin_memory=True)
+        self.host_array = self.host.numpy()  # the same pinned bytes, written by numpy without torch's dispatch
         self.device = torch.empty(2 * capacity, dtype=torch.int32, device=device)
         self.event = torch.cuda.Event()
         self.used = False
@@ -256,20 +273,25 @@ class _IdStaging:
               stream: torch.cuda.Stream) -> tuple[_Slot, torch.Tensor, torch.Tensor]:
         """Copy the ids into a slot and enqueue its host-to-device copy on ``stream``; their device views."""
         n = len(local_ids)
-        with torch.cuda.stream(stream):  # a new slot's device buffer belongs to the stream that reads it
-            slot = self._slot(n)
-            host = slot.host.numpy()
-            host[:n], host[n:2 * n] = local_ids, remote_ids
-            slot.device[:2 * n].copy_(slot.host[:2 * n], non_blocking=True)
+        slot = self._slot(n, stream)
+        slot.host_array[:n], slot.host_array[n:2 * n] = local_ids, remote_ids
+        if any(slot is kept for kept in self._slots):
+            # One cuMemcpyAsync: torch's copy_ under a stream context cost more than the kernel's launch.
+            enqueue_copies([(slot.device.data_ptr(), slot.host.data_ptr(), 8 * n)], stream, self._device.index,
+                           "post: copying block ids to the GPU")
+        else:  # a one-off slot: torch's copy keeps its pinned buffer alive until the copy has run
+            with torch.cuda.stream(stream):
+                slot.device[:2 * n].copy_(slot.host[:2 * n], non_blocking=True)
         slot.used = True
         return slot, slot.device[:n], slot.device[n:2 * n]
 
-    def _slot(self, n: int) -> _Slot:
+    def _slot(self, n: int, stream: torch.cuda.Stream) -> _Slot:
         free = [i for i, s in enumerate(self._slots) if s.free()]
         fitting = next((i for i in free if self._slots[i].host.numel() >= 2 * n), None)
         if fitting is not None:
             return self._slots[fitting]
-        slot = _Slot(1 << max(10, (n - 1).bit_length()), self._device)
+        with torch.cuda.stream(stream):  # a new slot's device buffer belongs to the stream that reads it
+            slot = _Slot(1 << max(10, (n - 1).bit_length()), self._device)
         if len(self._slots) < self._MAX_SLOTS:
             self._slots.append(slot)
         elif free:  # a free slot too small for these ids makes room (nothing reads it any more)
