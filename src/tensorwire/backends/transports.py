@@ -38,7 +38,7 @@ class Transports:
         except BaseException:
             self.close(lambda step: step())
             raise
-        # Carries the messages of the transports without a channel, revocations and map confirmations.
+        # Carries the messages of the transports without a channel, and revocations.
         self.messenger: MessageChannel = remote[0]
 
     def _add(self, entry: registry.Transport) -> Backend | None:
