@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tensorwire.bench import kv_report, moe, report
+from tensorwire.bench import kv_report, moe, p2p_report
 from tensorwire.bench.p2p_records import BenchConfig, BenchResult
 from tensorwire.bench.record import Record, compare_with, records_from_json, records_to_json
 from tensorwire.bench.timing import Timing, quantile
@@ -50,10 +50,10 @@ def test_the_p2p_table_takes_bw_over_copy_from_the_records():
                          ucx_version=None)
     head = {"versions": {"tensorwire": "0", "torch": "2", "nixl": "1", "nixl_module": "nixl", "ucx": None,
                          "python": "3"}, "cpu": {"model": "cpu", "usable_cores": 2}, "gpus": []}
-    text = report.format_report(result, head, BenchConfig())
+    text = p2p_report.format_report(result, head, BenchConfig())
     row = next(line for line in text.splitlines() if line.startswith("cpu"))
     assert row.split()[-2:] == ["0.50x", "0.50x"]  # BW/copy, then time/raw
-    assert report.comparisons(result.records)[0]["bw_vs_copy"] == pytest.approx(0.5)
+    assert p2p_report.comparisons(result.records)[0]["bw_vs_copy"] == pytest.approx(0.5)
 
 
 def test_host_quantiles_interpolate_as_numpy_does():

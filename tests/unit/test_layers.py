@@ -48,7 +48,7 @@ LAYERS: list[tuple[str, list[str]]] = [
 KNOWN_CIRCLES: list[tuple[frozenset[str], str]] = []
 
 # Handles (transfers, block transfers, registrations, revocations) get a Runtime or a callback from the
-# communicator and reach none of its private attributes. MoE engines and one benchmark still reach into the
+# communicator and reach none of its private attributes. MoE engines still reach into the
 # Communicator at run time through private attributes, which no import shows; these, and no others, are
 # allowed. Seen as ``<name>._attr`` where the name is comm, _comm, communicator or _communicator.
 KNOWN_PRIVATE_REACHES: dict[str, set[str]] = {
@@ -60,9 +60,6 @@ KNOWN_PRIVATE_REACHES: dict[str, set[str]] = {
     "tensorwire.moe.selection": {"_backends", "_dependents"},
     "tensorwire.moe.engines.nixl_arrivals": {"_inbox", "_runtime"},
     "tensorwire.moe.engines.cuda_waits": {"_runtime"},
-    # The KV benchmark's raw-NIXL baseline swaps agent metadata through the communicator's store (the p2p
-    # benchmark lends its own store to tw.init instead); a public store accessor would remove it.
-    "tensorwire.bench.kv": {"_rendezvous"},
 }
 _COMMUNICATOR_NAMES = {"comm", "_comm", "communicator", "_communicator"}
 

@@ -534,7 +534,8 @@ def test_shared_file_of_finds_only_mappings_a_peer_can_open(tmp_path):
 def test_bench_summary_holds_wait_returns_against_their_goal():
     """Each measured wait(stream=) return becomes a summary line: ok only below 20 µs and with the transfer
     still in flight at every return; the JSON keeps the raw measurement."""
-    from tensorwire.bench import p2p, report
+    from tensorwire.bench import p2p
+    from tensorwire.bench import p2p_report as report
     from tensorwire.bench.timing import Budget
 
     def wait_return(transport, median_us, in_flight):
@@ -555,7 +556,8 @@ def test_bench_summary_holds_4k_gpu_graph_latency_against_its_goal():
     """A 4 KiB GPU row replayed from a graph becomes a summary line, ok only at <= 10 µs, naming the stream,
     copy and CPU-timed rows beside it; a GPU run without graph rows says why (no --graphs, or a transport
     that is not stream-ordered); a host-only run has no such line."""
-    from tensorwire.bench import p2p, report
+    from tensorwire.bench import p2p
+    from tensorwire.bench import p2p_report as report
 
     def record(op, path, median_us, transport="cuda_ipc"):
         gbps = 4096 / median_us / 1e3

@@ -40,7 +40,7 @@ from ..errors import AuthenticationError, BackendUnavailableError, PeerLostError
 from .base import Capabilities, Op, Poster, Segment, Status
 from .block_copy import BlockBindings, BlockLayout
 from .nixl_names import agent_name, member_rank
-from .nixl_setup import _error_classes, _import_nixl, _make_agent, info, quiet_nixl_logging
+from .nixl_setup import _error_classes, import_nixl, info, make_agent, quiet_nixl_logging
 
 __all__ = ["NixlBackend", "info", "agent_name", "member_rank", "quiet_nixl_logging"]
 
@@ -56,7 +56,7 @@ class NixlBackend:
                  net_devices: str | None = None) -> None:
         """``token``: the job token (agent names prove membership with it); ``net_devices``: the network devices
         UCX may listen on (``network.ucx_net_devices``; None: UCX's default, every interface)."""
-        api, bindings = _import_nixl()
+        api, bindings = import_nixl()
         self._errors = _error_classes(bindings)
         self.rank = rank
         self._token = token
@@ -67,7 +67,7 @@ class NixlBackend:
             net_devices = None  # the user's choice stands
         self.net_devices = net_devices
         try:
-            self.agent = _make_agent(api, bindings, self.agent_name, progress_wakeup_ms, net_devices=net_devices)
+            self.agent = make_agent(api, bindings, self.agent_name, progress_wakeup_ms, net_devices=net_devices)
         except Exception as e:  # noqa: BLE001 - NIXL raises plain RuntimeError/its own classes
             raise BackendUnavailableError(
                 f"nixl: creating agent {self.agent_name!r} with the UCX backend failed: {e}; "

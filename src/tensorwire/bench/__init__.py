@@ -6,7 +6,7 @@
   module has ``HELP``, ``add_arguments`` and ``main`` (the shape is described in ``tensorwire.cli``).
 - ``p2p``: READ/WRITE between two local ranks beside raw NIXL and a local copy; idle CPU. Split by concern:
   ``p2p_records`` (sizes, path names, ``BenchResult``), ``p2p_rank`` (one rank's measuring),
-  ``inbox`` (the byte checks), ``raw_nixl`` (the baseline), ``report`` (tables, comparisons, JSON).
+  ``p2p_inbox`` (the byte checks), ``raw_nixl`` (the baseline), ``p2p_report`` (tables, comparisons, JSON).
 - ``moe``: MoE dispatch and combine per backend beside a copy of the same bytes.
 - ``kv``: KV-cache block READ/WRITE by id beside raw NIXL and a contiguous copy; ``kv_report`` its table.
 - ``fleet``: members launched apart meeting in a directory: join, first READ from a never-seen member, the

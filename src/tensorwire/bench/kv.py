@@ -43,6 +43,7 @@ import torch
 from ..errors import TransferError
 from .command import MEMORY_CHOICES, check_plot, header, list_of, memories, parse_sizes, positive, write_json
 from .kv_report import COPY, format_report, plot_kv
+from .raw_nixl import RawNixl, init_with_store, release_store
 from .record import Record, compare_with, records_to_json
 from .timing import Budget, CudaEventClock, HostClock, Timing, measure, quantile, time_call
 
@@ -124,19 +125,21 @@ def _expected(rank: int, role: int, view: int, ids: torch.Tensor, block_bytes: i
 class _Pools:
     """This rank's two pools for one (views, blocks, block bytes) shape: tensorwire and raw NIXL registered."""
 
-    def __init__(self, comm: Any, raw: Any, shape: tuple[int, int, int], device: torch.device) -> None:
+    def __init__(self, comm: Any, raw: RawNixl | None, shape: tuple[int, int, int], device: torch.device) -> None:
         views, blocks, block_bytes = shape
         self.files: list[str] = []
         self.source = _values(comm.rank, 0, views, blocks, block_bytes, device, self.files)
         self.target = _values(comm.rank, 1, views, blocks, block_bytes, device, self.files)
         self.pools = [comm.register_blocks(self.source), comm.register_blocks(self.target)]
-        self.raw_regs = [raw.register_memory(t) for t in self.source + self.target] if raw is not None else []
+        if raw is not None:
+            for tensor in self.source + self.target:
+                raw.register(tensor)
 
-    def close(self, raw: Any) -> None:
+    def close(self, raw: RawNixl | None) -> None:
         for pool in self.pools:
             pool.close()
-        for reg in self.raw_regs:
-            raw.deregister_memory(reg)
+        if raw is not None:
+            raw.deregister_all()
         for path in self.files:
             os.unlink(path)
 
@@ -151,24 +154,13 @@ def _block_rows(tensors: list[torch.Tensor], ids: np.ndarray, block_bytes: int) 
     return rows
 
 
-def _raw_wait(agent: Any, handle: Any) -> None:
-    state = agent.transfer(handle)
-    while state == "PROC":
-        state = agent.check_xfer_state(handle)
-    if state != "DONE":
-        raise TransferError(f"bench kv: raw NIXL transfer ended in state {state!r}")
-
-
 # --- one rank ------------------------------------------------------------------------------------------------
 def _rank_main(config: KvBenchConfig) -> list[Record]:
-    import tensorwire as tw
-
-    from ..backends.nixl_setup import _import_nixl, _make_agent
-
-    comm = tw.init(timeout=120)
+    comm, bench_store = init_with_store(120.0)
     records: list[Record] = []
-    api, bindings = _import_nixl()
-    raw = _make_agent(api, bindings, f"bench-kv-raw{comm.rank}", comm.config.progress_wakeup_ms) if config.raw else None
+    raw = None
+    if config.raw:  # configured as tensorwire's own agent: only tensorwire's layers differ
+        raw = RawNixl(comm.rank, bench_store, "tensorwire", comm.config.progress_wakeup_ms, prefix="bench-kv-raw")
     # No cleanup on failure: a failing rank reports at once and the launcher stops both (closing first would
     # wait, bounded but long, for a peer that sits in a barrier waiting for this rank).
     for memory in config.memory:
@@ -181,19 +173,21 @@ def _rank_main(config: KvBenchConfig) -> list[Record]:
         for shape, shape_cases in by_shape.items():
             records += _bench_shape(comm, raw, config, shape, shape_cases, device)
     comm.barrier(timeout=config.timeout_s)
+    if raw is not None:
+        raw.close()
     comm.close()
+    release_store(comm.rank, bench_store)
     return records
 
 
-def _bench_shape(comm: Any, raw: Any, config: KvBenchConfig, shape: tuple[int, int, int], shape_cases: list[Case],
-                 device: torch.device) -> list[Record]:
+def _bench_shape(comm: Any, raw: RawNixl | None, config: KvBenchConfig, shape: tuple[int, int, int],
+                 shape_cases: list[Case], device: torch.device) -> list[Record]:
     pools = _Pools(comm, raw, shape, device)
     tag = f"{shape[0]}x{shape[1]}x{shape[2]}-{device.type}"
     comm.publish_blocks(f"kv-source-{tag}", pools.pools[0])
     comm.publish_blocks(f"kv-target-{tag}", pools.pools[1])
     if raw is not None:
-        comm._rendezvous.set(f"bench-kv-raw/{tag}/{comm.rank}", raw.get_agent_metadata())
-        raw.add_remote_agent(comm._rendezvous.get(f"bench-kv-raw/{tag}/{1 - comm.rank}", 60, "bench kv: raw metadata"))
+        raw.exchange_metadata(tag)
     records = []
     comm.barrier(timeout=120)
     if comm.rank == 0:
@@ -205,7 +199,7 @@ def _bench_shape(comm: Any, raw: Any, config: KvBenchConfig, shape: tuple[int, i
     comm.barrier(timeout=config.timeout_s)
     pools.close(raw)  # on success only, as in _rank_main
     if raw is not None:
-        raw.remove_remote_agent(f"bench-kv-raw{1 - comm.rank}")
+        raw.forget_peer()
     return records
 
 
@@ -214,7 +208,7 @@ def _remote_tensors(desc: Any) -> list[tuple[int, int]]:
     return [(a, s) for a, s, _, _ in desc.regions]
 
 
-def _bench_case(comm: Any, raw: Any, config: KvBenchConfig, case: Case, pools: _Pools, remotes: tuple,
+def _bench_case(comm: Any, raw: RawNixl | None, config: KvBenchConfig, case: Case, pools: _Pools, remotes: tuple,
                 peer_tensors: tuple) -> list[Record]:
     """Every path of one case, each held against the contiguous copy of the same bytes."""
     import tensorwire as tw
@@ -292,7 +286,7 @@ def _verify(comm: Any, x: Any, case: Case, pools: _Pools, local_ids: np.ndarray,
         view[scratch] = _expected(0, 1, v, scratch, case.block_bytes)
 
 
-def _bench_raw(raw: Any, case: Case, pools: _Pools, op: Any, local_ids: np.ndarray, remote_ids: np.ndarray,
+def _bench_raw(raw: RawNixl, case: Case, pools: _Pools, op: Any, local_ids: np.ndarray, remote_ids: np.ndarray,
                peer_tensors: tuple, budget: Budget) -> list[Record]:
     """A bare NIXL agent over the same blocks: per-request Nx3 descriptors, and per-block lists prepped once."""
     import tensorwire as tw
@@ -300,7 +294,7 @@ def _bench_raw(raw: Any, case: Case, pools: _Pools, op: Any, local_ids: np.ndarr
     mem = "VRAM" if case.memory == "cuda" else "DRAM"
     local = pools.target if op is tw.READ else pools.source
     peer = peer_tensors[0] if op is tw.READ else peer_tensors[1]
-    peer_name = "bench-kv-raw1"
+    agent, peer_name = raw.agent, raw.peer_name
     device = max(local[0].device.index or 0, 0)
 
     def remote_rows(ids: np.ndarray) -> np.ndarray:
@@ -310,18 +304,19 @@ def _bench_raw(raw: Any, case: Case, pools: _Pools, op: Any, local_ids: np.ndarr
         return rows
 
     def per_request() -> Any:
-        return raw.initialize_xfer(op.value, raw.get_xfer_descs(_block_rows(local, local_ids, case.block_bytes), mem),
-                                   raw.get_xfer_descs(remote_rows(remote_ids), mem), peer_name)
+        return agent.initialize_xfer(op.value, agent.get_xfer_descs(_block_rows(local, local_ids, case.block_bytes),
+                                                                    mem),
+                                     agent.get_xfer_descs(remote_rows(remote_ids), mem), peer_name)
 
     all_ids = np.arange(case.blocks)
-    local_list = raw.prep_xfer_dlist("", _block_rows(local, all_ids, case.block_bytes), mem)
-    remote_list = raw.prep_xfer_dlist(peer_name, remote_rows(all_ids), mem)
+    local_list = agent.prep_xfer_dlist("", _block_rows(local, all_ids, case.block_bytes), mem)
+    remote_list = agent.prep_xfer_dlist(peer_name, remote_rows(all_ids), mem)
     views = np.arange(case.views, dtype=np.int64)[:, None] * case.blocks
     local_index = (views + local_ids[None, :]).astype(np.int32).ravel()
     remote_index = (views + remote_ids[None, :]).astype(np.int32).ravel()
 
     def prepped() -> Any:
-        return raw.make_prepped_xfer(op.value, local_list, local_index, remote_list, remote_index)
+        return agent.make_prepped_xfer(op.value, local_list, local_index, remote_list, remote_index)
 
     out = []
     try:
@@ -330,13 +325,13 @@ def _bench_raw(raw: Any, case: Case, pools: _Pools, op: Any, local_ids: np.ndarr
 
             def request(build=build) -> None:
                 handle = build()
-                _raw_wait(raw, handle)
+                raw.post_and_wait(handle)
                 handle.release()
 
             out.append(_record(case, name, measure(request, HostClock(), budget), "nixl", post_us[2:]))
     finally:
-        raw.release_dlist_handle(local_list)
-        raw.release_dlist_handle(remote_list)
+        agent.release_dlist_handle(local_list)
+        agent.release_dlist_handle(remote_list)
     return out
 
 

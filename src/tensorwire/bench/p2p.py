@@ -1,7 +1,7 @@
 """``tensorwire bench [p2p]``: point-to-point READ and WRITE between two local ranks, beside raw NIXL and a
 copy. This module is the command and ``run``; one rank's measuring is ``p2p_rank.py``, the byte checks
-``inbox.py``, the baseline ``raw_nixl.py``, the names and configuration ``p2p_records.py`` (the records are
-``record.Record``, every tensorwire row held against the copy), the tables ``report.py``.
+``p2p_inbox.py``, the baseline ``raw_nixl.py``, the names and configuration ``p2p_records.py`` (the records are
+``record.Record``, every tensorwire row held against the copy), the tables ``p2p_report.py``.
 
 Two processes (``tensorwire.testing.launch``). Rank 0 initiates every transfer; rank 1 is the passive target
 a one-sided transfer has, and only checks the bytes that landed. For each (memory, op, size), rank 0
@@ -13,7 +13,7 @@ measures, on the same registered buffers:
   take ``shm``), ``tensorwire (nixl)`` forces NIXL too, the row to hold against raw NIXL.
 - ``raw nixl``: a second, bare ``nixl_agent`` per rank, as a raw NIXL user would drive it: metadata through
   a store, ``initialize_xfer`` once, then per repetition ``transfer()`` + a tight ``check_xfer_state`` loop.
-  It is built by tensorwire's own ``_make_agent`` with NIXL's defaults except a sleeping progress thread
+  It is built by tensorwire's own ``make_agent`` with NIXL's defaults except a sleeping progress thread
   (``RAW_CONFIGS``: NIXL's spinning default would distort both sides on a small machine), so the comparison
   isolates what tensorwire adds: its Python layers and its choice of NIXL thread-safety mode.
 - ``tensorwire (in-process)`` (WRITE): rank 0's outbox into its own inbox through ``comm.prepare`` (the
@@ -71,7 +71,7 @@ from .p2p_records import (
 from .timing import Budget, host_seconds
 
 # Besides the command, the names this module always had: its measuring now lives in p2p_rank.py (one rank),
-# inbox.py (the byte checks), raw_nixl.py (the baseline) and p2p_records.py (what a run records).
+# p2p_inbox.py (the byte checks), raw_nixl.py (the baseline) and p2p_records.py (what a run records).
 __all__ = [
     "HOST_SIZES", "CUDA_SIZES", "RAW_CONFIGS", "BenchConfig", "Record", "BenchResult", "run", "rank_pattern",
     "first_mismatch", "format_size", "TENSORWIRE", "TENSORWIRE_STREAM", "TENSORWIRE_IN_PROCESS", "TENSORWIRE_GRAPH",
@@ -169,7 +169,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table, write ``--json`` / ``--plot``; blocks until both ranks are done."""
     from ..backends.nixl import quiet_nixl_logging
-    from . import report
+    from . import p2p_report as report
 
     for flag, value in (("--ranks", args.ranks), ("--backends", args.backends)):
         if value is not None:

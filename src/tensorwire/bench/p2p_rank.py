@@ -18,7 +18,7 @@ import torch
 from ..backends.base import Op
 from ..descriptors import TensorDesc
 from ..testing.data import rank_pattern
-from .inbox import InboxChecker, Side, check_inbox, check_path
+from .p2p_inbox import InboxChecker, Side, check_inbox, check_path
 from .p2p_records import (
     COPY,
     COPY_MT,
@@ -35,7 +35,7 @@ from .p2p_records import (
     BenchConfig,
     format_size,
 )
-from .raw_nixl import RawNixl
+from .raw_nixl import RawNixl, init_with_store, release_store
 from .record import Record, compare_with
 from .timing import Budget, Clock, CudaEventClock, HostClock, Timing, measure, measure_interleaved, summarize, time_call
 
@@ -44,24 +44,12 @@ __all__ = ["rank_main"]
 
 def rank_main(config: BenchConfig) -> dict[str, Any]:
     """One rank of the benchmark (run by ``launch``). Rank 0 returns the records."""
-    import datetime as dt
-
-    import torch.distributed as dist
-
-    import tensorwire as tw
-
-    from ..environment import resolve_environment
-
     if config.quiet_nixl:
         from ..backends.nixl import quiet_nixl_logging
 
         quiet_nixl_logging()
-    env = resolve_environment()
     # Our own store, lent to tw.init, also carries the raw agents' metadata under "bench/".
-    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0,
-                          timeout=dt.timedelta(seconds=config.timeout_s), wait_for_workers=False)
-    comm = tw.init(timeout=config.timeout_s, store=store)
-    bench_store = dist.PrefixStore("bench/", store)
+    comm, bench_store = init_with_store(config.timeout_s)
     result: dict[str, Any] = {"rank": comm.rank}
     try:
         result["idle"] = _measure_idle(comm, config.idle_s) if config.idle_s > 0 else None
@@ -79,11 +67,7 @@ def rank_main(config: BenchConfig) -> dict[str, Any]:
         comm.barrier()
     finally:
         comm.close()
-    # Rank 0 hosts the store: it must outlive rank 1's last use of it (close() announces departure).
-    if comm.rank == 1:
-        bench_store.set("closed", b"1")
-    else:
-        bench_store.wait(["closed"])
+    release_store(comm.rank, bench_store)
     return result
 
 

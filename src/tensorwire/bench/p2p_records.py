@@ -26,10 +26,10 @@ TENSORWIRE_GRAPH = "tensorwire (graph)"  # post(stream=) + wait(stream=) capture
 STREAM_ORDERED = stream_ordered_names()
 TENSORWIRE_PATHS = (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_GRAPH, TENSORWIRE_IN_PROCESS, TENSORWIRE_NIXL)
 RAW_CONFIGS = {
-    "sleeping": "a bare nixl_agent per rank from tensorwire's _make_agent with NIXL's defaults (UCX, error mode "
+    "sleeping": "a bare nixl_agent per rank from tensorwire's make_agent with NIXL's defaults (UCX, error mode "
                 "peer, 1 worker, thread sync NONE) except a sleeping progress thread, pthrDelay={delay_us} µs, "
                 "instead of NIXL's Python default 0, which spins a core per agent",
-    "tensorwire": "a bare nixl_agent per rank configured exactly as tensorwire's own (_make_agent's defaults: "
+    "tensorwire": "a bare nixl_agent per rank configured exactly as tensorwire's own (make_agent's defaults: "
                   "sleeping progress thread, pthrDelay={delay_us} µs, and tensorwire's thread sync mode), so only "
                   "tensorwire's Python layers differ",
     "nixl-default": "a bare nixl_agent per rank with every NIXL Python default, pthrDelay=0 included: its "
