@@ -53,11 +53,11 @@ def test_bench_moe_reports_each_backend():
 
 @pytest.mark.slow
 def test_bench_moe_takes_ranks_and_backends(tmp_path):
-    """``bench moe --ranks 1 --backends nixl``: only that backend's rows, measured by one rank (and a small PNG
+    """``bench moe --ranks 1 --engines nixl``: only that engine's rows, measured by one rank (and a small PNG
     with --plot where matplotlib is installed)."""
     out, png = tmp_path / "moe.json", tmp_path / "moe.png"
     plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []
-    done = _tensorwire("bench", "moe", "--memory", "cpu", "--ranks", "1", "--backends", "nixl", "--json", str(out),
+    done = _tensorwire("bench", "moe", "--memory", "cpu", "--ranks", "1", "--engines", "nixl", "--json", str(out),
                        *plot)
     assert done.returncode == 0, done.stderr[-3000:]
     records = json.loads(out.read_text())["records"]
@@ -97,8 +97,8 @@ def test_doctor_gives_a_verdict():
 @pytest.mark.parametrize("args, words", [
     (("bench", "--sizes", "12Q"), "size"),
     (("bench", "--time-budget", "-1"), "pass 0 or more"),
-    (("bench", "moe", "--backends", "torch,nccl"), "unknown or no backend ['nccl']"),
-    (("bench", "moe", "--backends", ","), "unknown or no backend"),
+    (("bench", "moe", "--engines", "torch,nccl"), "unknown or no engine ['nccl']"),
+    (("bench", "moe", "--engines", ","), "unknown or no engine"),
     (("bench", "moe", "--ranks", "0"), "pass 1 or more"),
     (("bench", "--ranks", "4"), "applies to 'tensorwire bench moe'"),
 ])

@@ -75,7 +75,7 @@ def test_the_committed_results_read_as_records(path):
     assert benchmark == ("kv" if path.name.startswith("kv-") else "moe" if path.name.startswith("moe-") else "p2p")
     if benchmark == "moe":
         assert all(r.reference == "copy" and "tokens" in r.params for r in records)
-        assert "backend" in moe.format_moe_report(records)
+        assert "engine" in moe.format_moe_report(records)
     if benchmark == "kv":
         assert all("pattern" in r.params for r in records)
         assert "contiguous copy" in kv_report.format_report(records)

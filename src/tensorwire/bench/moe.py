@@ -1,22 +1,22 @@
-"""MoE dispatch and combine per backend, beside a local copy of the same bytes, between local ranks.
+"""MoE dispatch and combine per engine, beside a local copy of the same bytes, between local ranks.
 
 ``run_moe_bench(args)`` launches ``world_size`` ranks (``tensorwire.testing.launch``); every rank routes
 ``T`` tokens of ``H`` elements to ``topk`` of ``num_experts`` experts (a fixed random routing, 10% of the
-slots empty), then, per backend, runs ``warmup`` untimed and ``reps`` timed dispatch + combine pairs
+slots empty), then, per engine, runs ``warmup`` untimed and ``reps`` timed dispatch + combine pairs
 (identity experts). Every rank makes the same calls (they are collective), so repetitions are counted,
 not time-budgeted. Rank 0 reports.
 
 Bytes are counted as DeepEP counts them: once per (token, expert) pair, ``rows x H x element size``,
-where ``rows`` are the pairs rank 0 sends (dispatch) or gets back (combine). Beside each backend's
+where ``rows`` are the pairs rank 0 sends (dispatch) or gets back (combine). Beside each engine's
 number stands a copy of the same bytes inside rank 0 (``dst.copy_(src)``, host memory or device
 memory), timed in the same run, and the ratio; and the same copy made by every rank at once (``shared
 copy``), the yardstick where ranks share one device: two ranks on one GPU both move their bytes through
 its memory in every step, as their dispatches do, so a step cannot beat both copies made together (with a
 GPU per rank the two copies agree). Times: median and p10/p90 in microseconds; host memory
 is timed with ``perf_counter``, GPU memory with CUDA events. Every rank checks its combine output
-(``x * sum of valid weights``) after timing: a backend that moved wrong bytes fails the benchmark.
+(``x * sum of valid weights``) after timing: an engine that moved wrong bytes fails the benchmark.
 
-With ``graphs=True`` the ``cuda`` backend is also timed as ``cuda (graph)``: dispatch and combine with
+With ``graphs=True`` the ``cuda`` engine is also timed as ``cuda (graph)``: dispatch and combine with
 ``capacity = world_size * T * topk`` (the most a rank can receive: no overflow possible), each captured
 once in a CUDA graph and replayed, so the time is the device's, without the Python launch cost an eager
 call pays on every step.
@@ -35,7 +35,7 @@ import torch
 
 from ..errors import InvalidArgumentError, TransferError
 from ..moe import collectives
-from ..moe.selection import BACKENDS
+from ..moe.selection import ENGINES
 from .command import add_common_arguments, at_least, check_plot, header, memories, write_json
 from .record import Record, records_to_json
 from .timing import CudaEventClock, HostClock, Timing, summarize, time_call
@@ -54,7 +54,7 @@ class MoeBenchConfig:
     hidden: int | None = None  # cpu 1024, cuda 7168
     topk: int = 8
     num_experts: int | None = None  # cpu 32, cuda 256 (rounded up to a multiple of world_size)
-    backends: tuple[str, ...] | None = None  # cpu ("torch", "nixl"); cuda ("cuda", "nixl", "torch"); minus skipped
+    engines: tuple[str, ...] | None = None  # cpu ("torch", "nixl"); cuda ("cuda", "nixl", "torch"); minus skipped
     world_size: int = 2
     dtype: str | None = None  # cpu float32, cuda bfloat16
     capacity_factor: float | None = None  # capacity = factor * T * topk rows (None: exact shapes)
@@ -63,8 +63,8 @@ class MoeBenchConfig:
     seed: int = 0
     timeout_s: float = 600.0
     quiet_nixl: bool = True
-    graphs: bool = False  # also time the cuda backend's steps captured in CUDA graphs
-    skipped: tuple[tuple[str, str], ...] = ()  # (backend, why it cannot run here), filled in by resolved()
+    graphs: bool = False  # also time the cuda engine's steps captured in CUDA graphs
+    skipped: tuple[tuple[str, str], ...] = ()  # (engine, why it cannot run here), filled in by resolved()
 
     def resolved(self) -> MoeBenchConfig:
         """Defaults filled in for ``memory``; checked."""
@@ -76,22 +76,22 @@ class MoeBenchConfig:
                 f"bench moe: memory='cuda' but torch {torch.__version__} sees no GPU; "
                 "pass memory='cpu'"
             )
-        requested = self.backends or (("cuda", "nixl", "torch") if gpu else ("torch", "nixl"))
-        unknown = sorted(set(requested) - set(BACKENDS))
+        requested = self.engines or (("cuda", "nixl", "torch") if gpu else ("torch", "nixl"))
+        unknown = sorted(set(requested) - set(ENGINES))
         if unknown:
-            raise InvalidArgumentError(f"bench moe: unknown backend(s) {unknown}; pass some of {', '.join(BACKENDS)}")
+            raise InvalidArgumentError(f"bench moe: unknown engine(s) {unknown}; pass some of {', '.join(ENGINES)}")
         gpus = torch.cuda.device_count() if gpu else 0
         reasons = {b: skip_reason(b, self.memory, self.world_size, gpus) for b in requested}
-        backends = tuple(b for b in requested if reasons[b] is None)
-        if not backends:
-            raise InvalidArgumentError("bench moe: no requested backend can run here: " + "; ".join(
+        engines = tuple(b for b in requested if reasons[b] is None)
+        if not engines:
+            raise InvalidArgumentError("bench moe: no requested engine can run here: " + "; ".join(
                 f"{b}: {reasons[b]}" for b in requested))
         experts = self.num_experts or (256 if gpu else 32)
         experts = -(-experts // self.world_size) * self.world_size
         config = replace(
             self, tokens=tuple(self.tokens or ((128, 4096) if gpu else (128, 512))),
             hidden=self.hidden or (7168 if gpu else 1024),
-            num_experts=experts, backends=backends, dtype=self.dtype or ("bfloat16" if gpu else "float32"),
+            num_experts=experts, engines=engines, dtype=self.dtype or ("bfloat16" if gpu else "float32"),
             skipped=tuple((b, reasons[b]) for b in requested if reasons[b] is not None),
         )
         if config.dtype not in _DTYPES:
@@ -106,15 +106,15 @@ class MoeBenchConfig:
         return config
 
 
-def skip_reason(backend: str, memory: str, world_size: int, gpu_count: int) -> str | None:
-    """Why ``backend`` cannot run ``world_size`` local ranks on ``memory`` ("cpu"/"cuda") of a host with
+def skip_reason(engine: str, memory: str, world_size: int, gpu_count: int) -> str | None:
+    """Why ``engine`` cannot run ``world_size`` local ranks on ``memory`` ("cpu"/"cuda") of a host with
     ``gpu_count`` GPUs, or None when it can. Ranks take the GPUs in turn, so more ranks than GPUs put two
     ranks on one GPU. Local: no GPU work, no process group is made."""
-    if backend == "cuda" and memory != "cuda":
+    if engine == "cuda" and memory != "cuda":
         return "it moves GPU memory only; pass --memory cuda"
-    if backend == "cuda" and importlib.util.find_spec("triton") is None:
+    if engine == "cuda" and importlib.util.find_spec("triton") is None:
         return "Triton is not installed (pip install triton, or tensorwire[cuda])"
-    if backend == "torch":
+    if engine == "torch":
         if memory == "cuda" and world_size > gpu_count:
             return (f"NCCL needs a GPU of its own per rank and {world_size} ranks share {gpu_count} GPU(s); "
                     f"pass --ranks {max(gpu_count, 1)} or fewer to time it")
@@ -125,13 +125,13 @@ def skip_reason(backend: str, memory: str, world_size: int, gpu_count: int) -> s
 
 
 def run_moe_bench(args: Any = None, **overrides: Any) -> list[Record]:
-    """Run the benchmark; rank 0's records, one per (tokens, backend, op): the backend is the record's
+    """Run the benchmark; rank 0's records, one per (tokens, engine, op): the engine is the record's
     ``path``, the copy its ``reference``, the routing's shape and the shared copy in its ``params``.
 
     ``args``: a ``MoeBenchConfig``, or any object (e.g. an ``argparse.Namespace``) whose attributes named
     like ``MoeBenchConfig``'s fields override the defaults; keywords override both. Raises
     ``RankFailedError``/``WaitTimeoutError`` (``TensorwireError``) when a rank fails, ``TransferError`` when a
-    backend moved wrong bytes.
+    engine moved wrong bytes.
     """
     from ..testing import launch
 
@@ -140,13 +140,13 @@ def run_moe_bench(args: Any = None, **overrides: Any) -> list[Record]:
         known = {f for f in MoeBenchConfig.__dataclass_fields__}
         config = replace(config, **{k: v for k, v in vars(args).items() if k in known and v is not None})
     config = replace(config, **overrides)
-    for name in ("tokens", "backends"):
+    for name in ("tokens", "engines"):
         value = getattr(config, name)
         if isinstance(value, (str, int)):
             config = replace(config, **{name: (value,)})
     config = config.resolved()
-    for backend, reason in config.skipped:
-        print(f"bench moe: skipping backend {backend!r}: {reason}", file=sys.stderr, flush=True)
+    for engine, reason in config.skipped:
+        print(f"bench moe: skipping engine {engine!r}: {reason}", file=sys.stderr, flush=True)
     results = launch(_rank_main, config.world_size, config, timeout=config.timeout_s)
     return results[0]
 
@@ -174,16 +174,16 @@ def _rank_main(config: MoeBenchConfig) -> list[Record]:
             nbytes = rows * config.hidden * x.element_size()
             copy = _copy_timing(nbytes, device, config)
             shared_copy = _shared_copy_timing(comm, nbytes, device, config)
-            for backend in config.backends:
+            for engine in config.engines:
                 capacity = None
                 if config.capacity_factor is not None:
                     capacity = max(1, int(config.capacity_factor * tokens * config.topk))
-                dispatch, combine, y = _time_backend(moe, comm, backend, x, topk_idx, topk_weights, config, capacity)
-                _check(y, x, topk_idx, topk_weights, backend, comm.rank)
+                dispatch, combine, y = _time_engine(moe, comm, engine, x, topk_idx, topk_weights, config, capacity)
+                _check(y, x, topk_idx, topk_weights, engine, comm.rank)
                 for op, timing in (("dispatch", dispatch), ("combine", combine)):
-                    records.append(_record(config, backend, op, tokens, rows, nbytes, timing, copy, shared_copy,
+                    records.append(_record(config, engine, op, tokens, rows, nbytes, timing, copy, shared_copy,
                                            device, capacity))
-                if backend == "cuda" and config.graphs:
+                if engine == "cuda" and config.graphs:
                     capacity = config.world_size * tokens * config.topk
                     dispatch, combine, y = _time_graphs(moe, comm, x, topk_idx, topk_weights, config, capacity)
                     _check(y, x, topk_idx, topk_weights, "cuda (graph)", comm.rank)
@@ -216,7 +216,7 @@ def _clock(device: torch.device) -> Callable[[Callable[[], Any]], float]:
     return one_call
 
 
-def _time_backend(moe: Any, comm: Any, backend: str, x: torch.Tensor, topk_idx: torch.Tensor,
+def _time_engine(moe: Any, comm: Any, engine: str, x: torch.Tensor, topk_idx: torch.Tensor,
                   topk_weights: torch.Tensor, config: MoeBenchConfig, capacity: int | None):
     """Samples of dispatch and of combine, timed in alternation (a combine needs its dispatch); the last
     combine's output."""
@@ -225,7 +225,7 @@ def _time_backend(moe: Any, comm: Any, backend: str, x: torch.Tensor, topk_idx: 
 
     def dispatch() -> None:
         last["d"] = moe.dispatch(x, topk_idx, topk_weights, num_experts=config.num_experts, comm=comm,
-                                 backend=backend, capacity=capacity)
+                                 engine=engine, capacity=capacity)
 
     def combine() -> None:
         last["y"] = moe.combine(last["d"].recv_x, last["d"])
@@ -243,10 +243,10 @@ def _time_backend(moe: Any, comm: Any, backend: str, x: torch.Tensor, topk_idx: 
 
 def _time_graphs(moe: Any, comm: Any, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  config: MoeBenchConfig, capacity: int):
-    """The ``cuda`` backend with ``capacity``: one eager step (sets up its buffers), then dispatch and
+    """The ``cuda`` engine with ``capacity``: one eager step (sets up its buffers), then dispatch and
     combine captured in two CUDA graphs and replayed in alternation, each replay timed with events."""
     def dispatch():
-        return moe.dispatch(x, topk_idx, topk_weights, num_experts=config.num_experts, comm=comm, backend="cuda",
+        return moe.dispatch(x, topk_idx, topk_weights, num_experts=config.num_experts, comm=comm, engine="cuda",
                             capacity=capacity)
 
     first = dispatch()
@@ -302,7 +302,7 @@ def _shared_copy_timing(comm: Any, nbytes: int, device: torch.device, config: Mo
     return summarize(samples)
 
 
-def _check(y: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, backend: str,
+def _check(y: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, engine: str,
            rank: int) -> None:
     """Identity experts: y = x * (sum of the valid weights)."""
     expected = x.float() * torch.where(topk_idx >= 0, topk_weights, 0.0).sum(1, keepdim=True)
@@ -310,15 +310,15 @@ def _check(y: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
     if not torch.allclose(y.float(), expected, rtol=tolerance, atol=tolerance):
         worst = float((y.float() - expected).abs().max())
         raise TransferError(
-            f"bench moe: backend {backend!r} combined wrong values on rank {rank} (max error {worst:.3g})")
+            f"bench moe: engine {engine!r} combined wrong values on rank {rank} (max error {worst:.3g})")
 
 
-def _record(config: MoeBenchConfig, backend: str, op: str, tokens: int, rows: int, nbytes: int, timing: Timing,
+def _record(config: MoeBenchConfig, engine: str, op: str, tokens: int, rows: int, nbytes: int, timing: Timing,
             copy: Timing, shared_copy: Timing, device: torch.device, capacity: int | None) -> Record:
-    """The record of one backend's ``op``, held against the copy of the same bytes; the shared copy beside."""
+    """The record of one engine's ``op``, held against the copy of the same bytes; the shared copy beside."""
     gbps, copy_gbps, shared_gbps = timing.gbps(nbytes), copy.gbps(nbytes), shared_copy.gbps(nbytes)
     record = Record.measured(
-        "moe", device.type, op, backend, backend.split(" (")[0], nbytes, timing, tokens=tokens, hidden=config.hidden,
+        "moe", device.type, op, engine, engine.split(" (")[0], nbytes, timing, tokens=tokens, hidden=config.hidden,
         topk=config.topk, num_experts=config.num_experts, world_size=config.world_size, dtype=config.dtype,
         capacity=capacity, rows=rows, copy_median_us=copy.median_us, copy_gbps=copy_gbps,
         shared_copy_median_us=shared_copy.median_us, shared_copy_gbps=shared_gbps,
@@ -328,7 +328,7 @@ def _record(config: MoeBenchConfig, backend: str, op: str, tokens: int, rows: in
 
 def format_moe_report(records: list[Record]) -> str:
     """A plain table of the records."""
-    head = (f"{'backend':12} {'op':8} {'mem':4} {'T':>5} {'H':>5} {'K':>2} {'rows':>6} {'median us':>10} "
+    head = (f"{'engine':12} {'op':8} {'mem':4} {'T':>5} {'H':>5} {'K':>2} {'rows':>6} {'median us':>10} "
             f"{'p10-p90 us':>17} {'GB/s':>7} {'copy GB/s':>9} {'ratio':>6} {'shared GB/s':>11} {'ratio':>6}")
     lines = [head, "-" * len(head)]
     for r in records:
@@ -345,19 +345,19 @@ def format_moe_report(records: list[Record]) -> str:
 
 
 # --- the command: tensorwire bench moe -------------------------------------------------------------
-HELP = "MoE dispatch/combine per backend between local ranks, beside a copy of the same bytes"
+HELP = "MoE dispatch/combine per engine between local ranks, beside a copy of the same bytes"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``tensorwire bench moe``."""
-    parser.description = ("MoE dispatch and combine per backend between local ranks, each beside a copy of the "
+    parser.description = ("MoE dispatch and combine per engine between local ranks, each beside a copy of the "
                           "same bytes inside rank 0 and made by every rank at once.")
-    add_common_arguments(parser, graphs_help="GPU: also time the cuda backend's dispatch and combine captured in "
+    add_common_arguments(parser, graphs_help="GPU: also time the cuda engine's dispatch and combine captured in "
                                              "CUDA graphs and replayed")
     parser.add_argument("--ranks", type=at_least(int, 1), default=2, metavar="N",
                         help="local ranks (default 2; 1 times the kernels on a GPU no other rank shares)")
-    parser.add_argument("--backends", default=None, metavar="LIST",
-                        help="comma-separated backends to time (default: every one that runs here)")
+    parser.add_argument("--engines", default=None, metavar="LIST",
+                        help="comma-separated engines to time (default: every one that runs here)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -367,15 +367,15 @@ def main(args: argparse.Namespace) -> int:
     quiet_nixl_logging()
     check_plot(args)
     memory = memories(args)[-1]  # one memory per run: cuda where torch sees a GPU and --memory allows it
-    backends = None
-    if args.backends is not None:
-        backends = tuple(dict.fromkeys(b.strip() for b in args.backends.split(",") if b.strip()))
-        unknown = sorted(set(backends) - set(BACKENDS))
-        if unknown or not backends:
-            args.parser.error(f"--backends {args.backends!r}: unknown or no backend {unknown}; pass a "
-                              f"comma-separated list of {', '.join(BACKENDS)}")
+    engines = None
+    if args.engines is not None:
+        engines = tuple(dict.fromkeys(b.strip() for b in args.engines.split(",") if b.strip()))
+        unknown = sorted(set(engines) - set(ENGINES))
+        if unknown or not engines:
+            args.parser.error(f"--engines {args.engines!r}: unknown or no engine {unknown}; pass a "
+                              f"comma-separated list of {', '.join(ENGINES)}")
     records = run_moe_bench(memory=memory, timeout_s=args.timeout, graphs=args.graphs, world_size=args.ranks,
-                            backends=backends)
+                            engines=engines)
     print(format_moe_report(records), flush=True)
     if args.json is not None:
         write_json(args.json, {"header": header(args.argv), "records": records_to_json(records)})

@@ -162,7 +162,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "sleeping progress thread; 'tensorwire' exactly tensorwire's agent configuration; "
                              "'nixl-default' every NIXL default (a progress thread that spins a core)")
     # Flags of 'bench moe', accepted here only to say where they belong (argparse would just call them unknown).
-    for flag in ("--ranks", "--backends"):
+    for flag in ("--ranks", "--engines"):
         parser.add_argument(flag, default=None, help=argparse.SUPPRESS)
 
 
@@ -171,7 +171,7 @@ def main(args: argparse.Namespace) -> int:
     from ..backends.nixl import quiet_nixl_logging
     from . import p2p_report as report
 
-    for flag, value in (("--ranks", args.ranks), ("--backends", args.backends)):
+    for flag, value in (("--ranks", args.ranks), ("--engines", args.engines)):
         if value is not None:
             args.parser.error(f"{flag} applies to 'tensorwire bench moe'; the p2p bench runs rank 0 -> rank 1")
     quiet_nixl_logging()
