@@ -31,6 +31,7 @@ from .errors import (
 from .membership import Member
 from .moe import all_to_all_v
 from .registration import Registration
+from .shared_memory import shared_empty
 from .transfer import Transfer
 
 READ = Op.READ
@@ -54,5 +55,5 @@ __all__ = [
     "MemoryKind", "BackendInfo", "backends", "testing", "TensorwireError", "TensorwireWarning", "InvalidArgumentError",
     "ClosedError", "BackendUnavailableError", "TransferError", "WaitTimeoutError", "PeerLostError",
     "RevokedError",
-    "AuthenticationError", "moe", "all_to_all_v", "Member",
+    "AuthenticationError", "moe", "all_to_all_v", "Member", "shared_empty",
 ]

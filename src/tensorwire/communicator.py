@@ -43,6 +43,7 @@ from .registration import LocalMemoryMap, Registration
 from .revocation import CHANNEL as REVOCATION_CHANNEL
 from .revocation import Revocations
 from .runtime import Runtime
+from .shared_memory import remove_orphans
 from .transfer import Transfer
 
 __all__ = ["Communicator", "init"]
@@ -92,6 +93,7 @@ def init(
             device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
         else:
             device = torch.device("cpu")
+    remove_orphans()  # what killed tensorwire processes of this host left in /dev/shm
     return Communicator(env, torch.device(device), cfg, timeout_s, store)
 
 

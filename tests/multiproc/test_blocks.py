@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import struct
-import uuid
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ import torch
 
 import tensorwire as tw
 from tensorwire.blocks import as_ids
+from tensorwire.shared_memory import owned_file_name
 from tensorwire.testing.data import assert_equal
 from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch
 
@@ -39,7 +39,7 @@ def make_views(rank: int, memory: str, files: list[str]) -> list[torch.Tensor]:
     for i, shape in enumerate(SHAPES):
         values = pool_values(rank, i, shape)
         if memory == "shm":
-            files.append(f"/dev/shm/tensorwire-test-{uuid.uuid4().hex}")
+            files.append(owned_file_name())
             view = torch.from_file(files[-1], shared=True, size=values.numel(), dtype=torch.int32).view(values.shape)
             views.append(view.copy_(values))
         else:

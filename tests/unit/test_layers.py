@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                                     "tensorwire.environment", "tensorwire.sealing", "tensorwire.network",
                                     "tensorwire.store_sockets", "tensorwire.bootstrap", "tensorwire.sealed_store",
                                     "tensorwire.etcd_store", "tensorwire.directory_client", "tensorwire.membership",
-                                    "tensorwire.directory"]),
+                                    "tensorwire.directory", "tensorwire.shared_memory"]),
     ("memory maps and waiting", ["tensorwire.memory_map", "tensorwire.progress"]),
     ("backends", ["tensorwire.backends", "tensorwire.backends.*"]),
     ("communicator", ["tensorwire.communicator", "tensorwire.registration", "tensorwire.transfer",
