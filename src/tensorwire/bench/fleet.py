@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing as mp
-import os
 import secrets
 import sys
 import threading
@@ -46,8 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import WaitTimeoutError
+from ..shared_memory import remove_orphans
 from .command import at_least, check_plot, header, parse_size, positive, write_json
-from .fleet_parties import FIRST_READ_BLOCKS, SHM_PREFIX, holder, reader, world_rank
+from .fleet_parties import FIRST_READ_BLOCKS, holder, reader, world_rank
 from .record import Record, records_to_json
 from .timing import Budget, quantile, summarize
 
@@ -167,11 +167,7 @@ class _Run:
                 process.kill()
             process.join(timeout=10)
         self.directory.close()
-        prefix = f"{SHM_PREFIX}-{os.getpid()}-"
-        if os.path.isdir("/dev/shm"):
-            for name in os.listdir("/dev/shm"):
-                if name.startswith(prefix):
-                    os.unlink(os.path.join("/dev/shm", name))
+        remove_orphans()  # the /dev/shm files of parties that were killed
 
 
 # --- one fleet size --------------------------------------------------------------------------------------------

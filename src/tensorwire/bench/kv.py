@@ -30,7 +30,6 @@ Non-goals: cross-host figures (run two ranks on two hosts with torchrun for thos
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -41,6 +40,7 @@ import numpy as np
 import torch
 
 from ..errors import TransferError
+from ..shared_memory import shared_empty
 from .command import MEMORY_CHOICES, check_plot, header, list_of, memories, parse_sizes, positive, write_json
 from .kv_report import COPY, format_report, plot_kv
 from .raw_nixl import RawNixl, init_with_store, release_store
@@ -97,18 +97,19 @@ def cases(config: KvBenchConfig, memory: str) -> list[Case]:
 
 # --- pools ------------------------------------------------------------------------------------------------
 def _values(rank: int, role: int, views: int, blocks: int, block_bytes: int, device: torch.device,
-            files: list[str]) -> list[torch.Tensor]:
-    """``views`` tensors ``[blocks, block_bytes / 4]`` int32 whose words encode (rank, role, view, block, word).
-    Host views live in one ``/dev/shm`` file (its path appended to ``files``), as a serving engine's shared KV
-    cache would, so that a peer on this host reaches them through ``shm``."""
+            allocations: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``views`` tensors ``[blocks, block_bytes / 4]`` int32 whose words encode (rank, role, view, block, word),
+    views of one allocation appended to ``allocations``. Host views live in one ``/dev/shm`` file
+    (``shared_empty``: removed when the allocation is freed), as a serving engine's shared KV cache would, so
+    that a peer on this host reaches them through ``shm``."""
     words = block_bytes // 4
     base = torch.arange(words, dtype=torch.int32, device=device)[None, :] + torch.arange(
         blocks, dtype=torch.int32, device=device)[:, None] * 7919
     if device.type == "cpu":
-        files.append(f"/dev/shm/tensorwire-bench-kv-{os.getpid()}-{role}-{blocks}-{block_bytes}")
-        storage = torch.from_file(files[-1], shared=True, size=views * blocks * words, dtype=torch.int32)
+        storage = shared_empty(views * blocks * words, dtype=torch.int32)
     else:
         storage = torch.empty(views * blocks * words, dtype=torch.int32, device=device)
+    allocations.append(storage)
     views_out = list(storage.view(views, blocks, words).unbind(0))  # one allocation: one contiguous reference copy
     for v, view in enumerate(views_out):
         torch.add(base, rank * 1_000_003 + role * 100_003 + v * 10_007, out=view)
@@ -127,9 +128,9 @@ class _Pools:
 
     def __init__(self, comm: Any, raw: RawNixl | None, shape: tuple[int, int, int], device: torch.device) -> None:
         views, blocks, block_bytes = shape
-        self.files: list[str] = []
-        self.source = _values(comm.rank, 0, views, blocks, block_bytes, device, self.files)
-        self.target = _values(comm.rank, 1, views, blocks, block_bytes, device, self.files)
+        self.allocations: list[torch.Tensor] = []  # the views' storage: a host pool's file lives as long
+        self.source = _values(comm.rank, 0, views, blocks, block_bytes, device, self.allocations)
+        self.target = _values(comm.rank, 1, views, blocks, block_bytes, device, self.allocations)
         self.pools = [comm.register_blocks(self.source), comm.register_blocks(self.target)]
         if raw is not None:
             for tensor in self.source + self.target:
@@ -140,8 +141,7 @@ class _Pools:
             pool.close()
         if raw is not None:
             raw.deregister_all()
-        for path in self.files:
-            os.unlink(path)
+        self.allocations.clear()  # host pools: their files go (the views keep the mappings while referenced)
 
 
 # --- raw NIXL references ----------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 
 from ..backends.base import Op
 from ..descriptors import TensorDesc
+from ..shared_memory import SHM_DIRECTORY, shared_empty
 from ..testing.data import rank_pattern
 from .p2p_inbox import InboxChecker, Side, check_inbox, check_path
 from .p2p_records import (
@@ -114,9 +115,7 @@ def _bench_all(comm: Any, raw: RawNixl, config: BenchConfig) -> tuple[list[Recor
     finally:
         raw.close()  # before the tensors can go: nothing may stay registered over freed memory
         for side in sides:
-            side.registration.close()
-            if side.shared_file is not None:
-                os.unlink(side.shared_file)  # the mapping lives on until the buffer is freed
+            side.registration.close()  # a host buffer's /dev/shm file goes with the buffer (shared_empty)
     return records, wait_returns
 
 
@@ -125,34 +124,31 @@ def _make_side(comm: Any, raw: RawNixl, memory: str, size: int) -> Side:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     own, peer = rank_pattern(size, comm.rank, device), rank_pattern(size, 1 - comm.rank, device)
-    shared_file = None
     if device.type == "cuda":
         buffer = torch.zeros(2 * size, dtype=torch.uint8, device=device)
     else:
-        buffer, shared_file = _host_buffer(2 * size)
+        buffer = _host_buffer(2 * size)
     buffer[:size].copy_(own)
     copy_dst = torch.zeros(size, dtype=torch.uint8, device=device) if comm.rank == 0 else None
     registration = comm.register(buffer)
     raw.register(buffer)
     comm.publish(f"bench/{memory}", registration.descs)
-    side = Side(memory, buffer, size, own, peer, copy_dst, registration, shared_file=shared_file)
+    side = Side(memory, buffer, size, own, peer, copy_dst, registration)
     side.sync()
     return side
 
 
-def _host_buffer(nbytes: int) -> tuple[torch.Tensor, str | None]:
-    """A zeroed host buffer in a file of ``/dev/shm`` when it has room for both ranks' (a peer on this host
-    then reaches it through the ``shm`` transport, as a user's shared buffer would be), else anonymous
-    memory, which NIXL carries. Returns the buffer and its file."""
-    directory = "/dev/shm"
+def _host_buffer(nbytes: int) -> torch.Tensor:
+    """A zeroed host buffer in a file of ``/dev/shm`` (``tw.shared_empty``: a new file reads as zeros) when it
+    has room for both ranks' and some to spare (a peer on this host then reaches it through the ``shm``
+    transport, as a user's shared buffer would be), else anonymous memory, which NIXL carries."""
     try:
-        stats = os.statvfs(directory)
+        stats = os.statvfs(SHM_DIRECTORY)
     except OSError:
-        return torch.zeros(nbytes, dtype=torch.uint8), None
-    if stats.f_bavail * stats.f_frsize < 4 * nbytes:  # a full tmpfs would kill a writer with SIGBUS
-        return torch.zeros(nbytes, dtype=torch.uint8), None
-    path = os.path.join(directory, f"tensorwire-bench-{os.getpid()}")
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), path
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    if stats.f_bavail * stats.f_frsize < 4 * nbytes:
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    return shared_empty(nbytes, dtype=torch.uint8)
 
 
 def _bench_size(comm: Any, raw: RawNixl, side: Side, size: int, config: BenchConfig,
