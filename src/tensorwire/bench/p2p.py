@@ -50,11 +50,20 @@ import argparse
 import os
 import resource
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import InvalidArgumentError
 from ..testing.data import first_mismatch, rank_pattern
-from .command import add_common_arguments, at_least, check_plot, memories, parse_sizes, write_json
+from .command import (
+    add_common_arguments,
+    announce,
+    at_least,
+    check_plot,
+    header_lines,
+    memories,
+    parse_sizes,
+    write_json,
+)
 from .p2p_records import (
     CUDA_SIZES,
     HOST_SIZES,
@@ -68,6 +77,7 @@ from .p2p_records import (
     Record,
     format_size,
 )
+from .partial import measure_until_interrupted
 from .timing import Budget, host_seconds
 
 # Besides the command, the names this module always had: its measuring now lives in p2p_rank.py (one rank),
@@ -167,7 +177,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the benchmark, print the table, write ``--json`` / ``--plot``; blocks until both ranks are done."""
+    """Run the benchmark, print the header and a line per case on stderr, then the table; write ``--json`` /
+    ``--plot``; blocks until both ranks are done. Ctrl-C stops both ranks at once and reports what was measured
+    (exit code 130)."""
     from ..backends.nixl import quiet_nixl_logging
     from . import p2p_report as report
 
@@ -190,13 +202,33 @@ def main(args: argparse.Namespace) -> int:
         graphs=args.graphs,
     )
     head = report.header(args.argv)
-    result = run(config)
+    unfinished = _unfinished_result(config)
+    announce(header_lines(report.TITLE, head, report.method_rows(config, unfinished.raw_config,
+                                                                 unfinished.progress_wakeup_ms,
+                                                                 unfinished.default_threads)), args.quiet)
+    result, so_far = measure_until_interrupted(lambda partial: run(replace(config, partial=partial)), "p2p")
+    interrupted = result is None
+    if interrupted:
+        result = replace(unfinished, records=so_far)
     print(report.format_report(result, head, config), flush=True)
     if args.json is not None:
-        write_json(args.json, report.to_json(result, head, config))
-    if args.plot is not None:
+        write_json(args.json, {**report.to_json(result, head, config), "interrupted": interrupted})
+    if args.plot is not None and result.records:
         from .plot import plot
 
         plot(result.records, args.plot, title=f"tensorwire bench, {head['hostname']}, {head['date'][:10]}")
         print(f"wrote {args.plot}", file=sys.stderr)
-    return 0
+    return 130 if interrupted else 0
+
+
+def _unfinished_result(config: BenchConfig) -> BenchResult:
+    """What the header says before the ranks ran, and a run cut short reports: no records, no idle figures; the
+    configuration the ranks will read (this machine's, this environment's)."""
+    import torch
+
+    from ..config import load
+
+    wakeup_ms = load().progress_wakeup_ms
+    return BenchResult(records=[], idle=[], ucx_version=None, progress_wakeup_ms=wakeup_ms,
+                       raw_config=RAW_CONFIGS[config.raw_config].format(delay_us=int(max(wakeup_ms, 1.0) * 1000)),
+                       default_threads=torch.get_num_threads())

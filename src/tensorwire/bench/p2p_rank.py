@@ -8,7 +8,6 @@ import contextlib
 import functools
 import os
 import resource
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +18,7 @@ from ..backends.base import Op
 from ..descriptors import TensorDesc
 from ..shared_memory import SHM_DIRECTORY, shared_empty
 from ..testing.data import rank_pattern
+from .command import progress
 from .p2p_inbox import InboxChecker, Side, check_inbox, check_path
 from .p2p_records import (
     COPY,
@@ -38,7 +38,18 @@ from .p2p_records import (
 )
 from .raw_nixl import RawNixl, init_with_store, release_store
 from .record import Record, compare_with
-from .timing import Budget, Clock, CudaEventClock, HostClock, Timing, measure, measure_interleaved, summarize, time_call
+from .timing import (
+    Budget,
+    Clock,
+    CudaEventClock,
+    HostClock,
+    Timing,
+    measure,
+    measure_interleaved,
+    steadiest,
+    summarize,
+    time_call,
+)
 
 __all__ = ["rank_main"]
 
@@ -159,8 +170,7 @@ def _bench_size(comm: Any, raw: RawNixl, side: Side, size: int, config: BenchCon
     remote_outbox, remote_inbox = side.remote.narrow(0, size), side.remote.narrow(side.half, size)
     cases = ((Op.READ, side.inbox[:size], remote_outbox), (Op.WRITE, side.outbox[:size], remote_inbox))
     for op, local, remote in cases:
-        if config.progress:
-            print(f"bench: {side.memory} {op.value:<5} {format_size(size)}", file=sys.stderr, flush=True)
+        progress("p2p", f"{side.memory} {op.value:<5} {format_size(size)}", quiet=not config.progress)
         with contextlib.ExitStack() as stack:
             paths = _transfer_paths(comm, raw, op, local, remote, stack)
             for name, (once, _) in paths.items():
@@ -171,7 +181,8 @@ def _bench_size(comm: Any, raw: RawNixl, side: Side, size: int, config: BenchCon
                 compared[COPY] = functools.partial(side.copy_dst[:size].copy_, side.outbox[:size])
                 paths[COPY] = (compared[COPY], "torch")
                 stack.enter_context(_torch_threads(1))
-            timings = measure_interleaved(compared, HostClock(), config.budget)
+            timings = steadiest(lambda: measure_interleaved(compared, HostClock(), config.budget),  # noqa: B023
+                                spread_of=lambda t: t[COPY].spread if COPY in t else 0.0)
             check_path(side, size, op, " + ".join(p for p in paths if p != COPY), checker)
         case = [_record(side.memory, op.value, size, name, timings[name], transport,
                         **({"threads": 1} if name == COPY else {}))
@@ -184,6 +195,8 @@ def _bench_size(comm: Any, raw: RawNixl, side: Side, size: int, config: BenchCon
         if op is Op.WRITE:
             case.append(_bench_in_process(comm, side, size, config.budget))
         records += compare_with(case, COPY, paths=TENSORWIRE_PATHS)
+        if config.partial is not None:
+            config.partial.add(records[-len(case):])
     return records
 
 
