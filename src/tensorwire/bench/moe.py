@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -36,9 +37,20 @@ import torch
 from ..errors import InvalidArgumentError, TransferError
 from ..moe import collectives
 from ..moe.selection import ENGINES
-from .command import add_common_arguments, at_least, check_plot, header, memories, write_json
-from .record import Record, records_to_json
-from .timing import CudaEventClock, HostClock, Timing, summarize, time_call
+from .command import (
+    add_common_arguments,
+    announce,
+    at_least,
+    check_plot,
+    header,
+    header_lines,
+    memories,
+    progress,
+    write_json,
+)
+from .partial import PartialRecords, measure_until_interrupted
+from .record import STEADY_SPREAD, Record, records_to_json
+from .timing import CudaEventClock, HostClock, Timing, steadiest, summarize, time_call
 
 __all__ = ["MoeBenchConfig", "format_moe_report", "run_moe_bench", "skip_reason", "HELP", "add_arguments", "main"]
 
@@ -65,6 +77,8 @@ class MoeBenchConfig:
     quiet_nixl: bool = True
     graphs: bool = False  # also time the cuda engine's steps captured in CUDA graphs
     skipped: tuple[tuple[str, str], ...] = ()  # (engine, why it cannot run here), filled in by resolved()
+    quiet: bool = False  # no progress lines on stderr
+    partial: PartialRecords | None = None  # where rank 0 adds each case's records as it measures them
 
     def resolved(self) -> MoeBenchConfig:
         """Defaults filled in for ``memory``; checked."""
@@ -135,6 +149,15 @@ def run_moe_bench(args: Any = None, **overrides: Any) -> list[Record]:
     """
     from ..testing import launch
 
+    config = moe_config(args, **overrides)
+    for engine, reason in config.skipped:
+        print(f"bench moe: skipping engine {engine!r}: {reason}", file=sys.stderr, flush=True)
+    results = launch(_rank_main, config.world_size, config, timeout=config.timeout_s)
+    return results[0]
+
+
+def moe_config(args: Any = None, **overrides: Any) -> MoeBenchConfig:
+    """The resolved configuration ``run_moe_bench(args, **overrides)`` runs (see there)."""
     config = args if isinstance(args, MoeBenchConfig) else MoeBenchConfig()
     if args is not None and not isinstance(args, MoeBenchConfig):
         known = {f for f in MoeBenchConfig.__dataclass_fields__}
@@ -144,11 +167,7 @@ def run_moe_bench(args: Any = None, **overrides: Any) -> list[Record]:
         value = getattr(config, name)
         if isinstance(value, (str, int)):
             config = replace(config, **{name: (value,)})
-    config = config.resolved()
-    for engine, reason in config.skipped:
-        print(f"bench moe: skipping engine {engine!r}: {reason}", file=sys.stderr, flush=True)
-    results = launch(_rank_main, config.world_size, config, timeout=config.timeout_s)
-    return results[0]
+    return config.resolved()
 
 
 # --- one rank -------------------------------------------------------------------------------------
@@ -172,8 +191,11 @@ def _rank_main(config: MoeBenchConfig) -> list[Record]:
             x, topk_idx, topk_weights = _routing(config, comm.rank, tokens, device, dtype)
             rows = int((topk_idx >= 0).sum())
             nbytes = rows * config.hidden * x.element_size()
-            copy = _copy_timing(nbytes, device, config)
+            copy = steadiest(lambda: _copy_timing(nbytes, device, config))  # noqa: B023 (called at once)
             shared_copy = _shared_copy_timing(comm, nbytes, device, config)
+            progress("moe", f"{config.memory} T={tokens} H={config.hidden} top-{config.topk}",
+                     quiet=config.quiet or comm.rank != 0)
+            case_start = len(records)
             for engine in config.engines:
                 capacity = None
                 if config.capacity_factor is not None:
@@ -190,6 +212,8 @@ def _rank_main(config: MoeBenchConfig) -> list[Record]:
                     for op, timing in (("dispatch", dispatch), ("combine", combine)):
                         records.append(_record(config, "cuda (graph)", op, tokens, rows, nbytes, timing, copy,
                                                shared_copy, device, capacity))
+            if comm.rank == 0 and config.partial is not None:
+                config.partial.add(records[case_start:])
             comm.barrier()
     return records
 
@@ -315,33 +339,59 @@ def _check(y: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
 
 def _record(config: MoeBenchConfig, engine: str, op: str, tokens: int, rows: int, nbytes: int, timing: Timing,
             copy: Timing, shared_copy: Timing, device: torch.device, capacity: int | None) -> Record:
-    """The record of one engine's ``op``, held against the copy of the same bytes; the shared copy beside."""
-    gbps, copy_gbps, shared_gbps = timing.gbps(nbytes), copy.gbps(nbytes), shared_copy.gbps(nbytes)
-    record = Record.measured(
-        "moe", device.type, op, engine, engine.split(" (")[0], nbytes, timing, tokens=tokens, hidden=config.hidden,
-        topk=config.topk, num_experts=config.num_experts, world_size=config.world_size, dtype=config.dtype,
-        capacity=capacity, rows=rows, copy_median_us=copy.median_us, copy_gbps=copy_gbps,
-        shared_copy_median_us=shared_copy.median_us, shared_copy_gbps=shared_gbps,
-        ratio_to_shared_copy=gbps / shared_gbps if shared_gbps else float("nan"))
-    return record.against("copy", copy_gbps)
+    """The record of one engine's ``op``, held against the copy of the same bytes; the shared copy beside (its
+    ratio None too when it was unsteady)."""
+    def measured(path: str, transport: str, measured_timing: Timing, **params: Any) -> Record:
+        return Record.measured("moe", device.type, op, path, transport, nbytes, measured_timing, **params)
+
+    record = measured(
+        engine, engine.split(" (")[0], timing, tokens=tokens, hidden=config.hidden, topk=config.topk,
+        num_experts=config.num_experts, world_size=config.world_size, dtype=config.dtype, capacity=capacity, rows=rows,
+        copy_median_us=copy.median_us, copy_gbps=copy.gbps(nbytes), shared_copy_median_us=shared_copy.median_us,
+        shared_copy_gbps=shared_copy.gbps(nbytes))
+    shared_ratio = record.against(measured("shared copy", "copy", shared_copy)).ratio
+    record = replace(record, params={**record.params, "ratio_to_shared_copy": shared_ratio})
+    return record.against(measured("copy", "copy", copy))
 
 
 def format_moe_report(records: list[Record]) -> str:
-    """A plain table of the records."""
+    """A plain table of the records (units and ratio columns as in every ``tensorwire bench`` report)."""
     head = (f"{'engine':12} {'op':8} {'mem':4} {'T':>5} {'H':>5} {'K':>2} {'rows':>6} {'median us':>10} "
-            f"{'p10-p90 us':>17} {'GB/s':>7} {'copy GB/s':>9} {'ratio':>6} {'shared GB/s':>11} {'ratio':>6}")
+            f"{'p10-p90 us':>17} {'GB/s':>7} {'copy GB/s':>9} {'BW/copy':>8} {'shared GB/s':>11} {'BW/shared':>9}")
     lines = [head, "-" * len(head)]
     for r in records:
         p = r.params
         lines.append(
             f"{r.path:12} {r.op:8} {r.memory:4} {p['tokens']:>5} {p['hidden']:>5} {p['topk']:>2} "
             f"{p['rows']:>6} {r.median_us:>10.1f} {r.p10_us:>8.1f}-{r.p90_us:<8.1f} {r.gbps:>7.2f} "
-            f"{p['copy_gbps']:>9.2f} {r.ratio:>6.3f} {p.get('shared_copy_gbps', float('nan')):>11.2f} "
-            f"{p.get('ratio_to_shared_copy', float('nan')):>6.3f}"
+            f"{p['copy_gbps']:>9.2f} {r.ratio_text():>8} {p.get('shared_copy_gbps', float('nan')):>11.2f} "
+            f"{_shared_ratio_text(p):>9}"
         )
-    lines += ["", "copy: the same bytes copied inside rank 0 alone; shared: every rank copying its bytes at the same "
-              "time (the yardstick when ranks share a device)"]
+    lines += ["", *textwrap.wrap(
+        "BW/copy: GB/s over the same bytes copied inside rank 0 alone (measured again while unsteady, 3 tries); "
+        "BW/shared: over every rank copying its bytes at the same time (the yardstick when ranks share a device); "
+        f"unsteady: that copy's p10-p90 spread exceeded {STEADY_SPREAD:.0%} of its median, no ratio taken", 116)]
     return "\n".join(lines)
+
+
+def _shared_ratio_text(params: dict[str, Any]) -> str:
+    if "ratio_to_shared_copy" not in params:  # results from before the shared copy was measured
+        return ""
+    ratio = params["ratio_to_shared_copy"]
+    return "unsteady" if ratio is None else f"{ratio:.2f}x"
+
+
+def method_rows(config: MoeBenchConfig) -> list[tuple[str, str]]:
+    """How ``bench moe`` measures (the header's method rows)."""
+    return [
+        ("routing", f"T={','.join(map(str, config.tokens))} tokens of H={config.hidden} {config.dtype} per rank, top-"
+                    f"{config.topk} of {config.num_experts} experts, 10% of the slots empty; {config.world_size} "
+                    f"ranks; engines {', '.join(config.engines)}"),
+        ("timing", f"{config.warmup} untimed then {config.reps} timed dispatch + combine pairs (collective: counted, "
+                   "not time-budgeted); host: wall clock, GPU: CUDA events; median, p10, p90"),
+        ("reference", "the same bytes copied inside rank 0 (copy) and by every rank at once (shared); a reference "
+                      f"whose p10-p90 spread exceeds {STEADY_SPREAD:.0%} of its median is flagged, not divided by"),
+    ]
 
 
 # --- the command: tensorwire bench moe -------------------------------------------------------------
@@ -361,7 +411,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the benchmark, print the table, write ``--json`` / ``--plot``; blocks until every rank is done."""
+    """Run the benchmark, print the header and a line per case on stderr, then the table; write ``--json`` /
+    ``--plot``; blocks until every rank is done. Ctrl-C stops every rank and reports what was measured (exit 130)."""
     from ..backends.nixl import quiet_nixl_logging
 
     quiet_nixl_logging()
@@ -374,14 +425,20 @@ def main(args: argparse.Namespace) -> int:
         if unknown or not engines:
             args.parser.error(f"--engines {args.engines!r}: unknown or no engine {unknown}; pass a "
                               f"comma-separated list of {', '.join(ENGINES)}")
-    records = run_moe_bench(memory=memory, timeout_s=args.timeout, graphs=args.graphs, world_size=args.ranks,
-                            engines=engines)
+    config = moe_config(memory=memory, timeout_s=args.timeout, graphs=args.graphs, world_size=args.ranks,
+                        engines=engines, quiet=args.quiet)
+    head = header(args.argv)
+    announce(header_lines(f"tensorwire bench moe: dispatch and combine between {config.world_size} local ranks", head,
+                          method_rows(config)), args.quiet)
+    records, so_far = measure_until_interrupted(lambda partial: run_moe_bench(replace(config, partial=partial)), "moe")
+    interrupted = records is None
+    records = so_far if interrupted else records
     print(format_moe_report(records), flush=True)
     if args.json is not None:
-        write_json(args.json, {"header": header(args.argv), "records": records_to_json(records)})
-    if args.plot is not None:
+        write_json(args.json, {"header": head, "records": records_to_json(records), "interrupted": interrupted})
+    if args.plot is not None and records:
         from .plot import plot_moe
 
         plot_moe(records, args.plot, title=" ".join(["tensorwire", *args.argv]))
         print(f"wrote {args.plot}", file=sys.stderr)
-    return 0
+    return 130 if interrupted else 0
