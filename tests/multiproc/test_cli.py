@@ -72,6 +72,7 @@ def test_bench_kv_writes_every_path_on_host_memory(tmp_path):
     contiguous copy for every case, the tensorwire paths' bytes verified (wrong bytes fail the command)."""
     out = tmp_path / "kv.json"
     done = _tensorwire("bench", "kv", "--memory", "cpu", "--blocks", "300", "--block-bytes", "4096", "--no-llama",
+                       "--patterns", "random,contiguous",
                        "--time", "0.02", "--json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())

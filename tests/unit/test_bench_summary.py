@@ -65,8 +65,8 @@ def test_bench_summary_holds_4k_gpu_graph_latency_against_its_goal():
                       record("WRITE", p2p.TENSORWIRE_STREAM, 7.0)])
     read, write = lines[name("READ")], lines[name("WRITE")]
     assert (read["ok"], read["value"], write["ok"], write["value"]) == (True, 6.5, False, 10.5)
-    assert "copy 3.0 µs" in read["text"] and "tensorwire (stream) 7.0 µs" in write["text"]
-    assert "post() + wait(): 15.5 µs" in read["text"] and "post() + wait()" not in write["text"]
+    assert "copy 3.0 us" in read["text"] and "tensorwire (stream) 7.0 us" in write["text"]
+    assert "post() + wait(): 15.5 us" in read["text"] and "post() + wait()" not in write["text"]
     unmeasured = lines_of([record("READ", p2p.TENSORWIRE_STREAM, 7.0)])[name("READ")]
     assert unmeasured["ok"] is None and "(add --graphs)" in unmeasured["text"]
     no_4k = lines_of([record("WRITE", p2p.TENSORWIRE_GRAPH, 3.0)])[name("READ")]

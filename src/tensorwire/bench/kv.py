@@ -31,8 +31,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +40,25 @@ import torch
 
 from ..errors import TransferError
 from ..shared_memory import shared_empty
-from .command import MEMORY_CHOICES, check_plot, header, list_of, memories, parse_sizes, positive, write_json
+from .command import (
+    MEMORY_CHOICES,
+    announce,
+    check_plot,
+    header,
+    header_lines,
+    list_of,
+    memories,
+    parse_sizes,
+    positive,
+    progress,
+    write_json,
+)
+from .kv_raw import raw_block_paths
 from .kv_report import COPY, format_report, plot_kv
+from .partial import PartialRecords, measure_until_interrupted
 from .raw_nixl import RawNixl, init_with_store, release_store
 from .record import Record, compare_with, records_to_json
-from .timing import Budget, CudaEventClock, HostClock, Timing, measure, quantile, time_call
+from .timing import Budget, CudaEventClock, HostClock, Timing, host_seconds, measure, quantile, steadiest, time_call
 
 __all__ = ["HELP", "KvBenchConfig", "run", "add_arguments", "main"]
 
@@ -54,6 +67,7 @@ HELP = "KV-cache block READ/WRITE by id between two local ranks beside raw NIXL,
 LLAMA = "llama70b-tp8"
 _LLAMA_VIEWS, _LLAMA_BLOCKS, _LLAMA_BLOCK_BYTES = 160, 512, 4096
 _RAW_GPU_MAX_BLOCKS = 10_000
+_POST_TIMING_S = 1.0  # the longest ``post`` alone is timed per path (a Llama-sized request over NIXL: ~0.1 s each)
 OPS = ("READ", "WRITE")
 PATTERNS = ("random", "contiguous")
 
@@ -61,15 +75,17 @@ PATTERNS = ("random", "contiguous")
 @dataclass(frozen=True)
 class KvBenchConfig:
     memory: tuple[str, ...] = ("cpu",)
-    blocks: tuple[int, ...] = (1000, 10_000, 50_000)
-    block_bytes: tuple[int, ...] = (4096, 16384)
+    blocks: tuple[int, ...] = (1000, 10_000)  # the defaults run in about a minute on 2 cores
+    block_bytes: tuple[int, ...] = (16384,)
     ops: tuple[str, ...] = ("READ", "WRITE")
-    patterns: tuple[str, ...] = ("random", "contiguous")
+    patterns: tuple[str, ...] = ("random",)  # contiguous ids (one merged NIXL descriptor) on request
     llama: bool = True
     raw: bool = True
     time_s: float = 0.2
-    post_reps: int = 50
+    post_reps: int = 20
     timeout_s: float = 1800.0
+    quiet: bool = False  # no progress lines on stderr
+    partial: PartialRecords | None = None  # where rank 0 adds each case's records as it measures them
 
 
 @dataclass(frozen=True)
@@ -86,12 +102,19 @@ class Case:
     def nbytes(self) -> int:
         return self.blocks * self.block_bytes * self.views
 
+    def label(self) -> str:
+        """``cpu READ random 1000 x 16 KiB`` (and ``x 160 views (llama70b-tp8)``)."""
+        views = f" x {self.views} views ({self.layout})" if self.views > 1 else ""
+        return f"{self.memory} {self.op} {self.pattern} {self.blocks} x {self.block_bytes // 1024} KiB{views}"
+
 
 def cases(config: KvBenchConfig, memory: str) -> list[Case]:
+    """Every (block bytes, blocks, op, pattern) of ``config``, then the Llama layout's READ (a decode rank pulling a
+    prompt's cache: the case a disaggregated server runs; its 82k descriptors make each path slow to time)."""
     out = [Case(memory, op, pattern, n, size) for size in config.block_bytes for n in config.blocks
            for op in config.ops for pattern in config.patterns]
-    if config.llama:
-        out += [Case(memory, op, "random", _LLAMA_BLOCKS, _LLAMA_BLOCK_BYTES, _LLAMA_VIEWS, LLAMA) for op in config.ops]
+    if config.llama and "READ" in config.ops:
+        out.append(Case(memory, "READ", "random", _LLAMA_BLOCKS, _LLAMA_BLOCK_BYTES, _LLAMA_VIEWS, LLAMA))
     return out
 
 
@@ -144,16 +167,6 @@ class _Pools:
         self.allocations.clear()  # host pools: their files go (the views keep the mappings while referenced)
 
 
-# --- raw NIXL references ----------------------------------------------------------------------------------
-def _block_rows(tensors: list[torch.Tensor], ids: np.ndarray, block_bytes: int) -> np.ndarray:
-    """Nx3 ``(addr, len, device)`` descriptors of ``ids`` in every view, view-major (as vLLM orders them)."""
-    device = max(tensors[0].device.index or 0, 0)
-    addrs = np.concatenate([t.data_ptr() + ids.astype(np.uint64) * np.uint64(t.stride(0) * 4) for t in tensors])
-    rows = np.empty((len(addrs), 3), dtype=np.uint64)
-    rows[:, 0], rows[:, 1], rows[:, 2] = addrs, block_bytes, device
-    return rows
-
-
 # --- one rank ------------------------------------------------------------------------------------------------
 def _rank_main(config: KvBenchConfig) -> list[Record]:
     comm, bench_store = init_with_store(120.0)
@@ -195,7 +208,11 @@ def _bench_shape(comm: Any, raw: RawNixl | None, config: KvBenchConfig, shape: t
         remote_target = comm.lookup_blocks(f"kv-target-{tag}", 1, timeout=60)
         peer_tensors = _remote_tensors(remote_source), _remote_tensors(remote_target)
         for case in shape_cases:
-            records += _bench_case(comm, raw, config, case, pools, (remote_source, remote_target), peer_tensors)
+            progress("kv", case.label(), config.quiet)
+            measured = _bench_case(comm, raw, config, case, pools, (remote_source, remote_target), peer_tensors)
+            if config.partial is not None:
+                config.partial.add(measured)
+            records += measured
     comm.barrier(timeout=config.timeout_s)
     pools.close(raw)  # on success only, as in _rank_main
     if raw is not None:
@@ -244,17 +261,25 @@ def _bench_case(comm: Any, raw: RawNixl | None, config: KvBenchConfig, case: Cas
             name = "tensorwire" if transport is None else f"tensorwire ({transport})"
             out.append(_record(case, name, timing, x.transport, post_us))
     if raw is not None and (not on_gpu or count <= _RAW_GPU_MAX_BLOCKS):
-        out += _bench_raw(raw, case, pools, op, local_ids, remote_ids, peer_tensors, budget)
+        local = pools.target if op is tw.READ else pools.source
+        peer = peer_tensors[0] if op is tw.READ else peer_tensors[1]
+        for name, timing, post_us in raw_block_paths(raw, op.value, (local, peer), case.views, case.block_bytes,
+                                                     (local_ids, remote_ids), budget):
+            out.append(_record(case, name, timing, "nixl", post_us))
     out += _bench_local_references(case, pools, local_ids, remote_ids, budget)
     return compare_with(out, COPY)
 
 
 def _post_times(x: Any, local_ids: np.ndarray, remote_ids: np.ndarray, reps: int, on_gpu: bool) -> list[float]:
-    """Host time of ``post`` alone (host ids: checking and translating included), waited outside the timing."""
+    """Host time of ``post`` alone (host ids: checking and translating included), waited outside the timing:
+    ``reps`` posts after 2 untimed, fewer (5 at least) where they take over ``_POST_TIMING_S`` in all."""
     samples = []
-    for _ in range(reps + 2):
+    started = host_seconds()
+    for i in range(reps + 2):
         samples.append(time_call(lambda: x.post(local_ids, remote_ids)) * 1e6)
         x.wait(timeout=60)
+        if i >= 6 and host_seconds() - started > _POST_TIMING_S:
+            break
     if on_gpu:
         torch.cuda.synchronize()
     return samples[2:]
@@ -286,63 +311,6 @@ def _verify(comm: Any, x: Any, case: Case, pools: _Pools, local_ids: np.ndarray,
         view[scratch] = _expected(0, 1, v, scratch, case.block_bytes)
 
 
-def _bench_raw(raw: RawNixl, case: Case, pools: _Pools, op: Any, local_ids: np.ndarray, remote_ids: np.ndarray,
-               peer_tensors: tuple, budget: Budget) -> list[Record]:
-    """A bare NIXL agent over the same blocks: per-request Nx3 descriptors, and per-block lists prepped once."""
-    import tensorwire as tw
-
-    mem = "VRAM" if case.memory == "cuda" else "DRAM"
-    local = pools.target if op is tw.READ else pools.source
-    peer = peer_tensors[0] if op is tw.READ else peer_tensors[1]
-    agent, peer_name = raw.agent, raw.peer_name
-    device = max(local[0].device.index or 0, 0)
-
-    def remote_rows(ids: np.ndarray) -> np.ndarray:
-        addrs = np.concatenate([a + ids.astype(np.uint64) * np.uint64(s) for a, s in peer])
-        rows = np.empty((len(addrs), 3), dtype=np.uint64)
-        rows[:, 0], rows[:, 1], rows[:, 2] = addrs, case.block_bytes, device
-        return rows
-
-    def per_request() -> Any:
-        return agent.initialize_xfer(op.value, agent.get_xfer_descs(_block_rows(local, local_ids, case.block_bytes),
-                                                                    mem),
-                                     agent.get_xfer_descs(remote_rows(remote_ids), mem), peer_name)
-
-    all_ids = np.arange(case.blocks)
-    local_list = agent.prep_xfer_dlist("", _block_rows(local, all_ids, case.block_bytes), mem)
-    remote_list = agent.prep_xfer_dlist(peer_name, remote_rows(all_ids), mem)
-    views = np.arange(case.views, dtype=np.int64)[:, None] * case.blocks
-    local_index = (views + local_ids[None, :]).astype(np.int32).ravel()
-    remote_index = (views + remote_ids[None, :]).astype(np.int32).ravel()
-
-    def prepped() -> Any:
-        return agent.make_prepped_xfer(op.value, local_list, local_index, remote_list, remote_index)
-
-    out = []
-    try:
-        for name, build in (("raw nixl descs", per_request), ("raw nixl prepped", prepped)):
-            post_us = [_build_us(build) for _ in range(12)]  # as post is timed for tensorwire
-
-            def request(build=build) -> None:
-                handle = build()
-                raw.post_and_wait(handle)
-                handle.release()
-
-            out.append(_record(case, name, measure(request, HostClock(), budget), "nixl", post_us[2:]))
-    finally:
-        agent.release_dlist_handle(local_list)
-        agent.release_dlist_handle(remote_list)
-    return out
-
-
-def _build_us(build: Callable[[], Any]) -> float:
-    """Host µs ``build`` takes to make one raw NIXL request, which is then released untimed."""
-    built: list[Any] = []
-    took = time_call(lambda: built.append(build()))
-    built[0].release()
-    return took * 1e6
-
-
 def _bench_local_references(case: Case, pools: _Pools, local_ids: np.ndarray, remote_ids: np.ndarray,
                             budget: Budget) -> list[Record]:
     """The same bytes copied contiguously inside this rank, and (GPU) torch's two-pass gather."""
@@ -355,7 +323,7 @@ def _bench_local_references(case: Case, pools: _Pools, local_ids: np.ndarray, re
     def contiguous() -> None:
         landing.copy_(source)
 
-    out = [_record(case, COPY, measure(contiguous, clock, budget), "copy", [])]
+    out = [_record(case, COPY, steadiest(lambda: measure(contiguous, clock, budget)), "copy", [])]
     if on_gpu:
         local = torch.as_tensor(local_ids, device=pools.source[0].device)
         remote = torch.as_tensor(remote_ids, device=pools.source[0].device)
@@ -392,14 +360,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", choices=MEMORY_CHOICES, default="all",
                         help="memory to benchmark; 'all' (default) is cpu plus cuda when torch sees a GPU")
     parser.add_argument("--blocks", type=list_of(int, minimum=1), default=defaults.blocks, metavar="LIST",
-                        help="block counts, e.g. 1000,10000,50000 (the default)")
+                        help="block counts, e.g. 1000,10000,50000 (default 1000,10000)")
     parser.add_argument("--block-bytes", type=parse_sizes, default=defaults.block_bytes, metavar="LIST",
-                        help="bytes per block and view, multiples of 4, e.g. 4K,16K (the default)")
+                        help="bytes per block and view, multiples of 4, e.g. 4K,16K (default 16K)")
     parser.add_argument("--ops", type=list_of(str.upper, choices=OPS), default=defaults.ops, metavar="LIST",
                         help="READ, WRITE or READ,WRITE (the default)")
     parser.add_argument("--patterns", type=list_of(str.lower, choices=PATTERNS), default=defaults.patterns,
-                        metavar="LIST", help="random, contiguous or random,contiguous (the default)")
-    parser.add_argument("--no-llama", action="store_true", help="skip the Llama-3-70B TP8 layout")
+                        metavar="LIST", help="random (the default), contiguous or random,contiguous")
+    parser.add_argument("--no-llama", action="store_true", help="skip the Llama-3-70B TP8 layout's READ")
     parser.add_argument("--no-raw", action="store_true", help="skip the raw NIXL references")
     parser.add_argument("--time", type=positive, default=defaults.time_s, metavar="S",
                         help=f"seconds of timed calls per path (default {defaults.time_s})")
@@ -407,6 +375,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"give up after this many seconds (default {defaults.timeout_s:.0f})")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write every record to PATH")
     parser.add_argument("--plot", type=Path, default=None, metavar="PNG", help="plot GB/s to PNG (needs matplotlib)")
+    parser.add_argument("--quiet", action="store_true", help="no header or progress lines on stderr")
 
 
 def config_from(args: argparse.Namespace) -> KvBenchConfig:
@@ -416,18 +385,43 @@ def config_from(args: argparse.Namespace) -> KvBenchConfig:
         args.parser.error(f"--block-bytes {','.join(map(str, args.block_bytes))}: give multiples of 4")
     return KvBenchConfig(memory=memories(args), blocks=args.blocks, block_bytes=args.block_bytes, ops=args.ops,
                          patterns=args.patterns, llama=not args.no_llama, raw=not args.no_raw, time_s=args.time,
-                         timeout_s=args.timeout)
+                         timeout_s=args.timeout, quiet=args.quiet)
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run the benchmark, print the header and a line per case on stderr, then the table; write ``--json`` /
+    ``--plot``; blocks until both ranks are done. Ctrl-C stops both ranks and reports what was measured (exit 130)."""
     config = config_from(args)
     check_plot(args)
-    records = run(config)
-    print(format_report(records))
+    head = header(args.argv)
+    announce(header_lines(TITLE, head, method_rows(config)), config.quiet)
+    records, so_far = measure_until_interrupted(lambda partial: run(replace(config, partial=partial)), "kv")
+    interrupted = records is None
+    records = so_far if interrupted else records
+    print(format_report(records), flush=True)
     if args.json is not None:
-        write_json(args.json, {"header": {**header(args.argv), "config": asdict(config)},
-                                     "records": records_to_json(records)})
-    if args.plot is not None:
+        write_json(args.json, {"header": {**head, "config": asdict(replace(config, partial=None))},
+                               "records": records_to_json(records), "interrupted": interrupted})
+    if args.plot is not None and records:
         plot_kv(records, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
-    return 0
+    return 130 if interrupted else 0
+
+
+TITLE = "tensorwire bench kv: KV-cache blocks by id, rank 0 <-> rank 1, two local processes"
+
+
+def method_rows(config: KvBenchConfig) -> list[tuple[str, str]]:
+    """How ``bench kv`` measures (the header's method rows)."""
+    shapes = f"{','.join(map(str, config.blocks))} blocks x {','.join(f'{b // 1024} KiB' for b in config.block_bytes)}"
+    return [
+        ("cases", f"{'/'.join(config.memory)} memory, {','.join(config.ops)}, {','.join(config.patterns)} ids, "
+                  f"{shapes}" + (f", plus {LLAMA} ({_LLAMA_VIEWS} views x {_LLAMA_BLOCKS} blocks x 4 KiB)"
+                                 if config.llama else "")),
+        ("tensorwire", "prepare_blocks once, then post(ids) + wait() per request; post alone timed too (host ids)"),
+        ("raw nixl", "a bare agent: Nx3 descriptors + initialize_xfer per request ('descs'), or per-block lists "
+                     "prepped once + make_prepped_xfer ('prepped')" if config.raw else "skipped (--no-raw)"),
+        ("copy", "the same bytes copied contiguously inside rank 0: the reference, measured again while its p10-p90 "
+                 "spread exceeds 20% (3 tries), then flagged 'unsteady' and not divided by"),
+        ("timing", f"{config.time_s:g} s of timed requests per path (at least 5); median, p10, p90"),
+    ]
