@@ -127,10 +127,16 @@ def remove_orphans(directory: str = SHM_DIRECTORY) -> list[str]:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs. A zombie does not: a killed launcher's ranks stay zombies where nothing
+    reaps orphans (a container whose first process does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True  # another user's process
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc: judged alive, the safe side
