@@ -10,6 +10,7 @@ threads, pinned words, timeouts). ``Transfer.transport`` tells which transport c
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -124,8 +125,12 @@ class Communicator:
         self.name: str | None = env.name  # a fleet member's name (None in a launcher's world)
         self._membership: Membership | None = None
         self._local_map = LocalMemoryMap()
+        self._map_lock = threading.RLock()  # an epoch and the map published under it are one step
+        self._epoch = 0
+        # NIXL's agent is made meanwhile (~0.5 s); the map is published again with its metadata once it exists.
         self._nixl = NixlBackend(env.rank, progress_wakeup_ms=cfg.progress_wakeup_ms, token=cfg.job_token,
-                                 net_devices=ucx_net_devices(self._rendezvous.liveness.address[0])[0])
+                                 net_devices=ucx_net_devices(self._rendezvous.liveness.address[0])[0],
+                                 on_ready=self._nixl_ready, ready_timeout_s=max(timeout_s, 60.0))
         self._backends: dict[str, Backend] = {"nixl": self._nixl, "local": LocalBackend(self._local_map.view),
                                               "shm": ShmBackend(authenticated=cfg.job_token is not None,
                                                                 peer_lost=self._rendezvous.liveness.lost),
@@ -152,7 +157,6 @@ class Communicator:
             self._peers.current_epoch = freshness.current_epoch
         self._rendezvous.between_polls = self._revocations.pump  # a rank in a barrier answers revocations too
         self._runtime.between_polls = self._revocations.pump  # and so does every sleeping wait
-        self._epoch = 0
         self._pool_spans: dict[int, list[TensorDesc]] = {}  # epoch -> spans of an open pool in user registrations
         self._closing = False
         self._registrations: weakref.WeakSet[Registration] = weakref.WeakSet()
@@ -185,13 +189,14 @@ class Communicator:
         except Exception:
             self._release_handles(handles)
             raise
-        epoch = self._epoch + 1
-        descs = [TensorDesc(self.rank, s.addr, s.nbytes, s.kind, s.device_index, epoch) for s in segments]
-        registration = Registration(self._deregister, tensors, segments, handles, descs)
-        for s, t in zip(segments, tensors):
-            self._local_map.add(s, registration, t)
-        self._registrations.add(registration)
-        self._publish_memory_map()
+        with self._map_lock:
+            epoch = self._epoch + 1
+            descs = [TensorDesc(self.rank, s.addr, s.nbytes, s.kind, s.device_index, epoch) for s in segments]
+            registration = Registration(self._deregister, tensors, segments, handles, descs)
+            for s, t in zip(segments, tensors):
+                self._local_map.add(s, registration, t)
+            self._registrations.add(registration)
+            self._publish_memory_map()
         return registration
 
     def _deregister(self, registration: Registration, handles: list | None) -> None:
@@ -225,8 +230,16 @@ class Communicator:
                 self._backends[name].deregister(handle)
 
     def _publish_memory_map(self) -> None:
-        self._epoch += 1
-        self._peers.publish(self.rank, self._epoch, self._published_ranges())
+        with self._map_lock:
+            self._epoch += 1
+            self._peers.publish(self.rank, self._epoch, self._published_ranges())
+
+    def _nixl_ready(self) -> None:
+        """NIXL's agent exists (called on its thread): publish the map again, now with the agent's metadata,
+        unless ``__init__`` has not published yet (its first map then carries it)."""
+        with self._map_lock:
+            if self._epoch > 0 and not self._closing and not self.closed:
+                self._publish_memory_map()
 
     def _published_ranges(self) -> list[TensorDesc]:
         """The registered ranges, and the spans of the pools in them that have their own epoch (a descriptor of
@@ -235,10 +248,11 @@ class Communicator:
 
     def _expose_pool(self, spans: list[Segment]) -> int:
         """Publish ``spans`` (a pool's, inside registrations) under a new epoch; return it."""
-        epoch = self._epoch + 1
-        self._pool_spans[epoch] = [TensorDesc(self.rank, s.addr, s.nbytes, s.kind, s.device_index, epoch)
-                                   for s in spans]
-        self._publish_memory_map()
+        with self._map_lock:
+            epoch = self._epoch + 1
+            self._pool_spans[epoch] = [TensorDesc(self.rank, s.addr, s.nbytes, s.kind, s.device_index, epoch)
+                                       for s in spans]
+            self._publish_memory_map()
         return epoch
 
     def _withdraw_pool(self, epoch: int) -> None:

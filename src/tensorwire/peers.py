@@ -73,8 +73,8 @@ class Peers:
         made it: a descriptor is valid only while that very registration is, even if the same addresses are
         registered again later."""
         sections = {"host": self.host.encode()}
-        sections.update({name: backend.metadata() for name, backend in self._backends.items()
-                         if backend.capabilities.remote})
+        sections.update({name: metadata for name, backend in self._backends.items()
+                         if backend.capabilities.remote and (metadata := backend.metadata()) is not None})
         self._rendezvous.set(f"memmap/{rank}", MemoryMap(epoch, sections, regions).pack())
 
     def revoked(self, rank: int, epochs: list[int], map_epoch: int) -> None:
@@ -108,7 +108,8 @@ class Peers:
     def _wait_for_map(self, rank: int, min_epoch: int, timeout_s: float, what: str) -> None:
         give_up_at = time.monotonic() + min(timeout_s, self._runtime.config.liveness_s)
         wait_until(lambda: self._load(rank, min_epoch, timeout_s, give_up_at), timeout_s,
-                   lambda: f"prepare: memory map of rank {rank} at epoch >= {min_epoch}", self._runtime.config,
+                   lambda: f"prepare: memory map of rank {rank} at epoch >= {min_epoch} with its NIXL agent's metadata",
+                   self._runtime.config,
                    self._runtime.alive(rank, what))
 
     def _load(self, rank: int, min_epoch: int, timeout_s: float, give_up_at: float) -> bool:
@@ -142,9 +143,9 @@ class Peers:
         # of one rank: the look at the view held and the load replacing it are one step, so an older map read
         # first never replaces a newer one loaded meanwhile (NIXL would then miss the newer registrations).
         with self._loading:
-            return self._replace_view(rank, epoch, blob, source)
+            return self._replace_view(rank, epoch, blob, source, give_up_at)
 
-    def _replace_view(self, rank: int, epoch: int, blob: bytes, source: str) -> bool:
+    def _replace_view(self, rank: int, epoch: int, blob: bytes, source: str, give_up_at: float) -> bool:
         view = self._views.get(rank)
         # With a job token a newer view is authentic: an older map (a replayed value) never replaces it. Without
         # one, a forged map with a far-off epoch must not shadow the real one for good.
@@ -157,6 +158,13 @@ class Peers:
                 loading = f"prepare: loading rank {rank}'s {name} metadata"
                 with typed_decoding(f"{source}, section {name!r}"), self.lost_as_such(rank, loading):
                     self._backends[name].load_peer(rank, metadata)
+        if self._nixl.name not in memory_map.sections:
+            # Its NIXL agent is still being made (the map published once it exists carries it), within the bound.
+            if time.monotonic() > give_up_at:
+                raise InvalidArgumentError(
+                    f"{source}: epoch {epoch} has no NIXL section: rank {rank}'s NIXL agent was not made (its own "
+                    "register() says why) or the map is corrupt")
+            return False
         self._views[rank] = PeerView(epoch, host, memory_map.regions)
         return True
 

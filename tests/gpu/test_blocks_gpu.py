@@ -74,6 +74,28 @@ def test_local_gpu_blocks_host_and_device_ids(comm, dtype, shapes):
             check(target, before, source, [5], [9], "out-of-range device ids move nothing")
 
 
+def test_repeated_posts_of_every_id_count_and_alignment(comm):
+    """Posts after the first launch go straight to Triton's compiled kernel (kept per id dtype and alignment):
+    every count of host ids (their staged device copies land at different alignments) and device ids sliced
+    off by one element must still move exactly the blocks plain indexing names."""
+    device, num_blocks = comm.device, 300
+    source, target = pool(0, num_blocks, [(64,)], device), pool(1, num_blocks, [(64,)], device)
+    rng = np.random.default_rng(3)
+    with comm.register_blocks(source) as src_pool, comm.register_blocks(target) as dst_pool, \
+            comm.prepare_blocks(tw.READ, dst_pool, src_pool.desc) as x:
+        for n in (1, 3, 4, 5, 17, 200, 2, 4):
+            for ids_on in ("host", "device, offset by one"):
+                dst_ids, src_ids = rng.permutation(num_blocks)[:n + 1], rng.integers(0, num_blocks, n + 1)
+                if ids_on == "host":
+                    dst_ids, src_ids = dst_ids[1:], src_ids[1:]
+                else:
+                    dst_ids, src_ids = (torch.as_tensor(a, device=device)[1:] for a in (dst_ids, src_ids))
+                before = [t.clone() for t in target]
+                x.post(dst_ids, src_ids)
+                x.wait(timeout=WAIT)
+                check(target, before, source, dst_ids, src_ids, f"{n} {ids_on} ids")
+
+
 def _graph_capture(comm, x, source, target, num_blocks: int, n: int, replays: int) -> int:
     """Capture post(stream)+wait(stream) of n blocks with device ids; replay with new ids; count correct."""
     device = comm.device

@@ -29,16 +29,22 @@ def test_bench_fleet_records_join_first_read_and_the_steady_state_beside_one_wor
     records = document["records"]
     assert {r["benchmark"] for r in records} == {"fleet"} and {r["memory"] for r in records} == {"cpu"}
     assert {(r["op"], r["path"], r["transport"]) for r in records} == {
-        ("join", "fleet", "directory"), ("first READ", "fleet", "nixl"),
+        ("join", "fleet", "directory"), ("first READ", "fleet", "nixl"), ("first READ", "raw nixl", "nixl"),
         *{("READ", path, t) for path in ("fleet", "one world") for t in ("nixl", "shm")}}
-    assert all(r["params"]["members"] == 2 and r["median_us"] > 0 and r["reps"] >= 1 for r in records)
+    fleet_records = [r for r in records if r["path"] != "raw nixl"]
+    assert all(r["params"]["members"] == 2 and r["median_us"] > 0 and r["reps"] >= 1 for r in fleet_records)
     join = next(r for r in records if r["op"] == "join")
     assert len(join["params"]["join_ms"]) == 2 and join["params"]["max_ms"] >= join["median_us"] / 1e3
-    assert set(join["params"]["phases_ms"]) >= {"nixl agent", "directory: connect, rank, liveness"}
+    assert set(join["params"]["phases_ms"]) >= {"nixl agent (started)", "directory: connect, rank, liveness"}
+    # serving = joined + first pool registered, which waits for the NIXL agent made in the background
+    assert join["params"]["serving_ms"] >= join["median_us"] / 1e3 and join["params"]["serving_max_ms"] > 0
     fds = join["params"]["fds"]
     assert fds["reader after join"]["fds"] > 0 and fds["contacted members now"]["members"] == 1
     first = next(r for r in records if r["op"] == "first READ")
     assert first["params"]["targets"] == 1 and first["params"]["prepare_ms"] > 0 and first["gbps"] > 0
+    raw = next(r for r in records if r["path"] == "raw nixl")
+    assert raw["nbytes"] == first["nbytes"] and raw["params"]["contacts"] >= 1 and raw["median_us"] > 0
+    assert first["reference"] == "raw nixl" and (first["ratio"] is None or first["ratio"] > 0)  # None: unsteady
     for r in records:
         if r["op"] == "READ":
             assert r["gbps"] > 0 and r["nbytes"] == 100 * 4096 and r["params"]["blocks"] == 100

@@ -29,8 +29,11 @@ request bookkeeping then races (seen as segfaults under MoE traffic).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
+import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -45,6 +48,9 @@ from .nixl_setup import _error_classes, import_nixl, info, make_agent, quiet_nix
 __all__ = ["NixlBackend", "info", "agent_name", "member_rank", "quiet_nixl_logging"]
 
 _MEM_TYPE = {MemoryKind.CPU: "DRAM", MemoryKind.CUDA: "VRAM"}
+_MADE_BY_AGENT_THREAD = frozenset({"agent", "_bound", "_errors", "_success", "_in_progress"})
+
+
 class NixlBackend:
     """The ``Backend`` protocol over one NIXL agent."""
 
@@ -53,11 +59,19 @@ class NixlBackend:
                                 stream_ordered=False, message_channel=True)
 
     def __init__(self, rank: int, *, progress_wakeup_ms: float = 10.0, token: bytes | None = None,
-                 net_devices: str | None = None) -> None:
+                 net_devices: str | None = None, on_ready: Callable[[], None] | None = None,
+                 ready_timeout_s: float = 60.0) -> None:
         """``token``: the job token (agent names prove membership with it); ``net_devices``: the network devices
-        UCX may listen on (``network.ucx_net_devices``; None: UCX's default, every interface)."""
-        api, bindings = import_nixl()
-        self._errors = _error_classes(bindings)
+        UCX may listen on (``network.ucx_net_devices``; None: UCX's default, every interface).
+
+        Returns at once: the agent is made on a thread of its own, which calls ``on_ready()`` once it exists. A
+        process's first NIXL agent costs ~0.5 s (importing nixl; UCX patching the process's memory functions, 50 ms
+        a function: ``UCX_MEM_BISTRO_GRACE_DURATION``), which a joining process spends on its own work meanwhile
+        (loading a model, allocating its KV cache). Until then ``metadata()`` is None and ``notifications()`` is
+        empty; every other call waits for the agent (at most ``ready_timeout_s``: ``BackendUnavailableError``,
+        as when making it failed)."""
+        if importlib.util.find_spec("nixl") is None:
+            import_nixl()  # raises BackendUnavailableError saying how to install it, before any thread
         self.rank = rank
         self._token = token
         self.agent_name = agent_name(rank, token)
@@ -66,17 +80,60 @@ class NixlBackend:
         if "UCX_NET_DEVICES" in os.environ:
             net_devices = None  # the user's choice stands
         self.net_devices = net_devices
-        try:
-            self.agent = make_agent(api, bindings, self.agent_name, progress_wakeup_ms, net_devices=net_devices)
-        except Exception as e:  # noqa: BLE001 - NIXL raises plain RuntimeError/its own classes
-            raise BackendUnavailableError(
-                f"nixl: creating agent {self.agent_name!r} with the UCX backend failed: {e}; "
-                "run 'tensorwire doctor' to see what works here"
-            ) from e
-        self._bound = self.agent.agent  # the nixlBind.nixlAgent under nixl_agent
-        self._success, self._in_progress = bindings.NIXL_SUCCESS, bindings.NIXL_IN_PROG
         self._loaded_peers: set[int] = set()
         self._scratch: dict[tuple[MemoryKind, int], tuple[Any, Any]] = {}  # (kind, device) -> (tensor, reg)
+        self._ready = threading.Event()
+        self._ready_timeout_s = ready_timeout_s
+        self._creation_error: BackendUnavailableError | None = None
+        self._maker = threading.Thread(target=self._make, args=(progress_wakeup_ms, on_ready), daemon=True,
+                                       name=f"tensorwire-nixl-agent-{rank}")
+        self._maker.start()
+
+    def _make(self, progress_wakeup_ms: float, on_ready: Callable[[], None] | None) -> None:
+        """The agent thread: set ``agent``, ``_bound``, the status codes and error classes, then ``on_ready()``."""
+        try:
+            api, bindings = import_nixl()
+            self._errors = _error_classes(bindings)
+            self._success, self._in_progress = bindings.NIXL_SUCCESS, bindings.NIXL_IN_PROG
+            agent = make_agent(api, bindings, self.agent_name, progress_wakeup_ms, net_devices=self.net_devices)
+            self._bound = agent.agent  # the nixlBind.nixlAgent under nixl_agent
+            self.agent = agent
+        except BackendUnavailableError as e:
+            self._creation_error = e
+        except Exception as e:  # noqa: BLE001 - NIXL raises plain RuntimeError/its own classes
+            self._creation_error = BackendUnavailableError(
+                f"nixl: creating agent {self.agent_name!r} with the UCX backend failed: {e}; "
+                "run 'tensorwire doctor' to see what works here")
+        finally:
+            self._ready.set()
+        if on_ready is not None and self._creation_error is None:
+            try:
+                on_ready()
+            except Exception:  # noqa: BLE001 - e.g. the store is gone: peers waiting for the agent end typed
+                pass
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for attributes not set yet: those the agent thread sets. Once set, a plain lookup finds
+        # them and this costs nothing on the hot path.
+        if name in _MADE_BY_AGENT_THREAD:
+            self.wait_ready()
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def ready(self) -> bool:
+        """The agent exists (non-blocking)."""
+        return self._ready.is_set() and self._creation_error is None
+
+    def wait_ready(self) -> None:
+        """Block until the agent exists: ``BackendUnavailableError`` when making it failed or took longer than
+        ``ready_timeout_s``."""
+        if not self._ready.wait(self._ready_timeout_s):
+            raise BackendUnavailableError(
+                f"nixl: agent {self.agent_name!r} was not made within {self._ready_timeout_s:g}s (importing nixl and "
+                "starting UCX); the machine is overloaded or UCX hangs: run 'tensorwire doctor'")
+        if self._creation_error is not None:
+            raise BackendUnavailableError(str(self._creation_error)) from self._creation_error
 
     # --- memory -------------------------------------------------------------------------------
     def register(self, segment: Segment) -> Any:
@@ -94,8 +151,9 @@ class NixlBackend:
             raise self._translate(e, "deregistering memory") from e
 
     # --- peers --------------------------------------------------------------------------------
-    def metadata(self) -> bytes:
-        return self.agent.get_agent_metadata()
+    def metadata(self) -> bytes | None:
+        """The agent's metadata; None while it is being made (the communicator publishes again once it is)."""
+        return self.agent.get_agent_metadata() if self.ready else None
 
     def reaches(self, peer: int, remote: list[Segment]) -> bool:
         return True  # what the peer registered: the communicator checked the ranges against its map
@@ -262,6 +320,8 @@ class NixlBackend:
     def notifications(self) -> list[tuple[int, bytes]]:
         """``(sender rank, message)`` of what arrived, in order per sender. Messages from an agent that proves no
         rank are dropped here (``strangers()`` counts them; one ``TensorwireWarning`` per name)."""
+        if not self.ready:
+            return []  # no agent yet: nobody can have sent anything
         try:
             new = self.agent.get_new_notifs()
         except Exception as e:  # noqa: BLE001
@@ -297,6 +357,10 @@ class NixlBackend:
 
     def close(self) -> None:
         # Dropping the agent joins NIXL's progress thread and closes UCX endpoints.
+        self._maker.join(self._ready_timeout_s)
+        if not self.ready:
+            self.agent = self._bound = None
+            return
         for _, registration in self._scratch.values():
             self.deregister(registration)
         self._scratch.clear()
@@ -305,6 +369,8 @@ class NixlBackend:
     # --- errors -------------------------------------------------------------------------------
     def _translate(self, error: Exception, what: str, peer: int | None = None) -> Exception:
         """A NIXL exception as the tensorwire error that says which peer and what failed."""
+        if isinstance(error, BackendUnavailableError):
+            return error  # no agent to do it with (``wait_ready``): that says it all
         kind = type(error).__name__
         where = f" (peer rank {peer})" if peer is not None else ""
         if kind == "nixlRemoteDisconnectError":

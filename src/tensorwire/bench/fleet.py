@@ -9,13 +9,15 @@ process (``fleet_parties``; multiprocessing ``spawn``). For each fleet size N of
   idle) join one after another, each timing its own ``tw.init(directory=, name=)`` in a process that has not
   called it before (what a starting member pays). The fleet grows from one size to the next, so the record
   of N holds the joins of all N members, the reader's included. ``params["phases_ms"]`` splits the median
-  join: the directory connection with the rank claim and liveness listener, the NIXL agent, the name claim
-  and member record, and the rest.
+  join: the directory connection with the rank claim and liveness listener, starting the NIXL agent (made on
+  its own thread meanwhile), the name claim and member record, and the rest. ``serving_ms``: joined and the
+  first pool registered, which waits for that agent: when the member can serve a READ.
 - **first contact**: a reader (``reader-<N>``), a second launch started after the first's members are up,
   joins and reaches the members that joined since the last reader, which nobody has contacted (at most
   ``--first-contacts``): ``rank_of`` + ``lookup_blocks`` + ``prepare_blocks`` + the first READ of
   ``FIRST_READ_BLOCKS`` random blocks of a small pool over NIXL, each step timed; the median over those
-  members is the record, the same READ repeated (``again_us``) beside it.
+  members is the record, the same READ repeated (``again_us``) beside it. Held against raw NIXL's first
+  contact (``fleet_raw``: metadata load + the same READ between two fresh bare agents), measured at the end.
 - **steady state**: the reader READs ``--blocks`` random ids of ``member-0``'s pool (``--block-bytes`` each,
   in a ``/dev/shm`` file), one request per post, per ``--transports``; the two ranks of one launcher world
   (``tensorwire.testing.launch``, started once at the beginning, pools of the same shape) do the same READ.
@@ -47,8 +49,9 @@ from typing import Any
 from ..errors import WaitTimeoutError
 from ..shared_memory import remove_orphans
 from .command import announce, at_least, check_plot, header, header_lines, parse_size, positive, write_json
-from .fleet_parties import FIRST_READ_BLOCKS, holder, reader, world_rank
-from .fleet_report import FLEET, WORLD, format_report, plot_fleet
+from .fleet_parties import FIRST_POOL_BLOCKS, FIRST_READ_BLOCKS, holder, reader, world_rank
+from .fleet_raw import raw_first_contacts
+from .fleet_report import FLEET, RAW_NIXL, WORLD, format_report, plot_fleet
 from .partial import PartialRecords, measure_until_interrupted
 from .record import Record, records_to_json
 from .timing import Budget, quantile, summarize
@@ -246,7 +249,9 @@ def _join_record(size: int, joins: list[dict[str, Any]], fds: dict[str, Any]) ->
     phases = {name: quantile([j["phases"].get(name, 0.0) for j in joins], 0.5) for name in joins[0]["phases"]}
     return Record.measured("fleet", "cpu", "join", FLEET, "directory", 0, timing, members=size,
                            max_ms=max(j["join_ms"] for j in joins), join_ms=[round(j["join_ms"], 2) for j in joins],
-                           reader_join_ms=joins[-1]["join_ms"], phases_ms=phases, fds=fds)
+                           reader_join_ms=joins[-1]["join_ms"], phases_ms=phases, fds=fds,
+                           serving_ms=quantile([j["serving_ms"] for j in joins], 0.5),
+                           serving_max_ms=max(j["serving_ms"] for j in joins))
 
 
 def _first_record(size: int, firsts: list[dict[str, float]], block_bytes: int) -> Record:
@@ -288,21 +293,20 @@ def run(config: FleetBenchConfig) -> list[Record]:
         world.ask("stop")
         for party in holders:
             party.ask("stop")
-        return records
+        return _against_raw_nixl(bench_run, records)
     finally:
         bench_run.close()
 
 
-def method_rows(config: FleetBenchConfig) -> list[tuple[str, str]]:
-    """How ``bench fleet`` measures (the header's method rows)."""
-    return [
-        ("fleet", f"sizes {','.join(map(str, config.members))}: members of one launch join a directory in this "
-                  "process one after another (each times its own tw.init); a reader launched later reaches up to "
-                  f"{config.first_contacts} never-seen members (rank_of + lookup + prepare + first READ)"),
-        ("steady", f"READ {config.blocks} x {config.block_bytes // 1024} KiB random blocks of member-0 over "
-                   f"{','.join(config.transports)}, beside the same READ between 2 ranks of one launcher world, "
-                   f"{config.rounds} alternating rounds, {config.time_s:g} s per path"),
-    ]
+def _against_raw_nixl(run: _Run, records: list[Record]) -> list[Record]:
+    """The first READs held against raw NIXL's first contact (``fleet_raw``), measured now; its record added."""
+    c = run.config
+    run.say(f"raw NIXL's first contact, {c.first_contacts} fresh pair(s) of processes")
+    seconds = raw_first_contacts(FIRST_POOL_BLOCKS, FIRST_READ_BLOCKS, c.block_bytes, c.first_contacts, c.timeout_s)
+    raw = Record.measured("fleet", "cpu", "first READ", RAW_NIXL, "nixl", FIRST_READ_BLOCKS * c.block_bytes,
+                          summarize(seconds), max_ms=max(seconds) * 1e3, contacts=len(seconds))
+    held = [r.against(raw) if r.op == "first READ" else r for r in records]
+    return [*held, raw]
 
 
 # --- the command -----------------------------------------------------------------------------------------------
@@ -380,3 +384,16 @@ def main(args: argparse.Namespace) -> int:
         plot_fleet(records, args.plot, title=" ".join(["tensorwire", *args.argv]))
         print(f"wrote {args.plot}", file=sys.stderr)
     return 130 if interrupted else 0
+
+
+def method_rows(config: FleetBenchConfig) -> list[tuple[str, str]]:
+    """How ``bench fleet`` measures (the header's method rows)."""
+    return [
+        ("fleet", f"sizes {','.join(map(str, config.members))}: members of one launch join a directory in this "
+                  "process one after another (each times its own tw.init); a reader launched later reaches up to "
+                  f"{config.first_contacts} never-seen members (rank_of + lookup + prepare + first READ), held "
+                  "against raw NIXL's first contact"),
+        ("steady", f"READ {config.blocks} x {config.block_bytes // 1024} KiB random blocks of member-0 over "
+                   f"{','.join(config.transports)}, beside the same READ between 2 ranks of one launcher world, "
+                   f"{config.rounds} alternating rounds, {config.time_s:g} s per path"),
+    ]

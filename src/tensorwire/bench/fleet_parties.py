@@ -82,7 +82,7 @@ def _join_phases(phases: dict[str, float]):
     from ..bootstrap import Rendezvous
     from ..membership import Membership
 
-    wrapped = {"directory: connect, rank, liveness": Rendezvous, "nixl agent": NixlBackend,
+    wrapped = {"directory: connect, rank, liveness": Rendezvous, "nixl agent (started)": NixlBackend,
                "directory: name, record": Membership}
     originals = {name: cls.__init__ for name, cls in wrapped.items()}
 
@@ -146,8 +146,10 @@ def holder(conn: Any, env: dict[str, str], directory: str, name: str, member: in
         comm, joined = _join(directory, name, timeout_s)
         state["comm"] = comm
         small = _values(FIRST_POOL_BLOCKS, block_bytes, member * 1000)
+        start = time.perf_counter()
         state["pools"] = [comm.register_blocks(small)]
         comm.publish_blocks("first", state["pools"][0])
+        joined["serving_ms"] = joined["join_ms"] + (time.perf_counter() - start) * 1e3
         if steady is not None:
             state["shared"] = _shm_values(*steady, _STEADY_OWNER)
             state["pools"].append(comm.register_blocks(state["shared"]))
@@ -223,7 +225,9 @@ def reader(conn: Any, env: dict[str, str], directory: str, name: str, timeout_s:
         comm, joined = _join(directory, name, timeout_s)
         state["comm"] = comm
         state["landing"] = torch.zeros(FIRST_POOL_BLOCKS, block_bytes // 4, dtype=torch.int32)
+        start = time.perf_counter()
         state["small"] = comm.register_blocks(state["landing"])
+        joined["serving_ms"] = joined["join_ms"] + (time.perf_counter() - start) * 1e3
         return {**joined, **descriptors()}
 
     def first(targets: list[tuple[str, int]], block_bytes: int) -> list[dict[str, float]]:
