@@ -394,11 +394,12 @@ def main(args: argparse.Namespace) -> int:
     config = config_from(args)
     check_plot(args)
     head = header(args.argv)
-    announce(header_lines(TITLE, head, method_rows(config)), config.quiet)
+    head_lines = header_lines(TITLE, head, method_rows(config))
+    announce(head_lines, config.quiet)
     records, so_far = measure_until_interrupted(lambda partial: run(replace(config, partial=partial)), "kv")
     interrupted = records is None
     records = so_far if interrupted else records
-    print(format_report(records), flush=True)
+    print("\n".join([*head_lines, "", format_report(records)]), flush=True)
     if args.json is not None:
         write_json(args.json, {"header": {**head, "config": asdict(replace(config, partial=None))},
                                "records": records_to_json(records), "interrupted": interrupted})

@@ -428,12 +428,13 @@ def main(args: argparse.Namespace) -> int:
     config = moe_config(memory=memory, timeout_s=args.timeout, graphs=args.graphs, world_size=args.ranks,
                         engines=engines, quiet=args.quiet)
     head = header(args.argv)
-    announce(header_lines(f"tensorwire bench moe: dispatch and combine between {config.world_size} local ranks", head,
-                          method_rows(config)), args.quiet)
+    title = f"tensorwire bench moe: dispatch and combine between {config.world_size} local ranks"
+    head_lines = header_lines(title, head, method_rows(config))
+    announce(head_lines, args.quiet)
     records, so_far = measure_until_interrupted(lambda partial: run_moe_bench(replace(config, partial=partial)), "moe")
     interrupted = records is None
     records = so_far if interrupted else records
-    print(format_moe_report(records), flush=True)
+    print("\n".join([*head_lines, "", format_moe_report(records)]), flush=True)
     if args.json is not None:
         write_json(args.json, {"header": head, "records": records_to_json(records), "interrupted": interrupted})
     if args.plot is not None and records:
