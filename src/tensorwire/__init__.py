@@ -13,8 +13,9 @@ from __future__ import annotations
 from . import testing
 from .backends import BackendInfo, backends
 from .backends.base import Op, Status
-from .blocks import BlockPool, BlockPoolDesc, BlockTransfer
-from .communicator import Communicator, init
+from .block_transfer import BlockTransfer
+from .blocks import BlockPool, BlockPoolDesc
+from .communicator import Communicator
 from .descriptors import MemoryKind, TensorDesc
 from .errors import (
     AuthenticationError,
@@ -28,6 +29,7 @@ from .errors import (
     TransferError,
     WaitTimeoutError,
 )
+from .joining import init
 from .membership import Member
 from .moe import all_to_all_v
 from .registration import Registration

@@ -12,13 +12,12 @@ import torch
 
 from .backends import registry
 from .backends.base import Op, Segment
-from .blocks import BlockPool, BlockPoolDesc
 from .descriptors import TensorDesc
 from .errors import InvalidArgumentError
 from .registration import LocalMemoryMap, Registration, as_tensor_list, segment_of
 
 __all__ = ["check_rank", "check_key", "check_op", "check_transport", "new_segments", "prepare_arguments",
-           "segment_pairs", "refuse_overlaps", "check_block_pools"]
+           "segment_pairs", "refuse_overlaps"]
 
 
 def check_rank(rank: int, world_size: int, fn: str) -> None:
@@ -129,23 +128,3 @@ def refuse_overlaps(pairs: list[tuple[Segment, Segment]]) -> None:
                     f"prepare: local item {i} [0x{a.addr:x}, +{a.nbytes}) overlaps remote item {j} [0x{b.addr:x}, "
                     f"+{b.nbytes}) in this rank's own memory; copy through a separate buffer, or use "
                     "non-overlapping views")
-
-
-def check_block_pools(op: Op, pool: BlockPool, remote: BlockPoolDesc, transport: str | None, rank: int,
-                      world_size: int) -> None:
-    """``prepare_blocks``'s arguments: ``pool`` is checked to be this communicator's already; ``remote`` must be
-    a pool with the same views (bytes per block) of a valid rank, not this rank's other memory kind."""
-    check_op(op, "prepare_blocks")
-    if not isinstance(remote, BlockPoolDesc):
-        raise InvalidArgumentError(f"prepare_blocks: remote is a {type(remote).__name__}; pass the BlockPoolDesc "
-                                   "from lookup_blocks() (or pool.desc)")
-    if pool.block_bytes != remote.block_bytes:
-        raise InvalidArgumentError(
-            f"prepare_blocks: local pool has {len(pool.block_bytes)} views of {pool.block_bytes} bytes per block, "
-            f"rank {remote.rank}'s {len(remote.block_bytes)} of {remote.block_bytes}; both pools need the same "
-            "views in the same order, with equal bytes per block")
-    check_rank(remote.rank, world_size, "prepare_blocks")
-    if remote.rank == rank and pool.layout.kind is not remote.kind:
-        raise InvalidArgumentError("prepare_blocks: host and GPU pools of one rank; copy between them with torch "
-                                   "(index_select / index_copy_)")
-    check_transport(transport, "prepare_blocks")

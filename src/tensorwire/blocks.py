@@ -13,13 +13,11 @@ or one all-layers-per-block tensor); block ``i`` of the pool is ``view[i]`` of e
         x.post(local_ids, remote_ids)                        # ids: int tensors, numpy arrays or lists
         x.wait()
 
-Per transport, one request per post, never a call per block: ``cuda_ipc`` and ``local`` (GPU) launch one
-Triton gather/scatter kernel over the peer's IPC-mapped pool (stream-ordered, graph-capturable with ids in
-device tensors); ``nixl`` makes one ``make_prepped_xfer`` over descriptor lists prepared once per transfer;
-``shm`` and ``local`` (host) copy with one ``memmove`` per run of consecutive blocks. Ids are checked vectorised on
-the host: out of range, duplicate destinations and mismatched lengths raise ``InvalidArgumentError`` before anything
-moves. Ids that already live on the GPU are not read back by the host (that would wait for the GPU): the kernel skips
-ids out of range, so no byte lands outside the pool, and duplicate destinations are the caller's race.
+A ``BlockTransfer`` (``tensorwire.block_transfer``, where the ids are checked) is one request per post, never a
+call per block: ``cuda_ipc`` and ``local`` (GPU) launch one Triton gather/scatter kernel over the peer's IPC-mapped
+pool (stream-ordered, graph-capturable with ids in device tensors); ``nixl`` makes one ``make_prepped_xfer`` over
+descriptor lists prepared once per transfer; ``shm`` and ``local`` (host) copy with one ``memmove`` per run of
+consecutive blocks. This module holds the pools, their descriptors and the checks of a pair of pools.
 
 Non-goals: heterogeneous layouts (different block sizes or view counts on the two sides), partial blocks.
 """
@@ -29,25 +27,19 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from .backends.base import Op, Segment, Status
-from .backends.block_copy import BlockLayout, BlockRegion, DeviceBlockRequest
+from .arguments import check_op, check_rank, check_transport
+from .backends.base import Op, Segment
+from .backends.block_copy import BlockLayout, BlockRegion
 from .descriptors import MemoryKind, TensorDesc, field_problem, location_problem
 from .errors import ClosedError, InvalidArgumentError
 from .lifetime import Closeable
 from .registration import Registration, as_tensor_list
+from .runtime import Runtime
 
-if TYPE_CHECKING:
-    from .backends.base import Backend
-    from .communicator import Communicator
-    from .runtime import Runtime
-    from .transfer import Transfer
-
-__all__ = ["BlockPool", "BlockPoolDesc", "BlockTransfer"]
+__all__ = ["BlockPool", "BlockPoolDesc", "check_pool", "pool_layout", "spans_to_register"]
 
 _MAGIC = b"TWB"
 _FORMAT_VERSION = 1
@@ -167,11 +159,12 @@ class BlockPool(Closeable):
     an epoch of its own when its descriptor is first made (``expose``), and withdraws them at close
     (``withdraw``: the peers' transfers to that epoch are revoked like those to deregistered memory)."""
 
-    def __init__(self, comm: Communicator, views: list[torch.Tensor], layout: BlockLayout,
+    def __init__(self, runtime: Runtime, views: list[torch.Tensor], layout: BlockLayout,
                  holders: list[Registration], owned: Registration | None,
                  expose: Callable[[list[Segment]], int] | None = None,
                  withdraw: Callable[[int], None] | None = None) -> None:
-        self._comm = comm
+        self._runtime = runtime  # whose pool it is (a rank's), and its threads for the pool's transfers
+        self.rank = runtime.rank
         self.views = views
         self.layout = layout
         self.num_blocks = layout.num_blocks
@@ -182,7 +175,7 @@ class BlockPool(Closeable):
         self._expose, self._withdraw = expose, withdraw  # None when the pool registered its views itself
         self._own_epoch: int | None = None  # the epoch ``expose`` published the spans under
         self._desc: BlockPoolDesc | None = None
-        self.transfers: set[BlockTransfer] = set()
+        self.transfers: set = set()  # the BlockTransfers prepared on it
         self.closed = False
 
     @property
@@ -190,7 +183,7 @@ class BlockPool(Closeable):
         """The ``BlockPoolDesc`` peers address. The first one of a pool over the user's registrations publishes
         the pool's spans under an epoch of their own (one store round trip), which ``close()`` revokes."""
         if self._desc is None:
-            self._check_open("desc")
+            self.check_open("desc")
             spans = self.layout.spans()
             if self._expose is None:
                 epochs = [_desc_holding(h, s).epoch for h, s in zip(self._holders, spans)]
@@ -198,7 +191,7 @@ class BlockPool(Closeable):
                 self._own_epoch = self._expose(spans)
                 epochs = [self._own_epoch] * len(spans)
             layout = self.layout
-            self._desc = BlockPoolDesc(self._comm.rank, layout.kind, layout.device_index, layout.num_blocks,
+            self._desc = BlockPoolDesc(self.rank, layout.kind, layout.device_index, layout.num_blocks,
                                        tuple((r.addr, r.stride, r.block_bytes, e) for r, e in zip(layout.regions,
                                                                                                    epochs)))
         return self._desc
@@ -219,11 +212,35 @@ class BlockPool(Closeable):
             self._withdraw(self._own_epoch)
         self.views = []
 
-    def _check_open(self, fn: str) -> None:
+    @property
+    def holders(self) -> frozenset[Registration]:
+        """The registrations holding the views' bytes (a transfer prepared on the pool closes with them)."""
+        return frozenset(self._holders)
+
+    def check_open(self, fn: str) -> None:
+        """``ClosedError`` when the pool, or a registration holding its views, is closed."""
         if self.closed:
             raise ClosedError(f"{fn}: the block pool is closed; register the blocks again with comm.register_blocks")
         if any(h.closed for h in self._holders):
             raise ClosedError(f"{fn}: the registration holding this pool's views was closed; register them again")
+
+    def check_pair(self, op: Op, remote: BlockPoolDesc, transport: str | None, world_size: int) -> None:
+        """``prepare_blocks``'s checks of the peer's pool against this one: a pool with the same views (bytes per
+        block) of a valid rank, not this rank's other memory kind."""
+        check_op(op, "prepare_blocks")
+        if not isinstance(remote, BlockPoolDesc):
+            raise InvalidArgumentError(f"prepare_blocks: remote is a {type(remote).__name__}; pass the BlockPoolDesc "
+                                       "from lookup_blocks() (or pool.desc)")
+        if self.block_bytes != remote.block_bytes:
+            raise InvalidArgumentError(
+                f"prepare_blocks: local pool has {len(self.block_bytes)} views of {self.block_bytes} bytes per block, "
+                f"rank {remote.rank}'s {len(remote.block_bytes)} of {remote.block_bytes}; both pools need the same "
+                "views in the same order, with equal bytes per block")
+        check_rank(remote.rank, world_size, "prepare_blocks")
+        if remote.rank == self.rank and self.layout.kind is not remote.kind:
+            raise InvalidArgumentError("prepare_blocks: host and GPU pools of one rank; copy between them with torch "
+                                       "(index_select / index_copy_)")
+        check_transport(transport, "prepare_blocks")
 
     def _leak_message(self) -> str:
         return "a BlockPool was garbage-collected without close(); call pool.close() or use 'with comm.register_blocks'"
@@ -231,6 +248,13 @@ class BlockPool(Closeable):
     def __repr__(self) -> str:
         return (f"BlockPool({len(self.block_bytes)} views x {self.num_blocks} blocks of {self.block_bytes} bytes on "
                 f"{self.device}{', closed' if self.closed else ''})")
+
+
+def check_pool(pool: BlockPool, runtime: Runtime, fn: str) -> None:
+    """``pool`` is an open ``BlockPool`` of the communicator of ``runtime`` (``InvalidArgumentError`` otherwise)."""
+    if not isinstance(pool, BlockPool) or pool._runtime is not runtime:
+        raise InvalidArgumentError(f"{fn}: pass a BlockPool from this communicator's register_blocks(), got {pool!r}")
+    pool.check_open(fn)
 
 
 def _desc_holding(registration: Registration, span: Segment) -> TensorDesc:
@@ -290,136 +314,3 @@ def spans_to_register(views: list[torch.Tensor], layout: BlockLayout) -> list[to
     return flats
 
 
-def as_ids(ids, num_blocks: int, what: str, device: torch.device | None, unique: bool) -> np.ndarray | torch.Tensor:
-    """``ids`` as a 1-D int64 numpy array checked against ``[0, num_blocks)`` (and for duplicates if
-    ``unique``), or, when ``device`` is given and the ids are an integer tensor on it, that tensor unchecked."""
-    if isinstance(ids, torch.Tensor):
-        if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
-            raise InvalidArgumentError(f"{what}: a {ids.dtype} tensor of shape {tuple(ids.shape)}; pass a 1-D int32 or "
-                                       "int64 tensor of block ids")
-        if ids.device.type != "cpu":
-            if device is not None and ids.device == device:
-                return ids
-            ids = ids.cpu()  # waits for the GPU: ids for a host pool or a CPU-driven transport belong on the host
-        array = ids.numpy()
-    elif isinstance(ids, np.ndarray):
-        array = ids
-    elif isinstance(ids, (list, tuple, range)):
-        array = np.asarray(ids) if len(ids) else np.zeros(0, dtype=np.int64)
-    else:
-        raise InvalidArgumentError(f"{what}: got {type(ids).__name__}; pass a 1-D integer tensor, numpy array or list")
-    if array.ndim != 1 or array.dtype.kind not in "iu":
-        raise InvalidArgumentError(f"{what}: {array.dtype} array of shape {array.shape}; pass 1-D integer block ids")
-    array = array.astype(np.int64, copy=False)
-    if len(array) and (array.min() < 0 or array.max() >= num_blocks):
-        bad = int(np.flatnonzero((array < 0) | (array >= num_blocks))[0])
-        raise InvalidArgumentError(f"{what}: id {int(array[bad])} at position {bad} is outside [0, {num_blocks}); the "
-                                   f"pool has {num_blocks} blocks")
-    if unique and len(array) > 1:
-        seen = np.zeros(num_blocks, dtype=np.bool_)
-        seen[array] = True
-        if np.count_nonzero(seen) != len(array):
-            values, counts = np.unique(array, return_counts=True)
-            raise InvalidArgumentError(
-                f"{what}: destination block {int(values[counts > 1][0])} appears {int(counts.max())} times; each "
-                "destination block may be written once per post")
-    return np.ascontiguousarray(array)
-
-
-class BlockTransfer(Closeable):
-    """A prepared block READ or WRITE between a local pool and one peer's pool, re-postable with any ids.
-    Not thread-safe: drive one handle from one thread.
-
-    Attributes: ``op``, ``peer``, ``transport`` (``"cuda_ipc"``, ``"nixl"``, ``"shm"`` or ``"local"``),
-    ``bytes_per_block`` (summed over the views)."""
-
-    def __init__(self, core: Transfer, pool: BlockPool, remote: BlockPoolDesc, backend: Backend, request,
-                 runtime: Runtime) -> None:
-        self._core = core  # the prepared transfer of ``request``: posts, waits, failures
-        self._pool, self._remote = pool, remote
-        self._backend, self._request, self._runtime = backend, request, runtime
-        self.op, self.peer, self.transport = core.op, core.peer, core.transport
-        self.bytes_per_block = sum(pool.block_bytes)
-        self._on_device = isinstance(self._request, DeviceBlockRequest)  # takes ids that live on the GPU
-        self._empty = False  # the last post had no ids
-        self.closed = False
-
-    def post(self, local_ids, remote_ids, notify: bytes | None = None,
-             stream: torch.cuda.Stream | None = None) -> None:
-        """Move block ``remote_ids[i]`` of the peer's pool to block ``local_ids[i]`` of ours (READ), or the
-        reverse (WRITE), for every i, in every view. Non-blocking; ``stream`` as for ``Transfer.post``.
-
-        ``local_ids``/``remote_ids``: 1-D integer tensors (CPU, or on the pool's GPU for ``cuda_ipc``/``local``),
-        numpy arrays or lists, of equal length; bad ids raise ``InvalidArgumentError`` before anything moves.
-        ``notify`` (non-empty bytes) reaches the peer after the data. Graph-capturable over ``cuda_ipc``/``local``
-        with ids in device tensors (a replay reads their contents then). 0 ids moves nothing."""
-        self._check_open("post")
-        destination_is_local = self.op is Op.READ
-        device = self._pool.device if self._on_device else None
-        local = as_ids(local_ids, self._pool.num_blocks, "post: local_ids", device, destination_is_local)
-        remote = as_ids(remote_ids, self._remote.num_blocks, "post: remote_ids", device, not destination_is_local)
-        if len(local) != len(remote):
-            raise InvalidArgumentError(
-                f"post: {len(local)} local ids but {len(remote)} remote ids; id i of each pairs up")
-        if isinstance(local, torch.Tensor) != isinstance(remote, torch.Tensor):  # one on the GPU, one on the host
-            local, remote = (torch.as_tensor(x, device=self._pool.device) for x in (local, remote))
-        if notify is not None and (not isinstance(notify, (bytes, bytearray)) or not notify):
-            raise InvalidArgumentError(
-                f"post: notify must be non-empty bytes, got {notify!r}; pass e.g. notify=b'done'")
-        core = self._core
-        core.refuse_repost_in_flight("post", "block ")
-        if len(local) == 0:
-            self._empty = True
-            if notify is not None:
-                self._runtime.outbox.send_after(self.peer, bytes(notify), lambda: True)
-            return
-        if stream is not None and not isinstance(local, torch.Tensor) and self._on_device:
-            with torch.cuda.stream(stream):
-                if torch.cuda.is_current_stream_capturing():
-                    raise InvalidArgumentError(
-                        "post: ids on the host cannot be captured in a CUDA graph (the graph would keep reading the "
-                        "first post's copy); pass local_ids and remote_ids as tensors on the pool's device")
-        self._empty = False
-        self._backend.bind_blocks(self._request, local, remote, notify)
-        core.rebind(notify, len(local) * self.bytes_per_block)
-        try:
-            core.post(stream)
-        except BaseException:
-            self._request.bindings.unbind_last()
-            raise
-
-    def status(self) -> Status:
-        """DONE, IN_PROGRESS or ERROR of the last post; never blocks (see ``Transfer.status``)."""
-        self._check_open("status")
-        return Status.DONE if self._empty else self._core.status()
-
-    def wait(self, timeout: float | None = None, stream: torch.cuda.Stream | None = None) -> None:
-        """Complete the last post: block (sleeping) until done, or with ``stream`` return at once and make the
-        stream wait. ``WaitTimeoutError`` after ``timeout`` seconds (default: the communicator's)."""
-        self._check_open("wait")
-        if self._empty:
-            self._runtime.timeout(timeout)  # still reject a bad timeout
-            return
-        self._core.wait(timeout, stream)
-
-    def close(self) -> None:
-        """Release the prepared request (see ``Transfer.close``). Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        self._core.close()
-        self._pool.transfers.discard(self)
-
-    def _check_open(self, fn: str) -> None:
-        if self.closed:
-            raise ClosedError(f"{fn}: the block transfer is closed; prepare a new one with comm.prepare_blocks(...)")
-        self._pool._check_open(fn)
-        self._core.check_open(fn)
-
-    def _leak_message(self) -> str:
-        return (f"a block {self.op.value} to rank {self.peer} was garbage-collected without close(); call close() or "
-                "use 'with comm.prepare_blocks(...)'")
-
-    def __repr__(self) -> str:
-        return (f"BlockTransfer({self.op.value}, peer={self.peer}, transport={self.transport!r}, "
-                f"{self.bytes_per_block} bytes per block{', closed' if self.closed else ''})")

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from .deadlines import CallThread, Deadlines
 from .environment import Environment, hostname
 from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, TensorwireWarning, WaitTimeoutError
-from .liveness import Liveness, probe
+from .listener_queries import who_runs
+from .liveness import Liveness
 from .sealing import seal, unseal
 from .store_sockets import listen_socket, local_address, socket_fds, store_client_sockets
 
@@ -284,8 +285,8 @@ class Rendezvous:
 
     def _running_holder(self) -> str | None:
         """Who still runs as this rank according to its verified ``alive/<rank>`` record and a probe of the
-        liveness socket it names (``liveness.probe``: bounded by ``liveness_s``), or None. A record that does not
-        verify, or a socket nobody of this job answers on (the rank closed or died), is no holder."""
+        liveness socket it names (``listener_queries.who_runs``: bounded by ``liveness_s``), or None. A record that
+        does not verify, or a socket nobody of this job answers on (the rank closed or died), is no holder."""
         key = f"alive/{self.env.rank}"
         if not self.check(key):
             return None
@@ -293,7 +294,7 @@ class Rendezvous:
         if not self._verifies(key, blob):
             return None
         host, port = self._open(key, blob).decode().split()
-        return probe((host, int(port)), self.env.rank, self._token, self.liveness_s)
+        return who_runs((host, int(port)), self.env.rank, self._token, self.liveness_s)
 
     def _release_rank(self) -> None:
         if self._claim is not None:

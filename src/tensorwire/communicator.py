@@ -1,101 +1,47 @@
-"""``init()`` and the ``Communicator``: the public surface of point-to-point tensorwire.
+"""The ``Communicator``: the public surface of point-to-point tensorwire (``tw.init`` makes one: ``joining.py``).
 
-A communicator owns its backends (NIXL always; CUDA IPC where CUDA and cuda-python are present; shm;
-the same-process copy), the local memory map, its ``Peers`` (peers' memory maps, the transport choice: see
-``tensorwire.peers``), its ``Notifications`` and the ``Runtime`` every handle shares (progress and deadline
-threads, pinned words, timeouts). ``Transfer.transport`` tells which transport carries a transfer,
-``prepare(transport=)`` overrides the choice.
+A communicator owns its transports (built by ``backends.registry`` from one ``BackendContext``: every transport
+that works here), its ``LocalMemory`` (registrations, epochs, the published map), its ``Peers`` (peers' memory
+maps, the transport choice: see ``tensorwire.peers``), its ``Notifications`` and the ``Runtime`` every handle
+shares (progress and deadline threads, pinned words, timeouts), which is also ``comm.runtime``, the seam of the
+layers above. ``Transfer.transport`` tells which transport carries a transfer, ``prepare(transport=)`` overrides
+the choice.
 """
 
 from __future__ import annotations
 
-import math
-import threading
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from . import arguments, cuda
+from . import arguments
 from . import blocks as blocks_module
 from . import config as config_module
-from .backends.base import Backend, Op, Segment
-from .backends.fake import FakeBackend
-from .backends.local import LocalBackend
-from .backends.nixl import NixlBackend
-from .backends.shm import ShmBackend
-from .blocks import BlockPool, BlockPoolDesc, BlockTransfer
+from .backends.base import BackendContext, Op
+from .backends.transports import Transports
+from .block_transfer import BlockTransfer
+from .blocks import BlockPool, BlockPoolDesc
 from .bootstrap import Rendezvous
 from .descriptors import MemoryKind, TensorDesc
-from .directory_client import DirectoryRendezvous
-from .environment import resolve_environment
 from .errors import InvalidArgumentError, PeerLostError, TensorwireWarning, WaitTimeoutError
-from .freshness import CHANNEL as FRESHNESS_CHANNEL
 from .freshness import Freshness
+from .local_memory import LocalMemory
 from .membership import Member, Membership
 from .memory_map import host_identity
 from .network import ucx_net_devices
 from .notifications import Notifications
 from .peers import Peers
 from .progress import Inbox
-from .registration import LocalMemoryMap, Registration
+from .registration import Registration
 from .revocation import CHANNEL as REVOCATION_CHANNEL
 from .revocation import Revocations
 from .runtime import Runtime
-from .shared_memory import remove_orphans
 from .transfer import Transfer
 
-__all__ = ["Communicator", "init"]
+__all__ = ["Communicator"]
 
 _FLEET_STREAM_SENDERS = 1024  # members a fleet member may wait for with wait_notification(stream=)
-
-
-def init(
-    *,
-    rank: int | None = None,
-    world_size: int | None = None,
-    master_addr: str | None = None,
-    master_port: int | None = None,
-    device: torch.device | str | None = None,
-    timeout: float | None = None,
-    store: dist.Store | None = None,
-    directory: str | None = None,
-    name: str | None = None,
-) -> Communicator:
-    """Join the job described by the launcher's environment (torchrun, mpirun, SLURM) or the keywords; or,
-    with ``directory="tcp://HOST:PORT"`` and ``name=`` (or ``TENSORWIRE_DIRECTORY`` / ``TENSORWIRE_NAME``), join
-    a *fleet*: members launched apart that meet in a directory (``tensorwire directory``, or an etcd cluster:
-    ``directory="etcd://HOST:PORT[,HOST:PORT...]"``). A member's rank is
-    assigned by the directory (unique for its life, never reused), its name is unique among present members,
-    and everything else (register, publish/lookup, prepare, transfers, blocks, notifications, revocation,
-    liveness, the job token) works as in a launcher's world. Joining costs O(1) directory operations and no
-    connection to anyone; ``members()`` and ``rank_of(name)`` find the others.
-
-    Blocks until rank 0's store is reachable (at most ``timeout`` seconds). Not collective beyond that:
-    peers are connected lazily. ``store=`` reuses an existing torch.distributed store (keys are prefixed).
-    Calls on it are bounded as on tensorwire's own store (``TENSORWIRE_LIVENESS_S``; a wait: its timeout plus
-    that), but tensorwire cannot cut a connection it does not own: each call runs on a helper thread that the
-    caller stops waiting for. A call past its bound raises ``PeerLostError``, as does every later store call of
-    this communicator; the helper thread stays blocked in the abandoned call (a daemon), and the store object is
-    left in whatever state that call leaves it.
-    """
-    cfg = config_module.load()
-    timeout_s = cfg.timeout_s if timeout is None else float(timeout)
-    if not (math.isfinite(timeout_s) and timeout_s > 0):
-        raise InvalidArgumentError(f"init: timeout={timeout!r}; give a positive, finite number of seconds")
-    if directory is None and name is None and rank is None and world_size is None:
-        directory, name = cfg.directory, cfg.name
-    env = resolve_environment(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                              directory=directory, name=name)
-    if device is None:
-        if torch.cuda.is_available():
-            device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
-        else:
-            device = torch.device("cpu")
-    remove_orphans()  # what killed tensorwire processes of this host left in /dev/shm
-    return Communicator(env, torch.device(device), cfg, timeout_s, store)
 
 
 class Communicator:
@@ -105,69 +51,59 @@ class Communicator:
     with CUDA, else ``cpu``; tensorwire never calls ``torch.cuda.set_device`` for you).
     """
 
-    def __init__(self, env, device: torch.device, cfg: config_module.Config, timeout_s: float,
-                 store: dist.Store | None) -> None:
+    def __init__(self, rendezvous: Rendezvous, device: torch.device, cfg: config_module.Config,
+                 timeout_s: float) -> None:
+        """Made by ``tw.init`` (``tensorwire.joining``) once the rendezvous is reached."""
+        env = rendezvous.env  # a fleet member's rank is the directory's
         self._world_size = env.world_size
         self.local_rank = env.local_rank
         self.local_world_size = env.local_world_size
         self.device = device
         self.config = cfg
         self.timeout_s = timeout_s
-        if env.fleet:
-            if store is not None:
-                raise InvalidArgumentError("init: store= and directory= are two ways to meet; give one")
-            self._rendezvous: Rendezvous = DirectoryRendezvous(env, timeout_s, token=cfg.job_token,
-                                                               liveness_s=cfg.liveness_s)
-        else:
-            self._rendezvous = Rendezvous(env, timeout_s, store, token=cfg.job_token, liveness_s=cfg.liveness_s)
-        env = self._rendezvous.env  # a fleet member's rank is the directory's
+        self._rendezvous = rendezvous
         self.rank = env.rank
         self.name: str | None = env.name  # a fleet member's name (None in a launcher's world)
         self._membership: Membership | None = None
-        self._local_map = LocalMemoryMap()
-        self._map_lock = threading.RLock()  # an epoch and the map published under it are one step
-        self._epoch = 0
-        # NIXL's agent is made meanwhile (~0.5 s); the map is published again with its metadata once it exists.
-        self._nixl = NixlBackend(env.rank, progress_wakeup_ms=cfg.progress_wakeup_ms, token=cfg.job_token,
-                                 net_devices=ucx_net_devices(self._rendezvous.liveness.address[0])[0],
-                                 on_ready=self._nixl_ready, ready_timeout_s=max(timeout_s, 60.0))
-        self._backends: dict[str, Backend] = {"nixl": self._nixl, "local": LocalBackend(self._local_map.view),
-                                              "shm": ShmBackend(authenticated=cfg.job_token is not None,
-                                                                peer_lost=self._rendezvous.liveness.lost),
-                                              "fake": FakeBackend()}
-        if cuda.availability()[0]:
-            from .backends.cuda_ipc import CudaIpcBackend
-
-            self._backends["cuda_ipc"] = CudaIpcBackend()
-        self._inbox = Inbox(self._nixl.notifications)
-        self._runtime = Runtime(env.rank, cfg, timeout_s, self._rendezvous.liveness, self._send_notification)
-        self._peers = Peers(self._runtime, self._rendezvous, self._backends, self._nixl, host_identity(),
-                            lambda: (self._published_ranges(), self._epoch))
-        self._notifications = Notifications(self._runtime, self._inbox,
-                                            _FLEET_STREAM_SENDERS if env.fleet else env.world_size)
+        self._memory: LocalMemory | None = None  # once the transports exist (their local view reads its map)
+        # A transport that starts in the background (NIXL's agent, ~0.5 s) calls on_ready once its metadata
+        # exists: the map is published again with it.
+        transports = Transports(BackendContext(
+            env.rank, cfg, lambda segment: self._memory.map.view(segment), self._rendezvous.liveness.lost,
+            ucx_net_devices(self._rendezvous.liveness.address[0])[0], timeout_s,
+            on_ready=lambda: self._memory is not None and self._memory.republish()))
+        self._runtime = Runtime(env.rank, cfg, timeout_s, self._rendezvous, transports, Inbox(transports.notifications))
+        self._memory = LocalMemory(self._runtime)
+        self._peers = Peers(self._runtime, host_identity(), self._memory.regions)
+        self._revocations = Revocations(self._runtime, self._peers)
+        self._memory.connect(self._peers, self._revocations)
+        self._notifications = Notifications(self._runtime, _FLEET_STREAM_SENDERS if env.fleet else env.world_size)
         self._runtime.stream_waiters.add(self._notifications)
-        self._revocations = Revocations(self._runtime, self._inbox, self._nixl, self._peers)
-        self._inbox.open_channel(REVOCATION_CHANNEL, self._revocations.handle)
-        # Maps are confirmed with their owners (an old one written back is refused), whose revocation threads
-        # answer in the store: not on a store the user lent to init and calls too (a blocking wait of theirs on
-        # that one client would hold our answer, and the peer waiting for it, until the timeouts).
-        if cfg.job_token is not None and self._rendezvous.owns_store:
-            freshness = Freshness(self._runtime, self._nixl, self._rendezvous, lambda: self._epoch)
-            self._inbox.open_channel(FRESHNESS_CHANNEL, freshness.handle)
-            self._peers.current_epoch = freshness.current_epoch
-        self._rendezvous.between_polls = self._revocations.pump  # a rank in a barrier answers revocations too
-        self._runtime.between_polls = self._revocations.pump  # and so does every sleeping wait
-        self._pool_spans: dict[int, list[TensorDesc]] = {}  # epoch -> spans of an open pool in user registrations
-        self._closing = False
-        self._registrations: weakref.WeakSet[Registration] = weakref.WeakSet()
-        self._dependents: weakref.WeakSet = weakref.WeakSet()  # objects with close() (MoE engines): closed first
-        self._publish_memory_map()
+        self._open_channels(cfg)
+        self._memory.publish()
         if env.fleet or env.world_size > 1:  # peers may revoke memory: answer whatever this rank's threads do
             self._revocations.listen()
         if env.fleet:  # last: once listed, peers may prepare transfers to this member at once
             self._membership = Membership(self._rendezvous, env.name, host_identity())
             self._rendezvous.start_heartbeat()
         self._handed_out = True  # from here on a leak is the user's (see __del__)
+
+    def _open_channels(self, cfg: config_module.Config) -> None:
+        """The communicator's own message channel (revocations), and the map confirmations: its liveness listener
+        tells askers its map epoch; with a token, its prepares ask the owners (``freshness.py``)."""
+        runtime = self._runtime
+        runtime.channel(REVOCATION_CHANNEL, self._revocations.handle)
+        runtime.liveness.map_epoch = lambda: self._memory.epoch
+        if cfg.job_token is not None:
+            self._peers.current_epoch = Freshness(runtime).current_epoch
+        self._rendezvous.between_polls = self._revocations.pump  # a rank in a barrier answers revocations too
+        runtime.between_polls = self._revocations.pump  # and so does every sleeping wait
+
+    @property
+    def runtime(self) -> Runtime:
+        """The seam for layers built on this communicator (``tensorwire.runtime``): its store, notification
+        channels of their own, the transports, ``close_with``, one ``extension`` slot each."""
+        return self._runtime
 
     @property
     def closed(self) -> bool:
@@ -178,91 +114,7 @@ class Communicator:
         """Register contiguous, non-empty CPU or CUDA tensors for one-sided access. Local, not collective;
         blocks while the backend pins the memory. Returns a ``Registration`` whose ``descs`` peers may use."""
         self._check_open("register")
-        tensors, segments = arguments.new_segments(tensors, self._local_map)
-        handles: list[dict] = []
-        try:
-            for s in segments:
-                handles.append({})
-                for name, backend in self._backends.items():
-                    if s.kind in backend.capabilities.memory_kinds:
-                        handles[-1][name] = backend.register(s)
-        except Exception:
-            self._release_handles(handles)
-            raise
-        with self._map_lock:
-            epoch = self._epoch + 1
-            descs = [TensorDesc(self.rank, s.addr, s.nbytes, s.kind, s.device_index, epoch) for s in segments]
-            registration = Registration(self._deregister, tensors, segments, handles, descs)
-            for s, t in zip(segments, tensors):
-                self._local_map.add(s, registration, t)
-            self._registrations.add(registration)
-            self._publish_memory_map()
-        return registration
-
-    def _deregister(self, registration: Registration, handles: list | None) -> None:
-        """Unmap, republish, revoke peers' transfers (blocks for their answers), release; ``handles=None``: a
-        ``close()`` again after the peers' answers timed out waits for them once more."""
-        epochs = sorted({d.epoch for d in registration.descs})
-        if handles is None:
-            if not self.closed:
-                self._revocations.retry(epochs)
-            return
-        for s in registration.segments:
-            self._local_map.remove(s)
-        pools = [epoch for epoch, spans in self._pool_spans.items()  # pools in it go with it
-                 if any(d.contains(span) for span in spans for d in registration.descs)]
-        for epoch in pools:
-            del self._pool_spans[epoch]
-        if self.closed:
-            return  # the backends are gone and took the registrations with them
-        if not self._closing:
-            # First the map without these ranges (peers' prepares refuse them), then the peers' prepared transfers
-            # to them are revoked, then the backends let go (see tensorwire.revocation).
-            self._publish_memory_map()
-        tensors = registration._tensors  # kept alive by the release while peers may still post (quarantine)
-        epochs = sorted(set(epochs) | set(pools))
-        self._revocations.revoke(epochs, self._epoch, lambda: (self._release_handles(handles), tensors.clear()),
-                                 wait=not self._closing)
-
-    def _release_handles(self, handles: list[dict]) -> None:
-        for per_backend in handles:
-            for name, handle in per_backend.items():
-                self._backends[name].deregister(handle)
-
-    def _publish_memory_map(self) -> None:
-        with self._map_lock:
-            self._epoch += 1
-            self._peers.publish(self.rank, self._epoch, self._published_ranges())
-
-    def _nixl_ready(self) -> None:
-        """NIXL's agent exists (called on its thread): publish the map again, now with the agent's metadata,
-        unless ``__init__`` has not published yet (its first map then carries it)."""
-        with self._map_lock:
-            if self._epoch > 0 and not self._closing and not self.closed:
-                self._publish_memory_map()
-
-    def _published_ranges(self) -> list[TensorDesc]:
-        """The registered ranges, and the spans of the pools in them that have their own epoch (a descriptor of
-        such a pool is valid while its spans are published: until the pool closes)."""
-        return self._local_map.descs() + [d for spans in self._pool_spans.values() for d in spans]
-
-    def _expose_pool(self, spans: list[Segment]) -> int:
-        """Publish ``spans`` (a pool's, inside registrations) under a new epoch; return it."""
-        with self._map_lock:
-            epoch = self._epoch + 1
-            self._pool_spans[epoch] = [TensorDesc(self.rank, s.addr, s.nbytes, s.kind, s.device_index, epoch)
-                                       for s in spans]
-            self._publish_memory_map()
-        return epoch
-
-    def _withdraw_pool(self, epoch: int) -> None:
-        """The pool exposed under ``epoch`` closed: its spans leave the map (a peer's ``prepare_blocks`` refuses
-        its descriptor) and the peers' transfers to it are revoked; the memory stays the user's."""
-        if self._pool_spans.pop(epoch, None) is None or self.closed:
-            return  # withdrawn with the registration holding it
-        if not self._closing:
-            self._publish_memory_map()
-        self._revocations.revoke([epoch], self._epoch, lambda: None, wait=not self._closing)
+        return self._memory.register(tensors)
 
     def peer_pointer(self, desc: TensorDesc) -> int:
         """A device pointer, valid in this process on ``self.device``, to ``desc``'s bytes in a same-host
@@ -285,7 +137,7 @@ class Communicator:
         arguments.check_key(key, "publish")
         self._rendezvous.set(f"user/{self.rank}/{key}", TensorDesc.pack(descs))
 
-    def lookup(self, key: str, rank: int, timeout: float | None = None) -> list[TensorDesc]:
+    def lookup(self, key: str, rank: int, *, timeout: float | None = None) -> list[TensorDesc]:
         """The descriptors ``rank`` published under ``key``; blocks until they exist (``WaitTimeoutError``)."""
         self._check_open("lookup")
         arguments.check_key(key, "lookup")
@@ -297,7 +149,7 @@ class Communicator:
 
     # --- transfers ------------------------------------------------------------------------------
     def prepare(self, op: Op, local: torch.Tensor | Sequence[torch.Tensor],
-                remote: TensorDesc | Sequence[TensorDesc], notify: bytes | None = None,
+                remote: TensorDesc | Sequence[TensorDesc], *, notify: bytes | None = None,
                 transport: str | None = None) -> Transfer:
         """Build a reusable transfer: item i of ``local`` (registered tensors or views inside them) pairs with
         item i of ``remote`` (descriptors of ONE rank, possibly this one). May block on first contact with a
@@ -309,48 +161,45 @@ class Communicator:
         self._check_open("prepare")
         local_tensors, remote_descs, peer = arguments.prepare_arguments(op, local, remote, notify, transport,
                                                                         self._world_size)
-        pairs, registrations = arguments.segment_pairs(self._local_map, local_tensors, remote_descs)
-        backend, request, uses_cuda = None, None, False
+        pairs, registrations = arguments.segment_pairs(self._memory.map, local_tensors, remote_descs)
         if pairs and peer == self.rank:
             arguments.refuse_overlaps(pairs)
+        kinds = {(s.kind, r.kind) for s, r in pairs}
+        if len(kinds) > 1:
+            raise InvalidArgumentError(f"prepare: items mix memory kinds {sorted((a.name, b.name) for a, b in kinds)}; "
+                                       "prepare one transfer per (local, remote) memory kind")
+        return self._prepared(op, peer, pairs, remote_descs, registrations, transport, notify, "prepare",
+                              lambda backend: backend.prepare(op, [s for s, _ in pairs], [r for _, r in pairs], peer,
+                                                              notify))
+
+    def _prepared(self, op: Op, peer: int, pairs: list, remote_descs: list[TensorDesc], holders, transport: str | None,
+                  notify: bytes | None, fn: str, build: Callable) -> Transfer:
+        """The one prepare path of tensors and blocks: ``Peers.route`` (reach, transport, first touch), then
+        ``build(backend)`` makes the request; the ``Transfer`` closes with the registrations in ``holders``."""
+        backend = request = None
         if pairs:
-            self._peers.check_remote_ranges(peer, remote_descs)
-            kinds = {(s.kind, r.kind) for s, r in pairs}
-            if len(kinds) > 1:
-                raise InvalidArgumentError(
-                    f"prepare: items mix memory kinds {sorted((a.name, b.name) for a, b in kinds)}; "
-                    "prepare one transfer per (local, remote) memory kind"
-                )
-            backend = self._backends[self._peers.choose_transport(peer, pairs, transport)]
-            uses_cuda = MemoryKind.CUDA in next(iter(kinds))
-            channel_less = backend is not self._nixl and peer != self.rank
-            with self._peers.lost_as_such(peer, "prepare"):
-                if (backend is self._nixl and uses_cuda) or (notify is not None and channel_less):
-                    # Also for a transport whose notifications travel through NIXL: a first NIXL contact made
-                    # later, while the peer's stream waits for that very notification, can wait forever.
-                    self._peers.touch_remote_allocations(peer, pairs)
-                request = backend.prepare(op, [s for s, _ in pairs], [r for _, r in pairs], peer, notify)
-        nbytes = sum(s.nbytes for s, _ in pairs)
-        transfer = Transfer(self._runtime, op, peer, nbytes, backend, request, notify, uses_cuda,
-                            frozenset(d.epoch for d in remote_descs if d.nbytes))
+            backend, request = self._peers.route(peer, remote_descs, pairs, transport, notify is not None, fn, build)
+        uses_cuda = bool(pairs) and MemoryKind.CUDA in (pairs[0][0].kind, pairs[0][1].kind)
+        transfer = Transfer(self._runtime, op, peer, sum(s.nbytes for s, _ in pairs), backend, request, notify,
+                            uses_cuda, frozenset(d.epoch for d in remote_descs if d.nbytes))
         self._runtime.transfers.add(transfer)
-        for registration in registrations:
+        for registration in holders:
             registration.transfers.add(transfer)
         return transfer
 
-    def read(self, local, remote, timeout: float | None = None) -> None:
+    def read(self, local, remote, *, timeout: float | None = None) -> None:
         """READ remote -> local and wait for it (prepare + post + wait + close). Blocks."""
         with self.prepare(Op.READ, local, remote) as transfer:
             transfer.post()
-            transfer.wait(timeout)
+            transfer.wait(timeout=timeout)
 
-    def write(self, local, remote, notify: bytes | None = None, timeout: float | None = None) -> None:
+    def write(self, local, remote, *, notify: bytes | None = None, timeout: float | None = None) -> None:
         """WRITE local -> remote and wait for it; ``notify`` reaches the peer after the data. Blocks."""
         with self.prepare(Op.WRITE, local, remote, notify=notify) as transfer:
             transfer.post()
-            transfer.wait(timeout)
+            transfer.wait(timeout=timeout)
 
-    def wait_notification(self, from_rank: int, timeout: float | None = None,
+    def wait_notification(self, from_rank: int, *, timeout: float | None = None,
                           stream: torch.cuda.Stream | None = None) -> bytes | None:
         """The next message a WRITE's ``notify=`` from ``from_rank`` delivered, in order. Blocks (sleeping)
         until one arrives; ``WaitTimeoutError`` after ``timeout`` seconds.
@@ -368,12 +217,6 @@ class Communicator:
             return self._notifications.wait_on_stream(from_rank, stream, self._timeout(timeout))
         return self._notifications.wait(from_rank, self._timeout(timeout))
 
-    def _send_notification(self, peer: int, message: bytes) -> None:
-        if peer == self.rank:
-            self._inbox.push(self.rank, message)
-        else:
-            self._nixl.send_notification(peer, message)
-
     # --- KV-cache blocks ---------------------------------------------------------------------------
     def register_blocks(self, views: torch.Tensor | Sequence[torch.Tensor]) -> BlockPool:
         """A ``BlockPool`` over ``views`` (each ``[num_blocks, ...]`` on one CPU or CUDA device, block i =
@@ -383,27 +226,26 @@ class Communicator:
         self._check_open("register_blocks")
         views, layout = blocks_module.pool_layout(views)
         spans = layout.spans()
-        holders = [self._local_map.find(s) for s in spans]
-        owned = None
-        if any(h is None for h in holders):
-            if any(h is not None or self._local_map.overlapping(s) for h, s in zip(holders, spans)):
-                raise InvalidArgumentError(
-                    "register_blocks: some views lie in registered tensors and some do not (or only partly); register "
-                    "the tensors that hold all the views with comm.register first, or none of them")
-            owned = self.register(blocks_module.spans_to_register(views, layout))
-            holders = [self._local_map.find(s) for s in spans]
-            return BlockPool(self, views, layout, holders, owned)
-        return BlockPool(self, views, layout, holders, None, self._expose_pool, self._withdraw_pool)
+        memory = self._memory
+        holders = [memory.map.find(s) for s in spans]
+        if all(h is not None for h in holders):
+            return BlockPool(self._runtime, views, layout, holders, None, memory.expose_pool, memory.withdraw_pool)
+        if any(h is not None or memory.map.overlapping(s) for h, s in zip(holders, spans)):
+            raise InvalidArgumentError(
+                "register_blocks: some views lie in registered tensors and some do not (or only partly); register "
+                "the tensors that hold all the views with comm.register first, or none of them")
+        owned = self.register(blocks_module.spans_to_register(views, layout))
+        return BlockPool(self._runtime, views, layout, [memory.map.find(s) for s in spans], owned)
 
     def publish_blocks(self, key: str, pool: BlockPool) -> None:
         """Make ``pool``'s descriptor visible to every rank under ``(key, self.rank)``. Non-blocking, not
         collective."""
         self._check_open("publish_blocks")
         arguments.check_key(key, "publish_blocks")
-        self._check_pool(pool, "publish_blocks")
+        blocks_module.check_pool(pool, self._runtime, "publish_blocks")
         self._rendezvous.set(f"blocks/{self.rank}/{key}", pool.desc.pack())
 
-    def lookup_blocks(self, key: str, rank: int, timeout: float | None = None) -> BlockPoolDesc:
+    def lookup_blocks(self, key: str, rank: int, *, timeout: float | None = None) -> BlockPoolDesc:
         """The ``BlockPoolDesc`` ``rank`` published under ``key``; blocks until it exists (``WaitTimeoutError``)."""
         self._check_open("lookup_blocks")
         arguments.check_key(key, "lookup_blocks")
@@ -420,55 +262,44 @@ class Communicator:
                                        "the store value is corrupt")
         return desc
 
-    def prepare_blocks(self, op: Op, pool: BlockPool, remote: BlockPoolDesc,
+    def prepare_blocks(self, op: Op, pool: BlockPool, remote: BlockPoolDesc, *,
                        transport: str | None = None) -> BlockTransfer:
         """A reusable ``BlockTransfer`` between ``pool`` and the peer's pool ``remote`` (same number of views,
         same bytes per block in each). Blocks on first contact with the peer (bounded by the timeout). Picks
         the transport as ``prepare`` does; ``transport=`` forces one."""
         self._check_open("prepare_blocks")
-        self._check_pool(pool, "prepare_blocks")
-        arguments.check_block_pools(op, pool, remote, transport, self.rank, self._world_size)
-        peer = remote.rank
-        self._peers.check_remote_ranges(peer, remote.spans(), "prepare_blocks")
-        pairs = list(zip(pool.layout.spans(), remote.layout().spans()))
-        backend = self._backends[self._peers.choose_transport(peer, pairs, transport, "prepare_blocks")]
-        uses_cuda = MemoryKind.CUDA in (pool.layout.kind, remote.kind)
-        with self._peers.lost_as_such(peer, "prepare_blocks"):
-            if backend is self._nixl and uses_cuda:
-                self._peers.touch_remote_allocations(peer, pairs)
-            request = backend.prepare_blocks(op, pool.layout, remote.layout(), peer)
-        core = Transfer(self._runtime, op, peer, 0, backend, request, None, uses_cuda,
-                        frozenset(region[3] for region in remote.regions))
-        self._runtime.transfers.add(core)
-        for registration in set(pool._holders):
-            registration.transfers.add(core)
-        transfer = BlockTransfer(core, pool, remote, backend, request, self._runtime)
+        blocks_module.check_pool(pool, self._runtime, "prepare_blocks")
+        pool.check_pair(op, remote, transport, self._world_size)
+        peer, remote_layout = remote.rank, remote.layout()
+        pairs = list(zip(pool.layout.spans(), remote_layout.spans()))
+        built = []
+
+        def build(backend):
+            built.append((backend, backend.prepare_blocks(op, pool.layout, remote_layout, peer)))
+            return built[0][1]
+
+        core = self._prepared(op, peer, pairs, remote.spans(), pool.holders, transport, None, "prepare_blocks", build)
+        transfer = BlockTransfer(core, pool, remote, *built[0], self._runtime)
         pool.transfers.add(transfer)
         return transfer
 
-    def read_blocks(self, pool: BlockPool, local_ids, remote: BlockPoolDesc, remote_ids,
+    def read_blocks(self, pool: BlockPool, local_ids, remote: BlockPoolDesc, remote_ids, *,
                     timeout: float | None = None) -> None:
         """READ block ``remote_ids[i]`` of ``remote`` into block ``local_ids[i]`` of ``pool`` and wait. Blocks."""
         with self.prepare_blocks(Op.READ, pool, remote) as transfer:
             transfer.post(local_ids, remote_ids)
-            transfer.wait(timeout)
+            transfer.wait(timeout=timeout)
 
-    def write_blocks(self, pool: BlockPool, local_ids, remote: BlockPoolDesc, remote_ids,
+    def write_blocks(self, pool: BlockPool, local_ids, remote: BlockPoolDesc, remote_ids, *,
                      notify: bytes | None = None, timeout: float | None = None) -> None:
         """WRITE block ``local_ids[i]`` of ``pool`` to block ``remote_ids[i]`` of ``remote`` and wait; ``notify``
         reaches the peer after the data. Blocks."""
         with self.prepare_blocks(Op.WRITE, pool, remote) as transfer:
             transfer.post(local_ids, remote_ids, notify=notify)
-            transfer.wait(timeout)
-
-    def _check_pool(self, pool: BlockPool, fn: str) -> None:
-        if not isinstance(pool, BlockPool) or pool._comm is not self:
-            raise InvalidArgumentError(
-                f"{fn}: pass a BlockPool from this communicator's register_blocks(), got {pool!r}")
-        pool._check_open(fn)
+            transfer.wait(timeout=timeout)
 
     # --- collective helpers & lifetime ------------------------------------------------------------
-    def barrier(self, timeout: float | None = None) -> None:
+    def barrier(self, *, timeout: float | None = None) -> None:
         """Return when every rank has called ``barrier``. Collective, blocking (on the store). A launcher's
         world only: a fleet has no fixed set of members to wait for."""
         self._check_open("barrier")
@@ -495,7 +326,7 @@ class Communicator:
         self._check_open("members")
         return self._fleet("members").members()
 
-    def rank_of(self, name: str, timeout: float | None = None) -> int:
+    def rank_of(self, name: str, *, timeout: float | None = None) -> int:
         """The rank of the present member named ``name``; waits (sleeping, bounded by ``timeout``, default the
         communicator's) until one is, else ``WaitTimeoutError``. A member started again under its name has a
         new rank: call this again after a ``PeerLostError``. Fleets only."""
@@ -521,7 +352,7 @@ class Communicator:
         a local failure (a backend refusing to release) is raised once, after everything is closed."""
         if self.closed:
             return
-        self._closing = True  # registrations closed below do not republish the map one by one
+        self._memory.closing = True  # registrations closed below do not republish the map one by one
         failures: list[Exception] = []
 
         def attempt(step: Callable[[], None]) -> None:
@@ -530,36 +361,8 @@ class Communicator:
             except Exception as e:  # noqa: BLE001 - keep closing; report once at the end
                 failures.append(e)
 
-        if self._membership is not None:  # first: members() elsewhere stops listing this one at once
-            attempt(self._rendezvous.stop_heartbeat)
-            attempt(self._membership.leave)
-        for dependent in list(self._dependents):  # first: they close their own transfers and registrations
-            attempt(dependent.close)
-        for transfer in list(self._runtime.transfers):
-            attempt(transfer.close)
-        attempt(self._revocations.leaving)  # owners revoking memory now need no answer from this rank
-        for registration in list(self._registrations):
-            attempt(registration.close)
-        attempt(self._publish_memory_map)  # peers see every range gone (revocation) before the agent goes
-        self._runtime.closed = True
-        attempt(self._revocations.stop)  # its thread ends before the backends go
-        attempt(self._runtime.release_stream_waits)
-        self._runtime.close(attempt)
-        # The backends go once no peer will send to this rank's agent any more: a rank that does not host the
-        # store leaves liveness first (peers see it gone and send it nothing); the store's host, which stays
-        # watchable until every rank departed, keeps its agent until then (a closing peer's last messages would
-        # otherwise reach a destroyed agent, which NIXL reports as an error line).
-        # A rank says it departed first, while the store is surely up (the store's host stops waiting for a rank
-        # whose liveness is gone, and may then take the store away).
-        hosts_store = self._rendezvous.hosts_store
-        if not hosts_store:
-            attempt(lambda: self._rendezvous.depart(self.timeout_s))
-            attempt(self._rendezvous.leave)
-            self._close_backends(attempt)
-        else:
-            attempt(lambda: self._rendezvous.depart(self.timeout_s))  # until every rank departed or is gone
-            self._close_backends(attempt)
-        self._rendezvous.close()  # and its liveness sockets: peers watching this rank learn at once that it left
+        self._close_handles(attempt)
+        self._leave(attempt)
         remote = [e for e in failures if isinstance(e, (PeerLostError, WaitTimeoutError))]
         local = [e for e in failures if e not in remote]
         if remote:
@@ -568,9 +371,40 @@ class Communicator:
         if local:
             raise local[0]
 
+    def _close_handles(self, attempt: Callable[[Callable[[], None]], None]) -> None:
+        """Everything handed out, dependents first (they close their own transfers and registrations), then the
+        threads (after every stream wait was released)."""
+        if self._membership is not None:  # first: members() elsewhere stops listing this one at once
+            attempt(self._rendezvous.stop_heartbeat)
+            attempt(self._membership.leave)
+        for dependent in list(self._runtime.dependents):
+            attempt(dependent.close)
+        for transfer in list(self._runtime.transfers):
+            attempt(transfer.close)
+        attempt(self._revocations.leaving)  # owners revoking memory now need no answer from this rank
+        for registration in list(self._memory.registrations):
+            attempt(registration.close)
+        attempt(self._memory.publish)  # peers see every range gone (revocation) before the agent goes
+        self._runtime.closed = True
+        attempt(self._revocations.stop)  # its thread ends before the backends go
+        attempt(self._runtime.release_stream_waits)
+        self._runtime.close(attempt)
+
+    def _leave(self, attempt: Callable[[Callable[[], None]], None]) -> None:
+        """Depart and close the transports. They go once no peer will send to this rank's agent any more: a rank
+        that does not host the store leaves liveness first (peers see it gone and send it nothing); the store's
+        host, which stays watchable until every rank departed, keeps its agent until then (a closing peer's last
+        messages would otherwise reach a destroyed agent, which NIXL reports as an error line). A rank says it
+        departed first, while the store is surely up (the store's host stops waiting for a rank whose liveness is
+        gone, and may then take the store away)."""
+        attempt(lambda: self._rendezvous.depart(self.timeout_s))  # the store's host: until every rank departed
+        if not self._rendezvous.hosts_store:
+            attempt(self._rendezvous.leave)
+        self._close_backends(attempt)
+        self._rendezvous.close()  # and its liveness sockets: peers watching this rank learn at once that it left
+
     def _close_backends(self, attempt: Callable[[Callable[[], None]], None]) -> None:
-        for backend in self._backends.values():
-            attempt(backend.close)
+        self._runtime.transports.close(attempt)
         self._revocations.close()  # what was quarantined goes with the backends
 
     def __enter__(self) -> Communicator:
@@ -590,7 +424,7 @@ class Communicator:
     def __repr__(self) -> str:
         where = f"name={self.name!r}" if self.name is not None else f"world_size={self._world_size}"
         return (f"Communicator(rank={self.rank}, {where}, device={self.device}, "
-                f"backends={sorted(self._backends)})")
+                f"backends={sorted(self._runtime.transports)})")
 
     # --- internals ------------------------------------------------------------------------------
     def _timeout(self, timeout: float | None) -> float:

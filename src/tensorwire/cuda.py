@@ -6,6 +6,7 @@ PyTorch owns the CUDA context (the device's primary context); every call here ru
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import threading
@@ -177,7 +178,9 @@ def enqueue_copies(copies: list[tuple[int, int, int]], stream: Any, device_index
 
     cu = driver()
     handle = cu.CUstream(stream.cuda_stream)
-    with torch.cuda.device(device_index):
+    # The usual case, the device already current, skips the switch there and back (~3 µs of a 4 KiB post).
+    current = torch.cuda.current_device() == device_index
+    with contextlib.nullcontext() if current else torch.cuda.device(device_index):
         for destination, source, nbytes in copies:
             check(cu.cuMemcpyAsync(destination, source, nbytes, handle), f"{what}: cuMemcpyAsync")
 

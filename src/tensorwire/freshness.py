@@ -4,76 +4,56 @@
 A sealed map opens for as long as the job token lives, so the store alone cannot tell an old map from the current
 one. A rank that revoked memory tells its holders its new map epoch (``revocation.py``); a rank that never met the
 owner has had no such word. So in an authenticated job, before ``prepare`` uses a map of a peer at an epoch it has
-not confirmed yet (its first contact with the peer, or the peer's map changed), it asks the owner:
+not confirmed yet (its first contact with the peer, or the peer's map changed), it asks the owner's liveness
+listener (``listener_queries.MAP_EPOCH``) on a connection of its own: the owner answers its last published map
+epoch, bound under the job token to the asker's fresh nonce (no old answer stands for a new question, and only a
+member can make one), and the asker takes it as the floor under that peer's maps: an older map in the store is
+refused (``Peers``: ``AuthenticationError`` once the store does not catch up within the bound).
 
-* ``Q <nonce>`` (NIXL notification, channel ``b"twmap"``) to the owner, whose NIXL agent the map just loaded
-  names (the first transfer needs that connection anyway);
-* the owner's revocation thread (it pumps the notification inbox every 10 ms whatever the user's threads do)
-  answers in the store: ``fresh/<owner>/<nonce>`` -> its last published map epoch, sealed like every value, so
-  only a member can write it and, bound to a fresh nonce in its key, no old answer can stand for it. Answering in
-  the store spares the owner a NIXL connection back to the asker (a second handshake of tens of ms);
-* the asker reads and deletes the answer and takes it as the floor under that peer's maps: an older map in the
-  store is refused (``Peers``: ``AuthenticationError`` once the store does not catch up within the bound).
-
-Cost: the owner's thread period plus three store round trips, on first contact and after the peer's map changed,
-never on a ``prepare`` of a map already confirmed, never on ``post``/``wait``. Without a token nothing is asked
+Cost: one TCP round trip to the owner, which answers at once from its revocation thread (``Liveness.serve`` wakes
+on the connection): on first contact and after the peer's map changed, never on a ``prepare`` of a map already
+confirmed, never on ``post``/``wait``. No store round trip and no NIXL message. Without a token nothing is asked
 (such a job trusts its store anyway).
 """
 
 from __future__ import annotations
 
-import secrets
 import struct
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .errors import PeerLostError, WaitTimeoutError
+from .listener_queries import MAP_EPOCH, ask
+
 if TYPE_CHECKING:
-    from .backends.nixl import NixlBackend
-    from .bootstrap import Rendezvous
     from .runtime import Runtime
 
-__all__ = ["Freshness", "CHANNEL"]
+__all__ = ["Freshness"]
 
-CHANNEL = b"twmap"
-_QUERY = b"Q"
-_QUERY_FORMAT = struct.Struct("<Q")  # nonce
-_EPOCH_FORMAT = struct.Struct("<I")  # the answer in the store
+_EPOCH_FORMAT = struct.Struct("<I")
 
 
 class Freshness:
-    """One communicator's side of the protocol, as asker (``current_epoch``) and as owner (``handle`` answers).
+    """The asker's side (the owner's is its liveness listener)."""
 
-    ``published_epoch()`` is this rank's last published map epoch."""
-
-    def __init__(self, runtime: Runtime, nixl: NixlBackend, rendezvous: Rendezvous,
-                 published_epoch: Callable[[], int]) -> None:
-        self._runtime, self._nixl, self._rendezvous = runtime, nixl, rendezvous
-        self._published_epoch = published_epoch
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
 
     def current_epoch(self, rank: int, timeout_s: float) -> int:
-        """``rank``'s current map epoch as ``rank`` says it (its metadata is loaded). Blocks (sleeping) for the
-        round trip, at most ``timeout_s``: ``WaitTimeoutError``; ``PeerLostError`` once ``rank`` is gone."""
-        nonce = secrets.randbits(64)
-        key = f"fresh/{rank}/{nonce:016x}"
-        self._nixl.send_notification(rank, CHANNEL + _QUERY + _QUERY_FORMAT.pack(nonce))
-        answer = self._rendezvous.get(key, timeout_s, f"prepare: asking rank {rank} which memory map is current",
-                                      ranks=(rank,))
+        """``rank``'s current map epoch as ``rank`` says it. Blocks for the round trip, at most ``timeout_s``:
+        ``WaitTimeoutError``; ``PeerLostError`` when no process of this job answers for ``rank``."""
+        what = f"prepare: asking rank {rank} which memory map is current"
+        liveness = self._runtime.liveness
+        address = liveness.address_of(rank)
+        if address is None:
+            raise PeerLostError(f"{what}: rank {rank} has published no liveness address (it has not started, or is "
+                                "gone)")
         try:
-            self._rendezvous.delete(key)
-        except Exception:  # noqa: BLE001 - a store without deletes keeps an 8-byte answer: harmless
-            pass
-        if len(answer) != _EPOCH_FORMAT.size:
-            raise ValueError(f"prepare: rank {rank}'s answer has {len(answer)} bytes")
-        return _EPOCH_FORMAT.unpack(answer)[0]
-
-    def handle(self, sender: int, message: bytes) -> None:
-        """A ``twmap`` notification (called by the inbox's pump): answer it in the store."""
-        kind, body = message[len(CHANNEL):len(CHANNEL) + 1], message[len(CHANNEL) + 1:]
-        if kind != _QUERY or len(body) != _QUERY_FORMAT.size:
-            return
-        (nonce,) = _QUERY_FORMAT.unpack(body)
-        try:
-            self._rendezvous.set(f"fresh/{self._runtime.rank}/{nonce:016x}",
-                                 _EPOCH_FORMAT.pack(self._published_epoch()))
-        except Exception:  # noqa: BLE001 - the store is gone: the asker's wait ends typed
-            pass
+            said = ask(address, MAP_EPOCH, rank, self._runtime.config.job_token, timeout_s)
+        except TimeoutError:
+            raise WaitTimeoutError(f"{what}: not answered after {timeout_s:.3g}s; rank {rank} is stopped or stuck "
+                                   "outside tensorwire. Pass a larger timeout= or check it") from None
+        if said is None or len(said) != _EPOCH_FORMAT.size:
+            self._runtime.liveness.check(rank, what)  # gone: says so, with the reason
+            raise PeerLostError(f"{what}: no process of this job answers for rank {rank} at {address[0]}:"
+                                f"{address[1]} (it exited, or another process holds its port)")
+        return _EPOCH_FORMAT.unpack(said)[0]

@@ -33,10 +33,10 @@ saying so and how to fix it, and the next check tries again. Connections that ha
 are capped per listener (``_MAX_PENDING``; the oldest is closed), so that whoever floods the port costs this
 process a bounded number of descriptors.
 
-A probe. A process about to claim a rank asks the listener published for that rank whether it still runs
-(``probe``): it sends ``b"TWP"``, the rank and a fresh nonce; the listener, polled as for any handshake, answers
-with who it is (host and pid) and, with a token, ``HMAC-SHA256(token, probe label | nonce | rank | who)``, then
-closes. The connection is never counted for a rank.
+Questions. Any process may ask the listener who runs it or which memory map epoch its rank published last, on a
+connection of its own that the listener answers (bound to the asker's nonce under the token) and closes; such a
+connection never counts for a rank (``listener_queries``). ``serve`` waits for connections and handshakes on the
+listener (the revocation thread runs it), so questions and handshakes are answered at once, not at a next poll.
 
 Non-goals: the connections are authenticated once, when they open; after that nothing travels on them to
 protect, and whoever sits on the path can still reset one (a denial of service, like deleting store values). A
@@ -53,6 +53,7 @@ import math
 import os
 import resource
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -61,20 +62,18 @@ from collections.abc import Callable
 
 from .environment import hostname
 from .errors import PeerLostError, TransferError
+from .listener_queries import HELLO, MAP_EPOCH, NONCE_BYTES, PROBE, answer
 
-__all__ = ["Liveness", "probe", "tune"]
+__all__ = ["Liveness", "tune"]
 
-_HELLO = struct.Struct("<3sI")  # magic, the connecting rank: a claim, verified by the answer below
+_HELLO = HELLO  # magic, the connecting rank: a claim, verified by the answer below (a question: its kind)
 _MAGIC = b"TWL"
-_NONCE_BYTES = 16  # the listener's challenge
+_NONCE_BYTES = NONCE_BYTES  # the listener's challenge
 _ANSWER_BYTES = 32  # HMAC-SHA256(token, _ANSWER_LABEL | nonce | connecting rank u32 | listening rank u32)
 _ANSWER_LABEL = b"tensorwire liveness answer/"
 _ACCEPTED = b"K"  # the listener verified the answer: from now on end-of-file means it is gone
 _CHECK_PERIOD_S = 0.01  # a peer's socket is looked at no more often than this
 _MAX_PENDING = 64  # accepted connections whose handshake has not finished, per listener: beyond, the oldest goes
-_PROBE_MAGIC = b"TWP"  # a process about to claim the listener's own rank asks whether it still runs
-_PROBE_LABEL = b"tensorwire liveness probe/"  # HMAC-SHA256(token, label | nonce | rank u32 | who)
-_MAX_PROBE_REPLY = len(_PROBE_MAGIC) + 32 + 256
 # Errors that say something about the peer: only these on its connection make it gone. Any other failure to
 # open or use a socket is this process's (or host's) trouble and no verdict.
 _PEER_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT,
@@ -143,52 +142,11 @@ def _local_trouble(error: OSError) -> str:
     return f"{errno.errorcode.get(error.errno, error.errno)}: {error.strerror or error}"
 
 
-def _probe_answer(token: bytes, nonce: bytes, rank: int, who: bytes) -> bytes:
-    return hmac.new(token, _PROBE_LABEL + nonce + struct.pack("<I", rank) + who, hashlib.sha256).digest()
-
-
-def probe(address: tuple[str, int], rank: int, token: bytes | None, timeout_s: float) -> str | None:
-    """Who runs the liveness listener of ``rank`` at ``address`` (host and pid, as it says), or None when no
-    process of this job listens there any more (refused, reset, closed, unreachable, or an answer that does not
-    verify under ``token``). A listener that accepts the connection but does not answer within ``timeout_s``
-    (its process is stopped, or busy outside tensorwire) counts as running. Blocks at most ``timeout_s``."""
-    where = f"{address[0]}:{address[1]}"
-    nonce = secrets.token_bytes(_NONCE_BYTES)
-    deadline = time.monotonic() + timeout_s
-    try:
-        sock = socket.create_connection(address, timeout=timeout_s)
-    except OSError:
-        return None
-    reply = b""
-    with sock:
-        try:
-            sock.sendall(_HELLO.pack(_PROBE_MAGIC, rank) + nonce)
-            while len(reply) < _MAX_PROBE_REPLY:
-                sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                data = sock.recv(_MAX_PROBE_REPLY - len(reply))
-                if not data:
-                    break
-                reply += data
-        except TimeoutError:
-            return (f"a process whose liveness socket at {where} accepts connections but did not answer within "
-                    f"{timeout_s:g}s (stopped, or busy outside tensorwire)")
-        except OSError:
-            return None
-    mac_bytes = 0 if token is None else 32
-    if not reply.startswith(_PROBE_MAGIC) or len(reply) <= len(_PROBE_MAGIC) + mac_bytes:
-        return None
-    mac, who = reply[len(_PROBE_MAGIC):len(_PROBE_MAGIC) + mac_bytes], reply[len(_PROBE_MAGIC) + mac_bytes:]
-    if token is not None and not hmac.compare_digest(mac, _probe_answer(token, nonce, rank, who)):
-        return None  # not this job's listener: the port now belongs to someone else
-    verified = "authenticated with the job token" if token is not None else "unauthenticated job"
-    return f"{who.decode(errors='replace')}, whose liveness socket at {where} answered ({verified})"
-
-
 class _Handshake(enum.Enum):
     PENDING = "pending"  # waiting for the other end's next message
     COUNTED = "counted"  # verified: the connection counts for its rank
     REFUSED = "refused"  # closed: not a rank of this job, a wrong answer, end-of-file or silent too long
-    PROBED = "probed"  # a probe for this listener's own rank, answered and closed
+    PROBED = "probed"  # a question for this listener's own rank (``listener_queries``), answered and closed
 
 
 class _Incoming:
@@ -199,7 +157,7 @@ class _Incoming:
         self.received = b""
         self.rank: int | None = None  # claimed by the hello
         self.nonce = b""  # the challenge sent (with a token)
-        self.probe = False  # a probe (``probe``), not a rank's connection
+        self.probe = b""  # a question's kind (``listener_queries``), not a rank's connection
 
 
 class _Outgoing:
@@ -229,13 +187,17 @@ class Liveness:
         self._incoming: list[_Incoming] = []  # accepted, not verified yet
         self._outgoing: dict[socket.socket, _Outgoing] = {}  # opened, not accepted by the listener yet (token)
         self._offered: set[int] = set()  # ranks that opened a connection to this one, verified or not
+        self._opened: set[int] = set()  # ranks this one opened a connection to (it is among their callers)
         self._lost: dict[int, str] = {}
         self._trouble: dict[int, str] = {}  # why the last try to connect to a rank failed here (no verdict)
         self._who = f"{hostname()} pid {os.getpid()}".encode()  # what a probe is told
         self._next_check: dict[int, float] = {}
         self._next_resolve: dict[int, float] = {}
+        self._addresses: dict[int, tuple[str, int]] = {}  # rank -> its listener, as last resolved
         self._lock = threading.Lock()
         self.closed = False
+        # This rank's last published memory map epoch, for the MAP_EPOCH question (set by the communicator).
+        self.map_epoch: Callable[[], int] = lambda: 0
 
     # --- the public checks ------------------------------------------------------------------------
     def check(self, rank: int, what: str | Callable[[], str]) -> None:
@@ -289,9 +251,38 @@ class Liveness:
                 self._handshake()
             return sorted(self._offered)
 
+    def serve(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for a connection or a handshake message on this rank's listener, then move every
+        handshake on and answer every question that arrived. For the thread that keeps this rank answering."""
+        with self._lock:
+            if self.closed:
+                return
+            sockets = [self._listener] + [pending.sock for pending in self._incoming]
+        try:
+            select.select(sockets, [], [], timeout_s)
+        except (OSError, ValueError):  # a socket closed meanwhile (a handshake settled, or close())
+            time.sleep(timeout_s)
+        with self._lock:
+            if not self.closed:
+                self._handshake()
+
+    def address_of(self, rank: int) -> tuple[str, int] | None:
+        """``rank``'s listener (the store's record, read once), or None while it has published none."""
+        address = self._addresses.get(rank)
+        if address is None:
+            address = self._resolve(rank)
+            if address is not None:
+                self._addresses[rank] = address
+        return address
+
     def watch(self, rank: int) -> None:
-        """Connect to ``rank`` now (bounded by ``liveness_s``) so that a later wait knows at once if it is gone."""
+        """Connect to ``rank`` now (bounded by ``liveness_s``) so that a later wait knows at once if it is gone and
+        ``rank`` counts this rank among its callers (its revocations reach this rank): a connection ``rank``
+        opened to this one does not tell it so."""
         if rank != self.rank:
+            with self._lock:
+                if not self.closed and rank not in self._opened:
+                    self._connect(rank, time.monotonic())
             self.lost(rank, fresh=True)
             self._raise_trouble(rank, "liveness")
 
@@ -312,6 +303,8 @@ class Liveness:
             return
         self._next_resolve[rank] = now + self.liveness_s / 4
         address = self._resolve(rank)
+        if address is not None:
+            self._addresses[rank] = address
         if address is None:
             return  # not started yet: nothing to say
         sock = None
@@ -331,6 +324,7 @@ class Liveness:
             return
         self._trouble.pop(rank, None)
         self._sockets.setdefault(rank, []).append(sock)
+        self._opened.add(rank)
         if self._token is not None:
             self._outgoing[sock] = _Outgoing(rank)
 
@@ -383,8 +377,8 @@ class Liveness:
         if len(received) < _HELLO.size:
             return _Handshake.PENDING
         magic, rank = _HELLO.unpack(received)
-        if magic == _PROBE_MAGIC and rank == self.rank:
-            pending.rank, pending.received, pending.probe = rank, b"", True
+        if magic in (PROBE, MAP_EPOCH) and rank == self.rank:
+            pending.rank, pending.received, pending.probe = rank, b"", magic
             return _Handshake.PENDING  # its nonce follows
         if magic != _MAGIC or not 0 <= rank < self.world_size or rank == self.rank:
             return _Handshake.REFUSED  # not a rank of this job
@@ -411,15 +405,16 @@ class Liveness:
         return _Handshake.COUNTED
 
     def _take_probe(self, pending: _Incoming) -> _Handshake:
-        """Tell a probe who runs this listener, bound to its nonce under the token (see ``probe``)."""
+        """Answer a question (``listener_queries``: who runs this listener, or its map epoch), bound to its nonce
+        under the token."""
         received = _read_up_to(pending.sock, pending.received, _NONCE_BYTES)
         if received is None:
             return _Handshake.REFUSED
         pending.received = received
         if len(received) < _NONCE_BYTES:
             return _Handshake.PENDING
-        mac = b"" if self._token is None else _probe_answer(self._token, received, self.rank, self._who)
-        _send_now(pending.sock, _PROBE_MAGIC + mac + self._who)
+        payload = self._who if pending.probe == PROBE else struct.pack("<I", self.map_epoch())
+        _send_now(pending.sock, answer(pending.probe, self._token, received, self.rank, payload))
         return _Handshake.PROBED
 
     def _answer_challenge(self, sock: socket.socket, outgoing: _Outgoing) -> None:
@@ -449,6 +444,7 @@ class Liveness:
         if received is None:
             del self._outgoing[sock]
             self._sockets[rank].remove(sock)
+            self._opened.discard(rank)
             sock.close()
             self._next_resolve[rank] = 0.0  # reconnect at the next check
             return

@@ -1,16 +1,15 @@
 """Notifications: the message a WRITE's ``notify=`` delivers after its data, and the waits for it.
 
-Sending. NIXL sends a transfer's notification itself once the data is in place. The transports without a
-message channel (``cuda_ipc``, ``shm``, ``local``, the tests' ``fake``) hand theirs to the ``Outbox``: it is
-sent through NIXL (or pushed into this rank's own inbox) once the copy completed, and after every message
-queued to that peer before it, so a peer never sees a notification ahead of the data or out of order.
+Sending. A transport with a message channel (NIXL) sends a transfer's notification itself once the data is in
+place; the others hand theirs to the ``Outbox`` (``outbox.py``).
 
-Receiving. The ``Inbox`` (``progress.py``) queues arrivals per sender. ``Notifications.wait`` takes the next
-one, sleeping. ``Notifications.wait_on_stream`` makes a GPU stream wait instead: the progress thread counts
-each sender's arrivals into a pinned host word, and the stream waits until the word reaches the number of
-notifications awaited from that sender so far (``cuStreamWaitValue32``). A wait nobody answers within its
-timeout, or whose sender is gone, is released by storing that number (the deadline thread, or the progress
-thread): the stream moves on, the error is kept and raised by the next ``wait_notification``.
+Receiving. The ``Inbox`` (``progress.py``) queues what every message channel delivered, per sender.
+``Notifications.wait`` takes the next one, sleeping. ``Notifications.wait_on_stream`` makes a GPU stream wait
+instead: the progress thread counts each sender's arrivals into a pinned host word, and the stream waits until
+the word reaches the number of notifications awaited from that sender so far (``cuStreamWaitValue32``). A wait
+nobody answers within its timeout, or whose sender is gone, is released by storing that number (the deadline
+thread, or the progress thread): the stream moves on, the error is kept and raised by the next
+``wait_notification``.
 """
 
 from __future__ import annotations
@@ -18,70 +17,24 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import cuda
 from .deadlines import warn_from_progress_thread
 from .errors import InvalidArgumentError, PeerLostError, WaitTimeoutError
-from .progress import Inbox, ProgressEngine, wait_until
+from .progress import wait_until
+from .runtime import Runtime
 
-if TYPE_CHECKING:
-    from .runtime import Runtime
-
-__all__ = ["Outbox", "Notifications"]
-
-
-class Outbox:
-    """Notifications of copying transports, sent in order once their copy completed. Never blocks: the
-    progress thread drains what cannot be sent at once."""
-
-    def __init__(self, engine: ProgressEngine, send: Callable[[int, bytes], None]) -> None:
-        self._engine = engine
-        self._send = send  # (peer, message): through NIXL, or into this rank's inbox
-        self._queues: dict[int, collections.deque] = {}  # per peer: (done, message) in posting order
-        self._lock = threading.Lock()
-
-    def send_after(self, peer: int, message: bytes, done: Callable[[], bool]) -> None:
-        """Deliver ``message`` to ``peer`` once ``done()`` (its copy completed) and after every message queued
-        to ``peer`` before it: a later copy may complete first, its message must not."""
-        with self._lock:
-            queue = self._queues.setdefault(peer, collections.deque())
-            if not queue and done():
-                self._send(peer, message)
-                return
-            queue.append((done, message))
-            if len(queue) > 1:
-                return  # the watch started for the first queued message drains this one too
-        self._engine.watch(lambda: self._drain(peer))
-
-    def _drain(self, peer: int) -> bool:
-        with self._lock:
-            queue = self._queues[peer]
-            while queue:
-                done, message = queue[0]
-                try:
-                    if not done():
-                        break
-                    queue.popleft()
-                    self._send(peer, message)
-                except Exception as e:  # noqa: BLE001 - one lost message must not strand the ones behind it
-                    if queue and queue[0][1] is message:
-                        queue.popleft()
-                    warn_from_progress_thread(
-                        f"tensorwire: a notification could not be sent and was dropped ({e}); the peer's "
-                        "wait_notification for it will time out: check that the peer is alive and reachable "
-                        "('tensorwire doctor')")
-            return not queue
+__all__ = ["Notifications"]
 
 
 class Notifications:
     """``wait_notification``'s CPU and stream forms for one communicator (at most ``senders`` senders waited on
     with a stream: a launcher's world size, or a cap in a fleet, whose ranks are not dense)."""
 
-    def __init__(self, runtime: Runtime, inbox: Inbox, senders: int) -> None:
+    def __init__(self, runtime: Runtime, senders: int) -> None:
         self._runtime = runtime
-        self._inbox = inbox
+        self._inbox = runtime.inbox
         self._senders = senders
         self._words: cuda.HostWords | None = None  # per-sender arrival counters the GPU waits on, by slot
         self._slots: dict[int, int] = {}  # sender rank -> its word (assigned at its first stream wait)

@@ -6,9 +6,12 @@ peer's map the first time it addresses a descriptor newer than the view it holds
 ``prepare`` (one store round trip): a descriptor of memory the peer has deregistered since must fail
 validation, not reach freed memory through a stale view. No collective is needed to add a peer.
 
-Transport selection, per transfer: the first transport of ``backends.registry.TRANSPORTS`` that reaches the
-peer: the peer is this rank -> ``local``; same host and GPU memory on both sides, exported through IPC ->
-``cuda_ipc``; same host and host memory the peer keeps in a shared file -> ``shm``; otherwise -> ``nixl``.
+One question per prepare (``route``), for tensors and blocks alike: are the remote ranges inside what the peer
+registered (its map loaded and checked), which transport carries them (the first of
+``backends.registry.TRANSPORTS`` that reaches the peer: the peer is this rank -> ``local``; same host and GPU
+memory on both sides, exported through IPC -> ``cuda_ipc``; same host and host memory the peer keeps in a shared
+file -> ``shm``; otherwise -> ``nixl``), and which remote allocations a ``first_touch`` transport must touch before
+a stream may wait on them. The transport then builds its request, a peer's death in between reported as such.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from . import cuda
 from .backends import registry
-from .backends.base import Backend, Segment, Status
-from .backends.nixl import NixlBackend
+from .backends.base import Backend, FirstTouch, Segment, Status
 from .bootstrap import Rendezvous
 from .descriptors import MemoryKind, TensorDesc
 from .errors import (
@@ -49,12 +52,10 @@ class Peers:
     ``local_regions()`` returns this rank's own registered ranges and epoch (a transfer to itself is checked
     against those)."""
 
-    def __init__(self, runtime: Runtime, rendezvous: Rendezvous, backends: dict[str, Backend], nixl: NixlBackend,
-                 host: str, local_regions: Callable[[], tuple[list[TensorDesc], int]]) -> None:
+    def __init__(self, runtime: Runtime, host: str, local_regions: Callable[[], tuple[list[TensorDesc], int]]) -> None:
         self._runtime = runtime
-        self._rendezvous = rendezvous
-        self._backends = backends
-        self._nixl = nixl
+        self._rendezvous: Rendezvous = runtime.store
+        self._backends = runtime.transports
         self.host = host
         self._local_regions = local_regions
         self._views: dict[int, PeerView] = {}
@@ -108,7 +109,7 @@ class Peers:
     def _wait_for_map(self, rank: int, min_epoch: int, timeout_s: float, what: str) -> None:
         give_up_at = time.monotonic() + min(timeout_s, self._runtime.config.liveness_s)
         wait_until(lambda: self._load(rank, min_epoch, timeout_s, give_up_at), timeout_s,
-                   lambda: f"prepare: memory map of rank {rank} at epoch >= {min_epoch} with its NIXL agent's metadata",
+                   lambda: f"prepare: memory map of rank {rank} at epoch >= {min_epoch} with its messenger's metadata",
                    self._runtime.config,
                    self._runtime.alive(rank, what))
 
@@ -158,12 +159,14 @@ class Peers:
                 loading = f"prepare: loading rank {rank}'s {name} metadata"
                 with typed_decoding(f"{source}, section {name!r}"), self.lost_as_such(rank, loading):
                     self._backends[name].load_peer(rank, metadata)
-        if self._nixl.name not in memory_map.sections:
-            # Its NIXL agent is still being made (the map published once it exists carries it), within the bound.
+        messenger = self._backends.messenger.name
+        if messenger not in memory_map.sections:
+            # Its messenger (NIXL's agent) is still being made (the map published once it exists carries it),
+            # within the bound.
             if time.monotonic() > give_up_at:
                 raise InvalidArgumentError(
-                    f"{source}: epoch {epoch} has no NIXL section: rank {rank}'s NIXL agent was not made (its own "
-                    "register() says why) or the map is corrupt")
+                    f"{source}: epoch {epoch} has no {messenger} section: rank {rank}'s {messenger} agent was not made "
+                    "(its own register() says why) or the map is corrupt")
             return False
         self._views[rank] = PeerView(epoch, host, memory_map.regions)
         return True
@@ -222,9 +225,13 @@ class Peers:
                                     [r for _, r in pairs])
         remotes = [r for _, r in pairs]
         if requested is None and usable:
-            if usable[0] == "nixl" and same_host and not to_self:
-                self._warn_if_degraded(peer, local_kind, remote_kind, remotes)
+            if same_host and not to_self:
+                self._warn_if_degraded(peer, usable[0], local_kind, remote_kind, remotes)
             return usable[0]
+        if requested is not None and requested not in self._backends:
+            self._backends.require(requested, fn)  # a test transport is built when a test first asks for it
+            usable = registry.reachable(self._backends, to_self, same_host, local_kind, remote_kind, peer,
+                                        [r for _, r in pairs])
         if requested not in usable:
             usable = [name for name in usable if name in registry.NAMES]  # the tests' own transports unnamed
             why = self._unusable_reason(requested, peer, to_self, same_host, local_kind, remote_kind, remotes)
@@ -233,18 +240,19 @@ class Peers:
                 f"{remote_kind.name} memory here: {why}; usable: {usable}")
         return requested
 
-    def _warn_if_degraded(self, peer: int, local_kind: MemoryKind, remote_kind: MemoryKind,
+    def _warn_if_degraded(self, peer: int, chosen: str, local_kind: MemoryKind, remote_kind: MemoryKind,
                           remotes: list[Segment]) -> None:
-        """Once per peer: a same-host transfer that takes NIXL where a faster transport was meant to carry it."""
-        if local_kind is remote_kind is MemoryKind.CUDA:
-            self._warn_once(f"cuda_ipc-unavailable-{peer}",
-                            f"tensorwire: GPU transfers with rank {peer} on this host take NIXL, not CUDA IPC "
-                            f"({self._ipc_reason()}); expect lower bandwidth")
-        elif local_kind is remote_kind is MemoryKind.CPU and "shm" in self._backends:
-            refused = self._backends["shm"].refused_file(peer, remotes)
+        """Once per peer: a same-host transfer that takes a slower transport than the one meant to carry it."""
+        if local_kind is remote_kind is MemoryKind.CUDA and not self._backends[chosen].capabilities.stream_ordered:
+            self._warn_once(f"gpu-not-stream-ordered-{peer}",
+                            f"tensorwire: GPU transfers with rank {peer} on this host take {chosen}, not a "
+                            f"stream-ordered copy between GPUs ({self._ipc_reason()}); expect lower bandwidth")
+        shm = self._backends.get("shm")
+        if local_kind is remote_kind is MemoryKind.CPU and shm is not None and chosen != "shm":
+            refused = shm.refused_file(peer, remotes)
             if refused is not None:
                 self._warn_once(f"shm-refused-{peer}", f"tensorwire: host memory transfers with rank {peer} take "
-                                f"NIXL, not shm: {refused}; expect lower bandwidth")
+                                f"{chosen}, not shm: {refused}; expect lower bandwidth")
 
     def _unusable_reason(self, requested: str, peer: int, to_self: bool, same_host: bool, local_kind: MemoryKind,
                          remote_kind: MemoryKind, remotes: list[Segment]) -> str:
@@ -258,12 +266,12 @@ class Peers:
             return refusal
         if requested == "shm":
             return backend.unreached_reason(peer, remotes) or "the peer's file cannot be mapped here"
-        if requested == "cuda_ipc":
+        if backend.capabilities.peer_pointers:
             return self._ipc_reason()
         return f"rank {peer}'s ranges are not reachable by it"
 
     def _ipc_reason(self) -> str:
-        if "cuda_ipc" not in self._backends:
+        if self._backends.with_capability("peer_pointers") is None:
             return cuda.availability()[1]
         return "the peer's memory could not be exported through cudaIpc (expandable_segments/VMM memory?)"
 
@@ -275,7 +283,7 @@ class Peers:
     def ipc_pointer(self, desc: TensorDesc, device_index: int) -> int:
         """A device pointer on ``device_index`` to ``desc``'s bytes in a same-host peer's GPU memory, through a
         CUDA IPC mapping (``BackendUnavailableError`` saying why where there is none). The view is loaded."""
-        ipc = self._backends.get("cuda_ipc")
+        ipc = self._backends.with_capability("peer_pointers")
         if ipc is None:
             raise BackendUnavailableError(f"peer_pointer: no CUDA IPC here: {cuda.availability()[1]}")
         if self._views[desc.rank].host != self.host:
@@ -288,23 +296,51 @@ class Peers:
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments cannot be); allocate it without expandable segments")
         return ipc.pointer(desc.rank, segment, device_index)
 
-    def touch_remote_allocations(self, peer: int, pairs: list[tuple[Segment, Segment]]) -> None:
-        """Let NIXL map each remote registered range once, before any stream can wait on a transfer to it
-        (see ``NixlBackend.touch``). Blocks for one tiny READ per range, on first contact only."""
+    def _touch_remote_allocations(self, toucher: Any, peer: int, pairs: list[tuple[Segment, Segment]]) -> None:
+        """Let ``toucher`` (a ``FirstTouch`` backend) map each remote registered range once, before any stream can
+        wait on a transfer to it (see ``NixlBackend.touch``). Blocks for one tiny READ per range, on first contact
+        only."""
         local = pairs[0][0]
         regions = self._views[peer].regions
         runtime = self._runtime
         for _, remote in pairs:
             region = next(r for r in regions if r.addr <= remote.addr and remote.addr + remote.nbytes <= r.end)
-            key = (peer, region.addr, region.nbytes, local.kind, local.device_index)
+            key = (toucher.name, peer, region.addr, region.nbytes, local.kind, local.device_index)
             if key in self._touched:
                 continue
-            request = self._nixl.touch(peer, Segment(region.addr, 1, region.kind, region.device_index),
-                                       local.kind, local.device_index)
+            request = toucher.touch(peer, Segment(region.addr, 1, region.kind, region.device_index),
+                                    local.kind, local.device_index)
             try:
-                wait_until(lambda request=request: self._nixl.status(request) is not Status.IN_PROGRESS,
+                wait_until(lambda request=request: toucher.status(request) is not Status.IN_PROGRESS,
                            runtime.timeout_s, lambda: f"prepare: first contact with rank {peer}'s memory",
                            runtime.config, runtime.alive(peer, "prepare: first contact"))
             finally:
-                self._nixl.release(request)
+                toucher.release(request)
             self._touched.add(key)
+
+    def _touchers(self, backend: Backend, peer: int, uses_cuda: bool, notifies: bool) -> list[FirstTouch]:
+        """Who must touch the remote allocations before a stream may wait: the transport itself (``first_touch``,
+        GPU memory involved), and the messenger when it carries this transfer's notifications (a first contact
+        made later, while the peer's stream waits for that very notification, can wait forever)."""
+        touchers: list[Any] = []
+        if uses_cuda and backend.capabilities.first_touch:
+            touchers.append(backend)
+        messenger = self._backends.messenger
+        if (notifies and peer != self._runtime.rank and not backend.capabilities.message_channel
+                and messenger.capabilities.first_touch and messenger not in touchers):
+            touchers.append(messenger)
+        return touchers
+
+    def route(self, peer: int, remote_descs: list[TensorDesc], pairs: list[tuple[Segment, Segment]],
+              requested: str | None, notifies: bool, fn: str, build: Callable[[Backend], Any]) -> tuple[Backend, Any]:
+        """Reach, transport and first touch in one question, then ``build(backend)`` (the transport's request):
+        checks the remote ranges against ``peer``'s map (``check_remote_ranges``), picks the transport
+        (``choose_transport``), touches what must be touched, and reports a backend's failure as ``PeerLostError``
+        when ``peer`` is gone. Returns ``(backend, request)``. Blocks on first contact (bounded by the timeout)."""
+        self.check_remote_ranges(peer, remote_descs, fn)
+        backend = self._backends[self.choose_transport(peer, pairs, requested, fn)]
+        uses_cuda = MemoryKind.CUDA in (pairs[0][0].kind, pairs[0][1].kind)
+        with self.lost_as_such(peer, fn):
+            for toucher in self._touchers(backend, peer, uses_cuda, notifies):
+                self._touch_remote_allocations(toucher, peer, pairs)
+            return backend, build(backend)

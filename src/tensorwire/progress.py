@@ -103,7 +103,7 @@ def fine_timer_slack() -> Iterator[None]:
 
 
 class Inbox:
-    """Per-sender FIFOs of notification messages, filled by polling one backend.
+    """Per-sender FIFOs of notification messages, filled by polling the message channels (``poll``).
 
     Messages are routed by prefix into channels: a layer above (e.g. ``tensorwire.moe``, prefix
     ``b"twmoe"``) opens its own channel so its traffic never mixes with the user's, which lands in the
@@ -172,17 +172,13 @@ class ProgressEngine:
         self._watches: list[Callable[[], bool]] = []
         self._on_error: dict[Callable[[], bool], Callable[[Exception], None]] = {}
         self._cond = threading.Condition()
-        # Held while watches run, so unwatch() waits out a running poll; reentrant because a watch (or a
-        # finalizer the garbage collector runs on the progress thread) may unwatch.
-        self._polling = threading.RLock()
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self.error: BaseException | None = None
 
     def watch(self, poll: Callable[[], bool], on_error: Callable[[Exception], None] | None = None) -> None:
         """Poll ``poll()`` from the progress thread until it returns True. If it raises, the watch ends and
         the exception goes to ``on_error`` (its owner raises it from its next call); without an owner it is
-        warned about (``TensorwireWarning``) and kept in ``self.error``. Never raises itself."""
+        warned about (``TensorwireWarning``). Never raises itself."""
         with self._cond:
             if on_error is not None:
                 self._on_error[poll] = on_error
@@ -207,13 +203,6 @@ class ProgressEngine:
             watched = set(self._watches)
         return [poll for poll in polls if poll in watched]
 
-    def unwatch(self, poll: Callable[[], bool]) -> None:
-        """Stop polling ``poll``; once this returns it is not running and will not run again."""
-        with self._polling, self._cond:
-            if poll in self._watches:
-                self._watches.remove(poll)
-            self._on_error.pop(poll, None)
-
     def close(self) -> None:
         with self._cond:
             self._stopped = True
@@ -221,6 +210,18 @@ class ProgressEngine:
             self._cond.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+
+    def _poll_once(self, poll: Callable[[], bool]) -> bool:
+        """One call of ``poll``: True once its watch is over (done, or failed and handed to its owner)."""
+        try:
+            return poll()
+        except Exception as e:  # noqa: BLE001 - handed to the watch's owner
+            handler = self._on_error.get(poll)
+            if handler is not None:
+                handler(e)
+            else:  # nobody will raise it: say so now
+                warn_from_progress_thread(f"tensorwire: the progress thread's work failed: {e!r}")
+            return True
 
     def _run(self) -> None:
         with fine_timer_slack():  # its back-off sleeps are short: the default slack would add ~50 µs to each
@@ -234,28 +235,15 @@ class ProgressEngine:
                     self._cond.wait()
                 if self._stopped:
                     return
-            finished = []
-            with self._polling:
+            with self._cond:
+                watches = list(self._watches)
+            finished = [poll for poll in watches if self._poll_once(poll)]
+            if finished:
                 with self._cond:
-                    watches = list(self._watches)  # unwatch() cannot slip in between here and the polls
-                for poll in watches:
-                    try:
-                        if poll():
-                            finished.append(poll)
-                    except Exception as e:  # noqa: BLE001 - handed to the watch's owner
-                        handler = self._on_error.get(poll)
-                        if handler is not None:
-                            handler(e)
-                        else:  # nobody will raise it: say so now, keep it for diagnosis
-                            self.error = e
-                            warn_from_progress_thread(f"tensorwire: the progress thread's work failed: {e!r}")
-                        finished.append(poll)
-                if finished:
-                    with self._cond:
-                        for poll in finished:
-                            if poll in self._watches:
-                                self._watches.remove(poll)
-                            self._on_error.pop(poll, None)
+                    for poll in finished:
+                        if poll in self._watches:
+                            self._watches.remove(poll)
+                        self._on_error.pop(poll, None)
             now = time.perf_counter()
             if finished:
                 idle_since = now

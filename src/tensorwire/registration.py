@@ -93,6 +93,11 @@ class Registration(Closeable):
         finally:
             self._tensors = []
 
+    def release_tensors(self) -> list[torch.Tensor]:
+        """Hand the tensors over (to keep alive while peers may still write into them); no longer held here."""
+        tensors, self._tensors = self._tensors, []
+        return tensors
+
     def _leak_message(self) -> str:
         return (f"a Registration of {len(self.segments)} tensor(s) was garbage-collected without close(); "
                 "call reg.close() or use 'with comm.register(...)'")

@@ -24,10 +24,11 @@ Protocol (notifications on the channel ``b"twrev"``; the owner is the rank that 
 The revocation thread. A holder must answer while its user threads are busy outside tensorwire, or spin in a
 tight loop of transfers that never sleeps, and every rank must answer (the owner cannot tell which of the ranks
 it has met hold transfers to it). One daemon thread per communicator with peers, started at ``init``, pumps the
-notification inbox every ``_LISTEN_PERIOD_S`` (one ``get_new_notifs`` call: ~100
-cheap wake-ups a second, ~0 CPU) and handles ``twrev`` messages as they arrive; user notifications it pumps are
-only queued (``wait_notification`` reads them as before). The hot path costs nothing: a revoked transfer's bound
-post call is cleared, so its next post takes the slow path, which raises.
+notification inbox every ``_LISTEN_PERIOD_S`` (one ``get_new_notifs`` call: ~100 cheap wake-ups a second, ~0
+CPU) and handles ``twrev`` messages as they arrive; it waits in ``Liveness.serve``, so handshakes and questions to
+this rank's liveness listener are answered as they arrive; user notifications it pumps are only queued
+(``wait_notification`` reads them as before). The hot path costs nothing: a revoked transfer's bound post call is
+cleared, so its next post takes the slow path, which raises.
 """
 
 from __future__ import annotations
@@ -41,9 +42,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import RevokedError, WaitTimeoutError
 
 if TYPE_CHECKING:
-    from .backends.nixl import NixlBackend
     from .peers import Peers
-    from .progress import Inbox
     from .runtime import Runtime
 
 __all__ = ["Revocations", "CHANNEL"]
@@ -67,10 +66,11 @@ def _parse(message: bytes) -> tuple[bytes, list[int]]:
 
 class Revocations:
     """One communicator's side of the protocol (both as owner and as holder of transfers): its transfers
-    (``runtime.transfers``), notifications (``inbox``, sent through ``nixl``) and peers' maps (``peers``)."""
+    (``runtime.transfers``), messages (``runtime.inbox``, sent through the messenger) and peers' maps (``peers``)."""
 
-    def __init__(self, runtime: Runtime, inbox: Inbox, nixl: NixlBackend, peers: Peers) -> None:
-        self._runtime, self._inbox, self._nixl, self._peers = runtime, inbox, nixl, peers
+    def __init__(self, runtime: Runtime, peers: Peers) -> None:
+        self._runtime, self._inbox, self._peers = runtime, runtime.inbox, peers
+        self._messenger = runtime.transports.messenger
         self._lock = threading.Lock()
         self._awaiting: dict[tuple[int, ...], set[int]] = {}  # epochs revoked by this rank -> ranks yet to answer
         self._quarantine: dict[tuple[int, ...], Any] = {}  # epochs -> what to release once every rank answered
@@ -92,7 +92,7 @@ class Revocations:
                 return
             try:
                 self._reach(sender)  # holds nothing of it maybe, but the owner waits for the answer
-                self._nixl.send_notification(sender, _message(_ACK, epochs))
+                self._messenger.send_notification(sender, _message(_ACK, epochs))
             except Exception:  # noqa: BLE001 - the owner is gone or unreachable: nothing to tell
                 pass
         elif kind == _ACK:
@@ -104,11 +104,11 @@ class Revocations:
         """This communicator closes and its transfers are closed: tell the peers it may hold transfers to (whose
         metadata it loaded, and that are alive), so that an owner's close() does not wait for an answer this rank
         may no longer be able to give."""
-        for target in sorted(self._nixl.loaded_peers() - {self._runtime.rank}):
+        for target in sorted(self._messenger.loaded_peers() - {self._runtime.rank}):
             if self._runtime.peer_lost(target, fresh=True) is not None:
                 continue
             try:
-                self._nixl.send_notification(target, _message(_LEAVING, []))
+                self._messenger.send_notification(target, _message(_LEAVING, []))
             except Exception:  # noqa: BLE001 - gone: it waits for nothing from this rank either
                 continue
 
@@ -141,9 +141,14 @@ class Revocations:
         self._listener.start()
 
     def _listen(self) -> None:
-        while not self._stop.wait(_LISTEN_PERIOD_S):
+        liveness = self._runtime.liveness
+        while not self._stop.is_set():
             try:
-                self.pump(force=True)
+                # Waits up to the period, waking at once for a connection or a question to this rank's liveness
+                # listener (a peer's handshake, a map epoch asked by freshness.py), which it answers.
+                liveness.serve(_LISTEN_PERIOD_S)
+                if not self._stop.is_set():
+                    self.pump(force=True)
             except Exception:  # noqa: BLE001 - a failed pump (a peer gone mid-answer) is retried next period
                 continue
 
@@ -194,12 +199,13 @@ class Revocations:
         pending = set()
         for target in sorted(targets):
             try:
-                if not wait and target not in self._nixl.loaded_peers():
+                if not wait and target not in self._messenger.loaded_peers():
                     continue  # closing: no store round trips for ranks this one never talked to
                 if self._runtime.peer_lost(target, fresh=True) is not None:
                     continue  # gone: it posts nothing more (and NIXL would log a failed send)
                 self._reach(target)
-                self._nixl.send_notification(target, _message(_REVOKE if wait else _REVOKE_CLOSING, [map_epoch, *key]))
+                kind = _REVOKE if wait else _REVOKE_CLOSING
+                self._messenger.send_notification(target, _message(kind, [map_epoch, *key]))
                 pending.add(target)
             except Exception:  # noqa: BLE001 - gone or unreachable: it posts nothing more
                 continue
@@ -245,7 +251,7 @@ class Revocations:
     def _reach(self, rank: int) -> None:
         """Load ``rank``'s NIXL metadata once if it is not loaded (a store round trip, bounded by the liveness
         period), so a notification can be sent to it."""
-        if rank not in self._nixl.loaded_peers():
+        if rank not in self._messenger.loaded_peers():
             self._peers.view(rank, 0, self._runtime.config.liveness_s, confirm=False)
 
     def _sweep(self) -> None:

@@ -1,10 +1,20 @@
-"""``Runtime``: what every handle of one communicator shares, handed to each handle at its creation.
+"""``Runtime``: what every handle of one communicator shares, and the seam for the layers above it.
 
 A transfer needs the communicator's threads (the progress engine, the deadlines), its pinned host words,
 its timeouts and configuration, whether a peer is still alive, and the outbox for notifications of the
 transports without a message channel; it needs none of the communicator's public calls. The communicator
-creates one ``Runtime``, hands it to every ``Transfer`` (and block transfer), and closes it last; handles
-never see the ``Communicator`` itself.
+creates one ``Runtime``, hands it to every ``Transfer`` (and block transfer, block pool), and closes it last;
+handles never see the ``Communicator`` itself.
+
+The same object is ``Communicator.runtime``, the public seam of the layers built on a communicator (MoE engines,
+benchmarks), which use nothing private of it:
+
+* ``store``: the job's store (sealed, every call bounded: ``bootstrap.Rendezvous``);
+* ``channel(prefix)``: a notification channel of one's own (messages starting with ``prefix``, kept apart from
+  the user's ``wait_notification``);
+* ``transports``: the communicator's transports (``backends.transports.Transports``), asked by capability;
+* ``close_with(obj)``: ``obj.close()`` runs first when the communicator closes;
+* ``extension(key, create)``: one slot per extension (an engine cache), created on first use, dropped at close.
 """
 
 from __future__ import annotations
@@ -17,14 +27,34 @@ from collections.abc import Callable
 from typing import Any
 
 from . import cuda
+from .backends.transports import Transports
+from .bootstrap import Rendezvous
 from .config import Config
 from .deadlines import Deadlines
 from .errors import ClosedError, InvalidArgumentError, TensorwireWarning
-from .liveness import Liveness
-from .notifications import Outbox
-from .progress import ProgressEngine
+from .outbox import Outbox
+from .progress import Inbox, ProgressEngine
 
-__all__ = ["Runtime"]
+__all__ = ["Runtime", "Channel"]
+
+
+class Channel:
+    """Messages that start with one prefix (``Runtime.channel``): ``try_pop(sender)`` takes the next one from
+    ``sender`` (prefix included) or None, never blocking; ``send(peer, message)`` sends one (it must start with the
+    prefix), in order after the earlier ones."""
+
+    def __init__(self, prefix: bytes, inbox: Inbox, send: Callable[[int, bytes], None]) -> None:
+        self.prefix = prefix
+        self._inbox, self._send = inbox, send
+
+    def try_pop(self, sender: int) -> bytes | None:
+        return self._inbox.try_pop(sender, self.prefix)
+
+    def send(self, peer: int, message: bytes) -> None:
+        if not message.startswith(self.prefix):
+            raise InvalidArgumentError(f"Channel.send: {message[:16]!r} does not start with this channel's prefix "
+                                       f"{self.prefix!r}; prefix every message of the channel")
+        self._send(peer, message)
 
 
 class Runtime:
@@ -33,23 +63,56 @@ class Runtime:
     ``engine``: the progress thread (completions nobody waits on with the CPU); ``deadlines``: the thread that
     releases stream waits on time; ``transfer_words``: pinned words for stream completion, four per transfer;
     ``stream_waiters``: objects streams may wait on (``release_stream_waits() -> int``: how many were pending);
-    ``transfers``: the open transfers; ``outbox``: notifications sent once a copy completed; ``between_polls``:
-    run by every sleeping wait (the communicator answers revocations there)."""
+    ``transfers``: the open transfers; ``outbox``: notifications sent once a copy completed; ``inbox``: what the
+    message channels delivered, per sender; ``between_polls``: run by every sleeping wait (the communicator
+    answers revocations there); ``dependents``: what ``close_with`` added."""
 
-    def __init__(self, rank: int, config: Config, timeout_s: float, liveness: Liveness,
-                 send: Callable[[int, bytes], None]) -> None:
+    def __init__(self, rank: int, config: Config, timeout_s: float, store: Rendezvous, transports: Transports,
+                 inbox: Inbox) -> None:
         self.rank = rank
         self.config = config
         self.timeout_s = timeout_s
-        self.liveness = liveness
+        self.store = store
+        self.liveness = store.liveness
+        self.transports = transports
+        self.inbox = inbox
         self.engine = ProgressEngine(config)
         self.deadlines = Deadlines()
         self.transfer_words = cuda.HostWordSlabs(4)  # stream_completion's three words and a spare
         self.stream_waiters: weakref.WeakSet = weakref.WeakSet()
         self.transfers: weakref.WeakSet = weakref.WeakSet()
-        self.outbox = Outbox(self.engine, send)
+        self.outbox = Outbox(self.engine, self.send_notification)
         self.between_polls: Callable[[], None] = lambda: None
+        self.dependents: weakref.WeakSet = weakref.WeakSet()
+        self._extensions: dict[str, Any] = {}
         self.closed = False
+
+    # --- the seam for the layers above ------------------------------------------------------------
+    def send_notification(self, peer: int, message: bytes) -> None:
+        """Send ``message`` to ``peer`` through the messenger (into this rank's own inbox for itself). Non-blocking."""
+        if peer == self.rank:
+            self.inbox.push(self.rank, message)
+        else:
+            self.transports.messenger.send_notification(peer, message)
+
+    def channel(self, prefix: bytes, handler: Callable[[int, bytes], None] | None = None) -> Channel:
+        """A channel of messages starting with ``prefix`` (never seen by ``wait_notification``); with ``handler``,
+        each arrival is handed to ``handler(sender, message)`` by whoever pumps the inbox instead of being queued."""
+        if not isinstance(prefix, bytes) or not prefix:
+            raise InvalidArgumentError(f"channel: prefix={prefix!r}; give non-empty bytes, e.g. b'myext'")
+        self.inbox.open_channel(prefix, handler)
+        return Channel(prefix, self.inbox, self.send_notification)
+
+    def close_with(self, dependent: Any) -> None:
+        """Close ``dependent`` (anything with ``close()``) when the communicator closes, before its transfers and
+        registrations; held weakly."""
+        self.dependents.add(dependent)
+
+    def extension(self, key: str, create: Callable[[], Any]) -> Any:
+        """The object of extension ``key`` on this communicator, made by ``create()`` on first use."""
+        if key not in self._extensions:
+            self._extensions[key] = create()
+        return self._extensions[key]
 
     def timeout(self, timeout: float | None) -> float:
         """``timeout`` checked (finite seconds >= 0), or the communicator's when None."""
@@ -115,3 +178,4 @@ class Runtime:
         and keeps its failure."""
         attempt(self.engine.close)
         attempt(self.deadlines.close)
+        self._extensions.clear()

@@ -23,17 +23,16 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import cuda
-from .backends.base import Status
+from .backends.base import Op, Status
 from .deadlines import warn_from_progress_thread
 from .errors import InvalidArgumentError, PeerLostError, TransferError, WaitTimeoutError
 
 if TYPE_CHECKING:
     from .backends.base import Backend
     from .runtime import Runtime
-    from .transfer import Transfer
     from .transfer_state import TransferState
 
 __all__ = ["DoneSeq", "Doorbell", "DOORBELL", "DONE_FLAG", "DONE_SEQ"]
@@ -43,7 +42,16 @@ _MASK = 0xFFFFFFFF  # counters wrap at 2**32, as the GPU compares
 _RING_CHECK_MIN_S = 0.02  # the shortest period of a doorbell's check for rings nobody picked up
 
 
-def timed_out(owner: Transfer, call: str, timeout_s: float, fix: str = "") -> WaitTimeoutError:
+class Described(Protocol):
+    """What the words' owner (a ``Transfer``) tells about itself in messages."""
+
+    op: Op
+    nbytes: int
+    peer: int
+    transport: str
+
+
+def timed_out(owner: Described, call: str, timeout_s: float, fix: str = "") -> WaitTimeoutError:
     """The error of a stream released by a timeout (its caller also warns: a replayed graph calls no Python)."""
     return WaitTimeoutError(
         f"{call}: the {owner.op.value} of {owner.nbytes} bytes with rank {owner.peer} over {owner.transport} was "
@@ -57,7 +65,7 @@ class DoneSeq:
     Inactive until the first ``wait_on``; from then on every CPU post publishes its own completion (at once,
     or from the progress thread), so a later ``wait(stream=)`` only enqueues the wait."""
 
-    def __init__(self, owner: Transfer, shared: TransferState, words: cuda.HostWords, runtime: Runtime,
+    def __init__(self, owner: Described, shared: TransferState, words: cuda.HostWords, runtime: Runtime,
                  status: Callable[[], Status], watch: Callable[[Callable[[], bool]], None],
                  peer_lost_or: Callable[[Exception, str], Exception]) -> None:
         self._owner = owner
@@ -166,7 +174,7 @@ class Doorbell:
     post: the owner's last ``wait(stream=, timeout=)``, the communicator's until then. A ring that times out
     fails the owner for good (``shared.fail_for_good``): every later ring is released at once, moving nothing."""
 
-    def __init__(self, owner: Transfer, shared: TransferState, words: cuda.HostWords, runtime: Runtime,
+    def __init__(self, owner: Described, shared: TransferState, words: cuda.HostWords, runtime: Runtime,
                  backend: Backend, request: Any, notify: bytes | None,
                  watch: Callable[[Callable[[], bool]], None]) -> None:
         self._owner = owner

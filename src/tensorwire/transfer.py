@@ -86,7 +86,7 @@ class Transfer(Closeable):
         return self._backend is not None and self._backend.capabilities.stream_ordered
 
     # --- posting --------------------------------------------------------------------------------
-    def post(self, stream: torch.cuda.Stream | None = None) -> None:
+    def post(self, *, stream: torch.cuda.Stream | None = None) -> None:
         """Start the transfer. Non-blocking (a small or same-host transfer may finish inside the call).
 
         With ``stream``, the transfer starts when ``stream`` reaches this point (after the kernels that
@@ -165,9 +165,9 @@ class Transfer(Closeable):
             self._notify_after_copy()
 
     def _drive_until_done(self) -> None:
-        """Poll an in-flight NIXL transfer from the progress thread. NIXL sends a transfer's notification
-        when a status check observes completion, so a sender that goes on to wait for something else
-        (its own wait_notification, a barrier) must not leave its notification unsent."""
+        """Poll an in-flight transfer from the progress thread. A message channel (NIXL) sends a transfer's
+        notification when a status check observes completion, so a sender that goes on to wait for something
+        else (its own wait_notification, a barrier) must not leave its notification unsent."""
         backend, request = self._backend, self._request
         self._watch(lambda: backend.status(request) is not Status.IN_PROGRESS)
 
@@ -196,7 +196,7 @@ class Transfer(Closeable):
             shared.state = self._backend.status(self._request)
         return shared.state
 
-    def wait(self, timeout: float | None = None, stream: torch.cuda.Stream | None = None) -> None:
+    def wait(self, *, timeout: float | None = None, stream: torch.cuda.Stream | None = None) -> None:
         """Complete the transfer.
 
         Without ``stream``: block the calling thread (sleeping, not spinning) until done; raises
@@ -300,15 +300,16 @@ class Transfer(Closeable):
         return int(pending)
 
     def _notify_after_copy(self) -> None:
-        """Transports without a message channel deliver ``notify`` once their copy has completed."""
-        if self._backend.name == "nixl":
+        """A transport with a message channel sends ``notify`` itself once a status check sees the copy complete
+        (the progress thread keeps checking); the others hand it to the outbox."""
+        if self._backend.capabilities.message_channel:
             if self.shared.state is Status.IN_PROGRESS and not self._posted_on_stream:
                 self._drive_until_done()
             return
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise InvalidArgumentError(
                 f"post: notify= on the {self.transport} transport cannot be captured in a CUDA graph; "
-                "signal the peer from the graph with a nixl transfer instead"
+                "signal the peer from the graph with a transfer over a transport with a message channel (nixl)"
             )
         # Not tied to this handle's lifetime: the copy's event outlives close(), and so does the message.
         backend, request = self._backend, self._request
@@ -409,6 +410,18 @@ class Transfer(Closeable):
         error = shared.take_error()
         if error is not None:
             raise error
+
+    def _release_local(self) -> None:
+        """Garbage-collected open: no post can come any more; the request is released here when nothing is in
+        flight and nothing waits on it (a local call), else left to the backend's close (releasing a request
+        in flight would mean waiting for it)."""
+        shared = self.shared
+        self.closed = True
+        shared.post_call = None
+        request, self._request = self._request, None
+        in_flight = shared.state is Status.IN_PROGRESS or shared.posting
+        if request is not None and not in_flight and self._words is None and not self._watches:
+            self._backend.release(request)
 
     def _leak_message(self) -> str:
         return (f"a {self.op.value} Transfer to rank {self.peer} was garbage-collected without close(); "

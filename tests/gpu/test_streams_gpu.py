@@ -32,7 +32,7 @@ def _transports_between_processes_on_one_gpu():
                     seen[forced] = x.transport
             with comm.prepare(tw.READ, buf[:10], reg.descs[0].narrow(100, 10)) as x:
                 seen["self"] = x.transport
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
     return seen
 
 
@@ -73,29 +73,29 @@ def _graph_replays(transport: str, op_name: str, replays: int):
                     x.post(stream=stream)
                     x.wait(stream=stream)
                     derived.copy_(local).add_(1)  # the consumer kernel
-                comm.barrier(WAIT)
+                comm.barrier(timeout=WAIT)
                 for i in range(replays):
-                    comm.barrier(WAIT)  # READ: rank 1 wrote round i's data
+                    comm.barrier(timeout=WAIT)  # READ: rank 1 wrote round i's data
                     with torch.cuda.stream(stream):  # the replay is ordered after the new data, on one stream
                         staging.fill_(i * 7)
                         graph.replay()
                     drain(stream)
                     correct += bool((derived == i * 7 + 1).all())
-                    comm.barrier(WAIT)  # WRITE: rank 1 may check now
-                    comm.barrier(WAIT)
+                    comm.barrier(timeout=WAIT)  # WRITE: rank 1 may check now
+                    comm.barrier(timeout=WAIT)
                 x.close()
             else:
-                comm.barrier(WAIT)
+                comm.barrier(timeout=WAIT)
                 for i in range(replays):
                     if op is tw.READ:
                         mine.fill_(i * 7)
                         torch.cuda.synchronize()
-                    comm.barrier(WAIT)
-                    comm.barrier(WAIT)
+                    comm.barrier(timeout=WAIT)
+                    comm.barrier(timeout=WAIT)
                     if op is tw.WRITE:
                         correct += bool((mine == i * 7).all())
-                    comm.barrier(WAIT)
-            comm.barrier(WAIT)
+                    comm.barrier(timeout=WAIT)
+            comm.barrier(timeout=WAIT)
     return correct
 
 
@@ -128,7 +128,7 @@ def _wait_on_stream_orders_the_consumer(transport: str, op_name: str):
         with comm.register(big) as reg:
             comm.publish("big", reg.descs)
             torch.cuda.synchronize()
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
             stream = torch.cuda.Stream()  # not the legacy default stream: a nixl wait is refused there
             for _ in range(3):
                 if comm.rank == 0:
@@ -150,12 +150,12 @@ def _wait_on_stream_orders_the_consumer(transport: str, op_name: str):
                         drain(stream, 60)
                     if op is tw.READ:
                         assert int(total) == 5 * n, f"consumer ran before the data arrived: sum {int(total)}"
-                comm.barrier(60)
+                comm.barrier(timeout=60)
                 if comm.rank == 1 and op is tw.WRITE:
                     received.append(int(big.sum(dtype=torch.int64)))
                     big.zero_()
                     torch.cuda.synchronize()
-                comm.barrier(60)
+                comm.barrier(timeout=60)
     return returns_us if comm.rank == 0 else received
 
 
@@ -184,7 +184,7 @@ def _staged_read_with_a_consumer_behind_its_stream_wait(rounds: int):
         torch.cuda.synchronize()
         with comm.register(buf) as reg:
             comm.publish("buf", reg.descs)
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
             if comm.rank == 0:
                 stream = torch.cuda.Stream()
                 with comm.prepare(tw.READ, buf, comm.lookup("buf", 1, timeout=WAIT), transport="nixl") as x:
@@ -197,18 +197,18 @@ def _staged_read_with_a_consumer_behind_its_stream_wait(rounds: int):
                             total = buf.sum(dtype=torch.int64)
                         drain(stream, 60)
                         try:
-                            x.wait(WAIT)
+                            x.wait(timeout=WAIT)
                             outcomes.append("right" if int(total) == 5 * n else f"wrong sum {int(total)}, no error")
                         except tw.WaitTimeoutError as e:
                             assert "stream was released" in str(e), e
                             outcomes.append("released by its timeout")
-                            x.wait(WAIT)  # the READ itself completes once the stream moved on
+                            x.wait(timeout=WAIT)  # the READ itself completes once the stream moved on
                         buf.zero_()
                         torch.cuda.synchronize()
                         x.post()
-                        x.wait(WAIT)
+                        x.wait(timeout=WAIT)
                         assert int(buf.sum(dtype=torch.int64)) == 5 * n, "the handle no longer reads right"
-            comm.barrier(3 * WAIT)
+            comm.barrier(timeout=3 * WAIT)
     return outcomes
 
 
@@ -234,27 +234,27 @@ def _notification_on_stream(transport: str, rounds: int):
             torch.cuda.synchronize()
             if comm.rank == 0:
                 stream = torch.cuda.Stream()
-                comm.barrier(WAIT)
+                comm.barrier(timeout=WAIT)
                 for i in range(rounds):
                     comm.wait_notification(1, stream=stream)
                     with torch.cuda.stream(stream):
                         result.copy_(recv)
-                    comm.barrier(WAIT)  # only now does rank 1 write
+                    comm.barrier(timeout=WAIT)  # only now does rank 1 write
                     drain(stream)
                     correct += bool((result == i + 3).all())
-                    comm.barrier(WAIT)
+                    comm.barrier(timeout=WAIT)
             else:
                 with comm.prepare(tw.WRITE, src, comm.lookup("recv", 0, timeout=WAIT), notify=b"go",
                                   transport=transport) as x:
-                    comm.barrier(WAIT)
+                    comm.barrier(timeout=WAIT)
                     for i in range(rounds):
-                        comm.barrier(WAIT)
+                        comm.barrier(timeout=WAIT)
                         src.fill_(i + 3)
                         torch.cuda.synchronize()
                         x.post()
-                        x.wait(WAIT)
-                        comm.barrier(WAIT)
-            comm.barrier(WAIT)
+                        x.wait(timeout=WAIT)
+                        comm.barrier(timeout=WAIT)
+            comm.barrier(timeout=WAIT)
     return correct
 
 
@@ -275,7 +275,7 @@ def _peer_pointer_reads_the_peers_bytes():
         with comm.register(mine) as reg:
             comm.publish("mine", reg.descs)
             torch.cuda.synchronize()
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
             peer = 1 - comm.rank
             remote = comm.lookup("mine", peer, timeout=WAIT)[0].narrow(1024, 4096)
             pointer = comm.peer_pointer(remote)
@@ -283,7 +283,7 @@ def _peer_pointer_reads_the_peers_bytes():
             cu = cuda.driver()
             cuda.check(cu.cuMemcpyDtoH(host.data_ptr(), pointer, 4096), "cuMemcpyDtoH")
             assert comm.peer_pointer(reg.descs[0]) == mine.data_ptr()
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
     return int(host.min()), int(host.max())
 
 

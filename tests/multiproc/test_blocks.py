@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.blocks import as_ids
+from tensorwire.block_transfer import as_ids
 from tensorwire.shared_memory import owned_file_name
 from tensorwire.testing.data import assert_equal
 from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch

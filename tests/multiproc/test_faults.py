@@ -121,7 +121,7 @@ def _store_host_killed(call: str):
         warnings.simplefilter("always")
         comm.close()  # never raises for a lost store; never half-closed
     results["close"] = ("ok", time.monotonic() - t0)
-    assert comm.closed and comm._nixl.agent is None, "close() left the communicator half closed"
+    assert comm.closed and comm.runtime.transports["nixl"].agent is None, "close() left the communicator half closed"
     comm.close()  # idempotent
     return results
 

@@ -278,15 +278,15 @@ def _reregister_at_an_overlapping_address():
             if comm.rank == 1:
                 first = comm.register(big[:n])
                 comm.publish("first", first.descs)
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
             if comm.rank == 0:
                 comm.write(src[:n], comm.lookup("first", 1, timeout=WAIT), timeout=WAIT)
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
             if comm.rank == 1:
                 first.close()
                 second = comm.register(big)
                 comm.publish("second", second.descs)
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
             outcome = None
             if comm.rank == 0:
                 try:
@@ -294,7 +294,7 @@ def _reregister_at_an_overlapping_address():
                     outcome = "ok"
                 except tw.TransferError as e:
                     outcome = str(e)
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
             if comm.rank == 1:
                 second.close()
     return outcome
@@ -314,25 +314,25 @@ def _stale_descriptor_of_reregistered_memory():
             if comm.rank == 1:
                 first = comm.register(target)
                 comm.publish("first", first.descs)
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
             old = comm.lookup("first", 1, timeout=WAIT)
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
             if comm.rank == 1:
                 first.close()
                 second = comm.register(target)  # the same addresses, a new registration
                 comm.publish("second", second.descs)
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
             if comm.rank == 0:
                 try:
                     comm.write(src, old, timeout=WAIT)
                 except tw.InvalidArgumentError as e:
                     message = str(e)
                 comm.write(src, comm.lookup("second", 1, timeout=WAIT), timeout=WAIT)  # the fresh one works
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
             if comm.rank == 1:
                 assert_equal(target, rank_values(0, 4096), "WRITE through the fresh descriptor")
                 second.close()
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
     return message
 
 
@@ -354,7 +354,7 @@ def _closing_a_registration_closes_its_transfers():
             assert x.closed, "a transfer over deregistered local memory stayed open"
             with pytest.raises(tw.ClosedError, match="the transfer is closed"):
                 x.post()
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
     return True
 
 

@@ -104,14 +104,14 @@ def _shm_file_removed_before_first_contact():
             with comm.register(source) as reg:
                 comm.publish("source", reg.descs)
                 os.unlink(_file_of(source))
-                comm.barrier(WAIT)  # the file is gone
-                comm.barrier(WAIT)  # rank 0 is done
+                comm.barrier(timeout=WAIT)  # the file is gone
+                comm.barrier(timeout=WAIT)  # rank 0 is done
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 comm.register(source).close()
             out["register"] = [str(w.message) for w in caught if issubclass(w.category, tw.TensorwireWarning)]
             return out
-        comm.barrier(WAIT)
+        comm.barrier(timeout=WAIT)
         remote = comm.lookup("source", 1, timeout=WAIT)[0]
         inbox = torch.zeros(1024)
         with comm.register(inbox):
@@ -121,11 +121,11 @@ def _shm_file_removed_before_first_contact():
                     with comm.prepare(tw.READ, inbox, remote) as x:
                         out["transport"] = x.transport
                         x.post()
-                        x.wait(WAIT)
+                        x.wait(timeout=WAIT)
             out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, tw.TensorwireWarning)]
             assert_equal(inbox, rank_values(1, 1024), "READ over the fallback")
             out["forced"] = _forced_error(comm, inbox, remote)
-        comm.barrier(WAIT)
+        comm.barrier(timeout=WAIT)
         return out
 
 

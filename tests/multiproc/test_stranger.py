@@ -140,10 +140,10 @@ def _receiver_of_forged_notifications(tmp: str):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if comm.rank == 0:
-            assert not comm._nixl.agent_name.startswith("tensorwire-rank")
+            assert not comm.runtime.transports["nixl"].agent_name.startswith("tensorwire-rank")
             path = os.path.join(tmp, "leaked-metadata")
             with open(path, "wb") as f:
-                f.write(comm._nixl.metadata())
+                f.write(comm.runtime.transports["nixl"].metadata())
             sent = _run_stranger(f"_stranger_notifies({path!r})")["sent"]
         comm.barrier(timeout=STRANGER_WAIT)
         if comm.rank == 1:
@@ -204,7 +204,7 @@ def _listening_after_a_transfer():
     comm.publish("kv", reg.descs[:1])
     comm.read(out, comm.lookup("kv", 1 - comm.rank, timeout=WAIT)[0], timeout=WAIT)
     addresses = _listening_addresses()
-    devices = comm._nixl.net_devices
+    devices = comm.runtime.transports["nixl"].net_devices
     comm.barrier(timeout=WAIT)
     comm.close()
     return sorted(addresses), devices

@@ -75,7 +75,7 @@ def test_a_cpu_post_waited_on_a_stream_holds_the_consumer_until_done(comm, strea
                 assert not seen, "the consumer ran while the transfer was still in flight"
             stream.synchronize(5)
             assert bool((seen[0] == round_ + 1).all()), f"round {round_}: the consumer saw {seen[0][:4]}"
-            x.wait(5)
+            x.wait(timeout=5)
 
 
 @pytest.mark.parametrize("op", [tw.READ, tw.WRITE], ids=["READ", "WRITE"])
@@ -125,10 +125,10 @@ def test_a_stream_wait_is_released_at_its_timeout_and_the_handle_says_so(comm, s
         assert seen, "the consumer never ran"
         assert any("stream was released" in str(w.message) for w in caught), [str(w.message) for w in caught]
         with pytest.raises(tw.WaitTimeoutError, match="stream was released"):
-            x.wait(5)
-        x.wait(5)  # the error was reported once; the READ itself completed once released
+            x.wait(timeout=5)
+        x.wait(timeout=5)  # the error was reported once; the READ itself completed once released
         x.post()
-        x.wait(5)
+        x.wait(timeout=5)
         assert torch.equal(destination, source)
 
 
@@ -156,7 +156,7 @@ def test_a_failed_transfer_releases_the_stream_and_raises_at_the_next_call(comm,
             x.wait(stream=stream)
             stream.synchronize(5)
         with pytest.raises(tw.TransferError):
-            x.wait(5)
+            x.wait(timeout=5)
 
 
 def test_a_notification_waited_on_a_stream_releases_the_consumer_with_that_rounds_data(comm, stream):
@@ -169,7 +169,7 @@ def test_a_notification_waited_on_a_stream_releases_the_consumer_with_that_round
             time.sleep(NOT_YET_S / 4)
             assert not seen, "the consumer ran before the notification"
             x.post()
-            x.wait(5)
+            x.wait(timeout=5)
             stream.synchronize(5)
             assert bool((seen[0] == round_ + 3).all()), f"round {round_}: the consumer saw {seen[0][:4]}"
 

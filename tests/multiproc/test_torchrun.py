@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent('''
             comm.publish("src", reg.descs[:1])
             comm.read(dst, comm.lookup("src", peer, timeout=10), timeout=10)
             assert torch.equal(dst, torch.arange(256, dtype=torch.int64) + 1000 * peer), dst[:4]
-            comm.barrier(10)
+            comm.barrier(timeout=10)
         agent_store = comm._rendezvous.env.agent_store
         print(f"rank {comm.rank}/{comm.world_size} local {comm.local_rank} read rank {peer}: ok "
               f"(agent store: {agent_store})", flush=True)

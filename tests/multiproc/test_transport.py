@@ -24,13 +24,13 @@ def _self_transfer_takes_the_local_copy():
             with comm.prepare(tw.WRITE, src, reg.descs[1], notify=b"to-myself") as x:
                 assert x.transport == "local", x.transport
                 x.post()
-                x.wait(WAIT)
+                x.wait(timeout=WAIT)
             assert_equal(dst, src, "self WRITE")
             assert comm.wait_notification(comm.rank, timeout=WAIT) == b"to-myself"
             dst.fill_(-1)
             with comm.prepare(tw.READ, dst[:100], reg.descs[0].narrow(400, 400)) as x:
                 x.post()
-                x.wait(WAIT)
+                x.wait(timeout=WAIT)
             assert_equal(dst[:100], src[100:200], "self READ of a narrowed descriptor")
             with pytest.raises(tw.InvalidArgumentError, match="cannot reach rank"):
                 comm.prepare(tw.WRITE, src, reg.descs[1], transport="nixl")
@@ -38,7 +38,7 @@ def _self_transfer_takes_the_local_copy():
                 comm.prepare(tw.WRITE, src, reg.descs[1], transport="carrier-pigeon")
             with pytest.raises(tw.InvalidArgumentError, match="peer_pointer: needs a TensorDesc of CUDA memory"):
                 comm.peer_pointer(reg.descs[0])
-        comm.barrier(WAIT)
+        comm.barrier(timeout=WAIT)
     return True
 
 
@@ -57,12 +57,12 @@ def _host_transfers_take_nixl(forced: str | None):
             with comm.prepare(tw.WRITE, src, remote, transport=forced) as x:
                 transport = x.transport
                 x.post()
-                x.wait(WAIT)
-            comm.barrier(WAIT)
+                x.wait(timeout=WAIT)
+            comm.barrier(timeout=WAIT)
             assert_equal(dst, rank_values((comm.rank - 1) % comm.world_size, 1024), "ring WRITE")
             with pytest.raises(tw.InvalidArgumentError, match="cuda_ipc"):
                 comm.prepare(tw.WRITE, src, remote, transport="cuda_ipc")
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
     return transport
 
 
@@ -95,20 +95,20 @@ def _shared_host_memory_takes_shm(directory: str):
                     for round_ in range(3):
                         private.copy_(rank_values(comm.rank, 1024, offset=round_))
                         outbox.copy_(rank_values(comm.rank, 1024, offset=100 + round_))
-                        comm.barrier(WAIT)
+                        comm.barrier(timeout=WAIT)
                         write.post()
-                        write.wait(WAIT)
+                        write.wait(timeout=WAIT)
                         assert comm.wait_notification(previous, timeout=WAIT) == b"written"
                         assert_equal(inbox, rank_values(previous, 1024, offset=round_), f"round {round_}: WRITE")
-                        comm.barrier(WAIT)
+                        comm.barrier(timeout=WAIT)
                         read.post()
-                        read.wait(WAIT)
+                        read.wait(timeout=WAIT)
                         assert_equal(private, rank_values(peer, 1024, offset=100 + round_), f"round {round_}: READ")
-                        comm.barrier(WAIT)
+                        comm.barrier(timeout=WAIT)
                 comm.publish("private", reg.descs[1:])
                 with comm.prepare(tw.WRITE, outbox, comm.lookup("private", peer, timeout=WAIT)[0]) as x:
                     transports.add(f"private:{x.transport}")
-                comm.barrier(WAIT)
+                comm.barrier(timeout=WAIT)
         finally:
             os.unlink(path)
     return sorted(transports)
@@ -173,12 +173,12 @@ def _crossed_writes_with_notify():
         with comm.register([src, dst]) as reg:
             comm.publish("dst", reg.descs[1:])
             with comm.prepare(tw.WRITE, src, comm.lookup("dst", peer, timeout=WAIT), notify=b"done") as x:
-                comm.barrier(WAIT)
+                comm.barrier(timeout=WAIT)
                 x.post()
                 assert comm.wait_notification(peer, timeout=WAIT) == b"done"
                 assert bool((dst == peer + 1).all()), "the notification arrived before the data"
-                x.wait(WAIT)
-            comm.barrier(WAIT)
+                x.wait(timeout=WAIT)
+            comm.barrier(timeout=WAIT)
     return True
 
 
@@ -211,7 +211,7 @@ def _stream_completions_published_per_post(rounds: int):
         with comm.register(buffer) as reg:
             comm.publish("buf", reg.descs)
             remote = comm.lookup("buf", 1 - comm.rank, timeout=WAIT)[0]
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
             if comm.rank == 0:
                 with comm.prepare(tw.READ, buffer[n:], remote.narrow(0, n), transport="nixl") as x:
                     for _ in range(rounds):
@@ -221,7 +221,7 @@ def _stream_completions_published_per_post(rounds: int):
                         stream.launch(lambda: seen.append(int(buffer[n:].sum(dtype=torch.int64))))
                         stream.launch(lambda: published.append(int(x._words.values[DONE_SEQ])))
                         stream.synchronize(WAIT)
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
     return seen, published
 
 
@@ -257,7 +257,7 @@ def _stream_waits_are_bounded():
         with comm.register(buffer) as reg:
             comm.publish("buf", reg.descs)
             remote = comm.lookup("buf", 1 - comm.rank, timeout=WAIT)[0].narrow(0, n)
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
             if comm.rank == 0:
                 local = buffer[n:]
                 expected = 3 * n
@@ -273,14 +273,14 @@ def _stream_waits_are_bounded():
                     with pytest.raises(tw.InvalidArgumentError, match="legacy default stream"):
                         x.wait(stream=_CuStreamLegacy())
                     seen["refused"] = str(refused.value)
-                    x.wait(WAIT)  # the post was not lost
+                    x.wait(timeout=WAIT)  # the post was not lost
                     seen["read_after_refusal"] = landed()
 
                     local.zero_()
                     with pytest.raises(tw.InvalidArgumentError, match="legacy default stream"):
                         x.post(stream=_LegacyDefaultStream())
                     x.post()  # still a CPU-posted handle
-                    x.wait(WAIT)
+                    x.wait(timeout=WAIT)
                     seen["read_after_post_refusal"] = landed()
 
                     local.zero_()
@@ -300,7 +300,7 @@ def _stream_waits_are_bounded():
 
                     local.zero_()
                     x.post()  # no stream waits for this one: round 4's short timeout must not cut it short
-                    x.wait(WAIT)
+                    x.wait(timeout=WAIT)
                     seen["cpu_wait_after_timeout"] = landed()
                     side.synchronize(WAIT)
 
@@ -340,7 +340,7 @@ def _stream_waits_are_bounded():
                            "a ring after the timeout was never answered")
                     time.sleep(0.1)  # a READ posted for that ring would land meanwhile (64 MiB over TCP: ~50 ms)
                     seen["doorbell_answered_after_timeout"] = int(local.sum(dtype=torch.int64)) == 0  # nothing moved
-            comm.barrier(6 * WAIT)  # rank 1 waits here for all of rank 0's rounds (64 MiB each, over TCP)
+            comm.barrier(timeout=6 * WAIT)  # rank 1 waits here for all of rank 0's rounds (64 MiB each, over TCP)
     return seen
 
 
@@ -359,9 +359,9 @@ def _stream_waits_released_while_progress_is_stuck():
         with comm.register(buffer) as reg:
             comm.publish("buf", reg.descs)
             remote = comm.lookup("buf", 1 - comm.rank, timeout=WAIT)[0].narrow(0, n)
-            comm.barrier(WAIT)
+            comm.barrier(timeout=WAIT)
             if comm.rank == 0:
-                local, backend = buffer[n:], comm._nixl
+                local, backend = buffer[n:], comm.runtime.transports["nixl"]
                 unstick, stuck_calls = threading.Event(), []
 
                 def stuck_in_progress_thread(call):
@@ -415,9 +415,9 @@ def _stream_waits_released_while_progress_is_stuck():
                 with comm.prepare(tw.READ, local, remote, transport="nixl") as z:  # all works again
                     local.zero_()
                     z.post()
-                    z.wait(WAIT)
+                    z.wait(timeout=WAIT)
                     seen["read_after"] = int(local.sum(dtype=torch.int64)) == 2 * n
-            comm.barrier(3 * WAIT)
+            comm.barrier(timeout=3 * WAIT)
     return seen
 
 

@@ -1,9 +1,10 @@
 """The layer order of docs/architecture.md, enforced on the source: no import circle between modules of
 ``src/tensorwire`` and no import from a higher layer into a lower one.
 
-Imports are read with ``ast`` (nothing is imported): module-level ones and those inside functions alike, since
-a lazy import that goes upward is still an upward dependency; only ``if TYPE_CHECKING:`` blocks are skipped
-(annotations, never run). ``from package import name`` depends on ``package.name`` when that is a module.
+Imports are read with ``ast`` (nothing is imported): module-level ones, those inside functions and those under
+``if TYPE_CHECKING:`` alike, since a lazy import that goes upward is still an upward dependency, and two modules
+that name each other's types only for a checker still use each other's insides. ``from package import name``
+depends on ``package.name`` when that is a module.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("errors", ["tensorwire.errors"]),
     ("values and the environment", ["tensorwire.config", "tensorwire.lifetime", "tensorwire.descriptors",
                                     "tensorwire.cuda", "tensorwire.deadlines", "tensorwire.liveness",
+                                    "tensorwire.listener_queries",
                                     "tensorwire.environment", "tensorwire.sealing", "tensorwire.network",
                                     "tensorwire.store_sockets", "tensorwire.bootstrap", "tensorwire.sealed_store",
                                     "tensorwire.etcd_store", "tensorwire.directory_client", "tensorwire.membership",
@@ -29,9 +31,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("memory maps and waiting", ["tensorwire.memory_map", "tensorwire.progress"]),
     ("backends", ["tensorwire.backends", "tensorwire.backends.*"]),
     ("communicator", ["tensorwire.communicator", "tensorwire.registration", "tensorwire.transfer",
-                      "tensorwire.blocks", "tensorwire.revocation", "tensorwire.runtime", "tensorwire.notifications",
-                      "tensorwire.stream_completion", "tensorwire.transfer_state", "tensorwire.peers",
-                      "tensorwire.arguments", "tensorwire.freshness"]),
+                      "tensorwire.blocks", "tensorwire.block_transfer", "tensorwire.revocation", "tensorwire.runtime",
+                      "tensorwire.notifications", "tensorwire.outbox", "tensorwire.stream_completion",
+                      "tensorwire.transfer_state", "tensorwire.peers", "tensorwire.arguments", "tensorwire.freshness",
+                      "tensorwire.local_memory", "tensorwire.joining"]),
     ("moe", ["tensorwire.moe", "tensorwire.moe.*"]),
     ("launcher and test data", ["tensorwire.testing", "tensorwire.testing.launch", "tensorwire.testing.data",
                                 "tensorwire.testing.netns"]),
@@ -42,25 +45,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("command", ["tensorwire.cli", "tensorwire.__main__"]),
 ]
 
-# Import circles that exist today, each to be removed by the step of issue 16 named beside it. The test
-# fails when one of them is gone too, so the exception goes with the circle. None today: MoE's
-# dispatch -> selection -> engines -> dispatch went when Dispatch moved to moe/engine.py (step 4).
-KNOWN_CIRCLES: list[tuple[frozenset[str], str]] = []
-
-# Handles (transfers, block transfers, registrations, revocations) get a Runtime or a callback from the
-# communicator and reach none of its private attributes. MoE engines still reach into the
-# Communicator at run time through private attributes, which no import shows; these, and no others, are
-# allowed. Seen as ``<name>._attr`` where the name is comm, _comm, communicator or _communicator.
-KNOWN_PRIVATE_REACHES: dict[str, set[str]] = {
-    # MoE: the store under collectives' process groups (and the liveness view their host waits poll, through
-    # the runtime), the transports selection checks for cuda and the set
-    # of dependents it adds each engine to, the notification inbox and the liveness view (through the runtime)
-    # of the nixl engine's waits, the progress thread that watches the cuda engine's GPU waits.
-    "tensorwire.moe.collectives": {"_rendezvous", "_runtime"},
-    "tensorwire.moe.selection": {"_backends", "_dependents"},
-    "tensorwire.moe.engines.nixl_arrivals": {"_inbox", "_runtime"},
-    "tensorwire.moe.engines.cuda_waits": {"_runtime"},
-}
+# The layers above the communicator (MoE engines, benchmarks, testing helpers) use its public calls and the seam of
+# ``comm.runtime`` (store, channels, transports, close_with, extension slots); handles get a Runtime or a callback.
+# Nothing reaches a private attribute of a communicator, seen as ``<name>._attr`` or ``<name>.__dict__`` where the
+# name is comm, _comm, communicator or _communicator (``self.comm`` included).
 _COMMUNICATOR_NAMES = {"comm", "_comm", "communicator", "_communicator"}
 
 
@@ -80,13 +68,13 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _import_nodes(tree: ast.AST):
-    """Every import statement, at any depth, except under ``if TYPE_CHECKING:`` (its ``else`` still counts)."""
+def _import_nodes(tree: ast.AST, type_checking: bool = True):
+    """Every import statement, at any depth; those under ``if TYPE_CHECKING:`` only with ``type_checking``."""
     pending = [tree]
     while pending:
         node = pending.pop()
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
+            if isinstance(child, ast.If) and _is_type_checking(child) and not type_checking:
                 pending.extend(child.orelse)
             elif isinstance(child, (ast.Import, ast.ImportFrom)):
                 yield child
@@ -94,14 +82,14 @@ def _import_nodes(tree: ast.AST):
                 pending.append(child)
 
 
-def _graph() -> dict[str, set[str]]:
-    """``{module: the tensorwire modules it imports}``."""
+def _graph(type_checking: bool = True) -> dict[str, set[str]]:
+    """``{module: the tensorwire modules it imports}`` (``TYPE_CHECKING`` imports included unless told)."""
     modules = _modules()
     graph = {}
     for name, (path, is_package) in modules.items():
         package = name if is_package else name.rpartition(".")[0]
         targets: set[str] = set()
-        for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+        for node in _import_nodes(ast.parse(path.read_text(), str(path)), type_checking):
             if isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names if alias.name in modules)
                 continue
@@ -179,13 +167,17 @@ def test_nothing_imports_from_a_higher_layer(graph):
     assert not upward, "imports against the layer order of docs/architecture.md:\n" + "\n".join(upward)
 
 
-def test_no_import_circle_but_the_known_ones(graph):
-    known = {circle for circle, _ in KNOWN_CIRCLES}
-    circles = set(_circles(graph))
-    new = [sorted(c) for c in circles - known]
-    assert not new, f"import circles: {new}; break them (a module imported by both, or a lazy import will not do)"
-    gone = [f"{sorted(c)} ({step})" for c, step in KNOWN_CIRCLES if c not in circles]
-    assert not gone, f"these circles are gone or changed: update KNOWN_CIRCLES in this test: {gone}"
+def test_no_import_circle(graph):
+    circles = [sorted(c) for c in _circles(graph)]
+    assert not circles, (f"import circles (TYPE_CHECKING imports count): {circles}; break them (a module imported by "
+                         "both, a Protocol for what one needs of the other; a lazy import will not do)")
+
+
+def test_the_graph_counts_type_checking_imports(graph):
+    # stream_completion.py names the Runtime only for a checker.
+    assert "tensorwire.runtime" in graph["tensorwire.stream_completion"]
+    assert "tensorwire.runtime" not in _graph(type_checking=False)["tensorwire.stream_completion"]
+    assert _circles({"a": {"b"}, "b": {"a"}, "c": set()}) == [frozenset({"a", "b"})]
 
 
 def test_doctor_and_the_benchmarks_do_not_import_each_other(graph):
@@ -196,29 +188,41 @@ def test_doctor_and_the_benchmarks_do_not_import_each_other(graph):
 
 
 def _private_reaches(holders: set[str], owner: str) -> dict[str, set[str]]:
-    """Per module (``owner`` itself left out): the private attributes read through a name in ``holders``."""
+    """Per module (``owner`` itself left out): the private attributes (and ``__dict__``) read through a name in
+    ``holders``."""
     reaches: dict[str, set[str]] = {}
     for name, (path, _) in _modules().items():
-        if name == owner:
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
-                continue
-            holder = node.value
-            held_by = holder.id if isinstance(holder, ast.Name) else getattr(holder, "attr", None)
-            if held_by in holders:
-                reaches.setdefault(name, set()).add(node.attr)
+        found = _reaches_in(ast.parse(path.read_text(), str(path)), holders)
+        if found and name != owner:
+            reaches[name] = found
     return reaches
 
 
-def test_no_module_reaches_into_the_communicator_but_the_known_ones():
+def _reaches_in(tree: ast.AST, holders: set[str]) -> set[str]:
+    """The private attributes (and ``__dict__``) of ``tree`` read through a name in ``holders``."""
+    found = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        if not (node.attr == "__dict__" or (node.attr.startswith("_") and not node.attr.startswith("__"))):
+            continue
+        holder = node.value
+        held_by = holder.id if isinstance(holder, ast.Name) else getattr(holder, "attr", None)
+        if held_by in holders:
+            found.add(node.attr)
+    return found
+
+
+def test_no_module_reaches_into_the_communicator():
     reaches = _private_reaches(_COMMUNICATOR_NAMES, "tensorwire.communicator")
-    new = {m: sorted(attrs - KNOWN_PRIVATE_REACHES.get(m, set())) for m, attrs in reaches.items()
-           if attrs - KNOWN_PRIVATE_REACHES.get(m, set())}
-    assert not new, f"private attributes of the Communicator used elsewhere: {new}; give it a public method"
-    gone = {m: sorted(attrs - reaches.get(m, set())) for m, attrs in KNOWN_PRIVATE_REACHES.items()
-            if attrs - reaches.get(m, set())}
-    assert not gone, f"no longer reached: remove them from KNOWN_PRIVATE_REACHES in this test: {gone}"
+    assert not reaches, (f"private attributes of the Communicator used elsewhere: {reaches}; use comm.runtime (the "
+                         "seam: store, channel, transports, close_with, extension) or give it a public method")
+
+
+def test_the_reach_check_sees_a_reach():
+    source = ("def f(comm, engine):\n    comm.__dict__.setdefault('x', 1)\n    engine.comm._inbox.pump()\n"
+              "    return comm._backends, comm.runtime.store, comm.__class__\n")
+    assert _reaches_in(ast.parse(source), _COMMUNICATOR_NAMES) == {"__dict__", "_inbox", "_backends"}
 
 
 # A transfer's companions (stream completion, block transfers, revocation, the communicator) act on it through

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cuda import enqueue_copies
 from ..descriptors import MemoryKind
 from ..errors import BackendUnavailableError, InvalidArgumentError
 from .base import Segment, Status, StreamOrderedRequest
@@ -105,6 +106,7 @@ class HostBlockRequest:
     indexing (gather, then scatter) took ~3.5x, torch's ``index_select`` + ``index_copy_`` ~6x."""
 
     event = None  # completes inside post
+    takes_device_ids = False
 
     def __init__(self, destination: list[int], source: list[int], regions: list[tuple[int, int, int]],
                  local_is_destination: bool) -> None:
@@ -151,6 +153,8 @@ class DeviceBlockRequest(StreamOrderedRequest):
     """Blocks between GPU memory of this process and (through CUDA IPC mappings) a peer's, moved by one
     Triton kernel per post on the post's stream. Stream-ordered and CUDA-graph capturable when the ids are
     device tensors (the kernel reads them at run time)."""
+
+    takes_device_ids = True
 
     def __init__(self, destination: list[int], source: list[int], regions: list[tuple[int, int, int]],
                  blocks: tuple[int, int], device_index: int, local_is_destination: bool) -> None:
@@ -244,6 +248,7 @@ class DeviceBlockRequest(StreamOrderedRequest):
 class _Slot:
     def __init__(self, capacity: int, device: torch.device) -> None:
         self.host = torch.empty(2 * capacity, dtype=torch.int32, pin_memory=True)
+        self.host_array = self.host.numpy()  # the same pinned bytes, written by numpy without torch's dispatch
         self.device = torch.empty(2 * capacity, dtype=torch.int32, device=device)
         self.event = torch.cuda.Event()
         self.used = False
@@ -268,20 +273,25 @@ class _IdStaging:
               stream: torch.cuda.Stream) -> tuple[_Slot, torch.Tensor, torch.Tensor]:
         """Copy the ids into a slot and enqueue its host-to-device copy on ``stream``; their device views."""
         n = len(local_ids)
-        with torch.cuda.stream(stream):  # a new slot's device buffer belongs to the stream that reads it
-            slot = self._slot(n)
-            host = slot.host.numpy()
-            host[:n], host[n:2 * n] = local_ids, remote_ids
-            slot.device[:2 * n].copy_(slot.host[:2 * n], non_blocking=True)
+        slot = self._slot(n, stream)
+        slot.host_array[:n], slot.host_array[n:2 * n] = local_ids, remote_ids
+        if any(slot is kept for kept in self._slots):
+            # One cuMemcpyAsync: torch's copy_ under a stream context cost more than the kernel's launch.
+            enqueue_copies([(slot.device.data_ptr(), slot.host.data_ptr(), 8 * n)], stream, self._device.index,
+                           "post: copying block ids to the GPU")
+        else:  # a one-off slot: torch's copy keeps its pinned buffer alive until the copy has run
+            with torch.cuda.stream(stream):
+                slot.device[:2 * n].copy_(slot.host[:2 * n], non_blocking=True)
         slot.used = True
         return slot, slot.device[:n], slot.device[n:2 * n]
 
-    def _slot(self, n: int) -> _Slot:
+    def _slot(self, n: int, stream: torch.cuda.Stream) -> _Slot:
         free = [i for i, s in enumerate(self._slots) if s.free()]
         fitting = next((i for i in free if self._slots[i].host.numel() >= 2 * n), None)
         if fitting is not None:
             return self._slots[fitting]
-        slot = _Slot(1 << max(10, (n - 1).bit_length()), self._device)
+        with torch.cuda.stream(stream):  # a new slot's device buffer belongs to the stream that reads it
+            slot = _Slot(1 << max(10, (n - 1).bit_length()), self._device)
         if len(self._slots) < self._MAX_SLOTS:
             self._slots.append(slot)
         elif free:  # a free slot too small for these ids makes room (nothing reads it any more)

@@ -20,7 +20,16 @@ import torch
 from .. import cuda
 from ..descriptors import MemoryKind
 from ..errors import TransferError
-from .base import BackendInfo, Capabilities, Op, Segment, Status, StreamOrderedCompletion, StreamOrderedRequest
+from .base import (
+    BackendContext,
+    BackendInfo,
+    Capabilities,
+    Op,
+    Segment,
+    Status,
+    StreamOrderedCompletion,
+    StreamOrderedRequest,
+)
 from .block_copy import BlockLayout, DeviceBlockRequest, copy_request
 
 __all__ = ["CudaIpcBackend", "info"]
@@ -58,7 +67,12 @@ class CudaIpcBackend(StreamOrderedCompletion):
 
     name = "cuda_ipc"
     capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.CUDA}), remote=True, stream_ordered=True,
-                                same_host_only=True, same_kind_only=True)
+                                same_host_only=True, same_kind_only=True, peer_pointers=True)
+
+    @classmethod
+    def create(cls, context: BackendContext) -> CudaIpcBackend | None:
+        """None without CUDA or cuda-python (``cuda.availability``)."""
+        return cls() if cuda.availability()[0] else None
 
     def __init__(self) -> None:
         self._cu = cuda.driver()

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from .. import cuda
 from ..descriptors import MemoryKind
 from ..errors import WaitTimeoutError
-from .base import BackendInfo, Capabilities, Op, SameProcessMemory, Segment, Status
-from .block_copy import BlockLayout, HostBlockRequest, copy_request
+from .base import BackendContext, BackendInfo, Capabilities, Op, SameProcessMemory, Segment, Status
+from .block_copy import BlockBindings, BlockLayout, HostBlockRequest, copy_request
 
 __all__ = ["FakeBackend", "HostStream", "HostGraph", "HostEvent", "hold", "fail", "info"]
 
@@ -72,8 +72,10 @@ class _Request:
     in_flight: bool = False
     failed: bool = False
 
+    takes_device_ids = False  # host memory only
+
     @property
-    def bindings(self):  # a block request's ids, as a copying transport's block request has them
+    def bindings(self) -> BlockBindings:  # a block request (base.BlockRequest): the host copy's ids
         return self.blocks.bindings
 
 
@@ -83,6 +85,10 @@ class FakeBackend(SameProcessMemory):
     name = "fake"
     capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.CPU}), remote=False, stream_ordered=False,
                                 same_process=True)
+
+    @classmethod
+    def create(cls, context: BackendContext) -> FakeBackend:
+        return cls()
 
     def prepare(self, op: Op, local: list[Segment], remote: list[Segment], peer: int, notify: bytes | None) -> _Request:
         pairs = zip(remote, local) if op is Op.READ else zip(local, remote)  # (source, destination)
@@ -112,9 +118,6 @@ class FakeBackend(SameProcessMemory):
         request.copies, request.in_flight = [], False
         if request.blocks is not None:
             request.blocks.release()
-
-    def notifications(self) -> list[tuple[int, bytes]]:
-        return []  # a transfer's notify= goes through the communicator's outbox, as shm's does
 
     def close(self) -> None:
         pass
@@ -208,9 +211,6 @@ class HostStream(cuda.StandInStream):
             yield graph
         finally:
             self._graph = None
-
-    def is_capturing(self) -> bool:
-        return self._graph is not None
 
     def synchronize(self, timeout: float = 10.0) -> None:
         """Block until every operation enqueued so far ran; ``WaitTimeoutError`` (naming the operation the

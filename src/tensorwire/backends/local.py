@@ -19,6 +19,7 @@ import torch
 from .. import cuda
 from ..descriptors import MemoryKind
 from .base import (
+    BackendContext,
     BackendInfo,
     Capabilities,
     Op,
@@ -53,6 +54,10 @@ class LocalBackend(SameProcessMemory, StreamOrderedCompletion):
 
     def __init__(self, view: Callable[[Segment], torch.Tensor]) -> None:
         self._view = view  # resolves a registered segment of this process to a uint8 tensor
+
+    @classmethod
+    def create(cls, context: BackendContext) -> LocalBackend:
+        return cls(context.local_view)
 
     def prepare(self, op: Op, local: list[Segment], remote: list[Segment], peer: int, notify: bytes | None) -> _Request:
         sources, destinations = (remote, local) if op is Op.READ else (local, remote)

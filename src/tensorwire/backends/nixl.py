@@ -40,7 +40,7 @@ import numpy as np
 
 from ..descriptors import MemoryKind
 from ..errors import AuthenticationError, BackendUnavailableError, PeerLostError, TensorwireWarning, TransferError
-from .base import Capabilities, Op, Poster, Segment, Status
+from .base import BackendContext, Capabilities, Op, Poster, Segment, Status
 from .block_copy import BlockBindings, BlockLayout
 from .nixl_names import agent_name, member_rank
 from .nixl_setup import _error_classes, import_nixl, info, make_agent, quiet_nixl_logging
@@ -48,7 +48,8 @@ from .nixl_setup import _error_classes, import_nixl, info, make_agent, quiet_nix
 __all__ = ["NixlBackend", "info", "agent_name", "member_rank", "quiet_nixl_logging"]
 
 _MEM_TYPE = {MemoryKind.CPU: "DRAM", MemoryKind.CUDA: "VRAM"}
-_MADE_BY_AGENT_THREAD = frozenset({"agent", "_bound", "_errors", "_success", "_in_progress"})
+_MADE_BY_AGENT_THREAD = frozenset({"agent", "_bound", "_errors", "_success", "_statuses"})
+_ERROR = Status.ERROR  # every NIXL code but success and in-progress
 
 
 class NixlBackend:
@@ -56,7 +57,15 @@ class NixlBackend:
 
     name = "nixl"
     capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.CPU, MemoryKind.CUDA}), remote=True,
-                                stream_ordered=False, message_channel=True)
+                                stream_ordered=False, message_channel=True, first_touch=True)
+
+    @classmethod
+    def create(cls, context: BackendContext) -> NixlBackend:
+        """Returns at once, the agent made in the background (``context.on_ready`` once it exists);
+        ``BackendUnavailableError`` when nixl is not installed."""
+        return cls(context.rank, progress_wakeup_ms=context.config.progress_wakeup_ms, token=context.config.job_token,
+                   net_devices=context.net_devices, on_ready=context.on_ready,
+                   ready_timeout_s=max(context.timeout_s, 60.0))
 
     def __init__(self, rank: int, *, progress_wakeup_ms: float = 10.0, token: bytes | None = None,
                  net_devices: str | None = None, on_ready: Callable[[], None] | None = None,
@@ -94,7 +103,10 @@ class NixlBackend:
         try:
             api, bindings = import_nixl()
             self._errors = _error_classes(bindings)
-            self._success, self._in_progress = bindings.NIXL_SUCCESS, bindings.NIXL_IN_PROG
+            self._success = bindings.NIXL_SUCCESS
+            # NIXL's status codes as ``Status``, the one mapping (post, its unbundled form and status read it):
+            # ``self._statuses.get(code, _ERROR)``, a lookup in C on the hot path.
+            self._statuses = {bindings.NIXL_SUCCESS: Status.DONE, bindings.NIXL_IN_PROG: Status.IN_PROGRESS}
             agent = make_agent(api, bindings, self.agent_name, progress_wakeup_ms, net_devices=self.net_devices)
             self._bound = agent.agent  # the nixlBind.nixlAgent under nixl_agent
             self.agent = agent
@@ -283,9 +295,7 @@ class NixlBackend:
                 code = self._bound.postXferReq(request._handle, notify or b"")
         except Exception as e:  # noqa: BLE001
             raise self._translate(e, "posting a transfer") from e
-        if code == self._success:
-            return Status.DONE
-        return Status.IN_PROGRESS if code == self._in_progress else Status.ERROR
+        return self._statuses.get(code, _ERROR)
 
     def poster(self, request: Any, notify: bytes | None) -> Poster:
         """``post`` unbundled for ``Transfer``'s hot path: the NIXL call with its arguments resolved once,
@@ -298,18 +308,19 @@ class NixlBackend:
         return Poster(
             call=call,
             done=self._success,
-            finish=lambda code: Status.IN_PROGRESS if code == self._in_progress else Status.ERROR,
+            finish=self._status_of,
             error=lambda e: self._translate(e, "posting a transfer"),
         )
+
+    def _status_of(self, code: Any) -> Status:
+        return self._statuses.get(code, _ERROR)
 
     def status(self, request: Any) -> Status:
         try:
             code = self._bound.getXferStatus(request._handle)
         except Exception as e:  # noqa: BLE001
             raise self._translate(e, "checking a transfer") from e
-        if code == self._success:
-            return Status.DONE
-        return Status.IN_PROGRESS if code == self._in_progress else Status.ERROR
+        return self._statuses.get(code, _ERROR)
 
     def release(self, request: Any) -> None:
         try:
@@ -391,6 +402,8 @@ def _strided_rows(layout: BlockLayout) -> np.ndarray:
 class _BlockRequest:
     """A block transfer over NIXL: the two prepped lists, and the NIXL requests bound for the posts to come
     (``_handle`` is the current one's, for ``status``)."""
+
+    takes_device_ids = False  # ids become NIXL descriptor indices on the host
 
     def __init__(self, agent: Any, op: Op, local_list: Any, remote_list: Any, local_blocks: int,
                  remote_blocks: int, num_regions: int) -> None:

@@ -1,9 +1,10 @@
 """Every transport tensorwire has, in the order it prefers them, with what each can reach as data.
 
-The communicator picks a transport per transfer from this table (``reachable``), ``prepare(transport=)``
-checks names against it, ``tw.backends()`` and ``tensorwire doctor`` report it, and the benchmarks read which
-transports are stream-ordered from it. Adding a transport is one backend module (a class implementing
-``base.Backend`` with its ``capabilities``, and a module-level ``info()``) plus one line here.
+The communicator's transports are built from this table (``Transports``, from one ``BackendContext``), it
+picks a transport per transfer from it (``reachable``), ``prepare(transport=)`` checks names against it,
+``tw.backends()`` and ``tensorwire doctor`` report it, and the benchmarks read which transports are
+stream-ordered from it. Adding a transport is one backend module (a class implementing ``base.Backend`` with its
+``capabilities`` and ``create``, and a module-level ``info()``) plus one line here.
 """
 
 from __future__ import annotations
@@ -30,9 +31,13 @@ class Transport:
     def _module(self) -> Any:
         return importlib.import_module(f"{__package__}.{self.module}")
 
+    def backend_class(self) -> Any:
+        """The ``base.Backend`` class (its module is imported now: each pulls in only what it needs)."""
+        return getattr(self._module(), self.class_name)
+
     @property
     def capabilities(self) -> Capabilities:
-        return getattr(self._module(), self.class_name).capabilities
+        return self.backend_class().capabilities
 
     def info(self) -> BackendInfo:
         """Whether it works here, and why not (the module's ``info()``)."""

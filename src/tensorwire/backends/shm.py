@@ -45,8 +45,8 @@ from dataclasses import dataclass
 
 from ..descriptors import MemoryKind
 from ..errors import InvalidArgumentError, PeerLostError, TensorwireWarning, TransferError
-from .base import BackendInfo, Capabilities, Op, Poster, Segment, Status
-from .block_copy import BlockLayout, HostBlockRequest, copy_request
+from .base import BackendContext, BackendInfo, Capabilities, Op, Poster, Segment, Status
+from .block_copy import BlockBindings, BlockLayout, HostBlockRequest, copy_request
 
 __all__ = ["ShmBackend", "shared_file_of", "removed_file_of", "info"]
 
@@ -114,8 +114,10 @@ class _Request:
     watch: _PeerWatch
     blocks: HostBlockRequest | None = None  # a block request's copies instead of ``copies``
 
+    takes_device_ids = False  # host memory only
+
     @property
-    def bindings(self):  # a block request's ids, as a copying transport's block request has them
+    def bindings(self) -> BlockBindings:  # a block request (base.BlockRequest): the host copy's ids
         return self.blocks.bindings
 
 
@@ -176,6 +178,10 @@ class ShmBackend:
         self._mapped: dict[tuple[int, _Export], tuple[mmap.mmap, ctypes.Array, int]] = {}  # -> (map, view, base)
         self._warned_removed: set[str] = set()
 
+    @classmethod
+    def create(cls, context: BackendContext) -> ShmBackend:
+        return cls(authenticated=context.config.job_token is not None, peer_lost=context.peer_lost)
+
     # --- memory -------------------------------------------------------------------------------
     def register(self, segment: Segment) -> tuple[int, int] | None:
         file = shared_file_of(segment.addr, segment.nbytes)
@@ -186,8 +192,7 @@ class ShmBackend:
         self._exports[key] = _Export(segment.addr, segment.nbytes, file)
         return key
 
-    def _warn_if_removed(self, segment: Segment) -> None:
-        """Once per file: a range registered in a shared file that was removed since it was mapped."""
+    def _warn_if_removed(self, segment: Segment) -> None:  # once per file
         path = removed_file_of(segment.addr, segment.nbytes)
         if path is not None and path not in self._warned_removed:
             self._warned_removed.add(path)
@@ -251,10 +256,9 @@ class ShmBackend:
         or replaced since, another user's, ...), or None: the degradation to NIXL worth a warning."""
         for s in remote:
             exports = [e for e in self._peer_exports.get(peer, []) if e.contains(s)]
-            if exports and not any((peer, e) in self._mapped for e in exports):
-                refusal = self._refusal(exports[0])
-                if refusal is not None:
-                    return f"rank {peer}'s file {exports[0].file.path!r} {refusal}"
+            refusal = None if any((peer, e) in self._mapped for e in exports) else exports and self._refusal(exports[0])
+            if refusal:
+                return f"rank {peer}'s file {exports[0].file.path!r} {refusal}"
         return None
 
     def _refusal(self, export: _Export) -> str | None:
@@ -353,9 +357,6 @@ class ShmBackend:
         if request.blocks is not None:
             request.blocks.release()
         request.copies = []
-
-    def notifications(self) -> list[tuple[int, bytes]]:
-        return []  # notifications to a peer travel through NIXL
 
     def close(self) -> None:
         for key in list(self._mapped):

@@ -71,7 +71,7 @@ def process_group(comm: Communicator, device: torch.device) -> Any:
                 f"pass engine={other}"
             )
         peers = tuple(rank for rank in range(comm.world_size) if rank != comm.rank)
-        store = SealedStore(comm._rendezvous, f"pg/{kind}/", peers, comm.timeout_s)
+        store = SealedStore(comm.runtime.store, f"pg/{kind}/", peers, comm.timeout_s)
         timeout = datetime.timedelta(seconds=comm.timeout_s)
         if kind == "gloo":
             group = dist.ProcessGroupGloo(store, comm.rank, comm.world_size, timeout)
@@ -104,7 +104,7 @@ def _wait(work: Any, comm: Communicator, what: str, on_host: bool) -> None:
     """Complete ``work``: host collectives block until done (sleeping, bounded by the communicator's timeout,
     ended with ``PeerLostError`` once a peer is gone: Gloo's own wait notices a closed connection but not a cut
     link); NCCL collectives make the current stream wait (no host block)."""
-    runtime = comm._runtime
+    runtime = comm.runtime
     peers = [rank for rank in range(comm.world_size) if rank != comm.rank]
     try:
         if on_host:

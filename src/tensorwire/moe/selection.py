@@ -10,8 +10,9 @@
 bench`` measures both), and for CUDA tensors ``cuda`` when every rank is on this host and Triton and the
 CUDA IPC transport are present, else ``nixl`` (the path that crosses machines).
 
-Engines are created on first use and closed by ``Communicator.close`` (they release their buffers, GPU
-waits and process groups there), never used after it.
+Engines are created on first use, kept in the communicator's ``moe.engines`` extension slot
+(``comm.runtime.extension``), and closed by ``Communicator.close`` (``comm.runtime.close_with``: they release their
+buffers, GPU waits and process groups there), never used after it.
 """
 
 from __future__ import annotations
@@ -30,17 +31,18 @@ if TYPE_CHECKING:
 __all__ = ["ENGINES", "default_engine", "engine"]
 
 ENGINES = ("torch", "nixl", "cuda")
-# Engines live on their communicator (attribute below), not in a module-level WeakKeyDictionary: an engine
+# Engines live on their communicator (an extension slot), not in a module-level WeakKeyDictionary: an engine
 # holds registrations, which hold the communicator, so a weak-keyed cache would keep it alive forever.
-_ENGINES_ATTRIBUTE = "_moe_engines"
+_ENGINES_SLOT = "moe.engines"
 
 
 def _cuda_reason(comm: Communicator, device: torch.device) -> str | None:
     """None when the ``cuda`` engine can run here, else why not."""
     if device.type != "cuda":
         return f"it moves CUDA tensors only, these are on {device}"
-    if "cuda_ipc" not in comm._backends:
-        return "the communicator has no CUDA IPC transport (cuda-python missing? run 'tensorwire doctor')"
+    if comm.runtime.transports.with_capability("peer_pointers") is None:
+        return ("the communicator has no transport that maps peers' GPU memory (CUDA IPC: cuda-python missing? "
+                "run 'tensorwire doctor')")
     if comm.local_world_size != comm.world_size:
         return (f"it reaches ranks of this host only, and only {comm.local_world_size} of the "
                 f"{comm.world_size} ranks are local")
@@ -77,10 +79,10 @@ def engine(comm: Communicator, requested: str | None, device: torch.device, fn: 
         available, reason = collectives.availability(device)
         if not available:
             raise BackendUnavailableError(f"{fn}: engine='torch' is unavailable: {reason}; pass engine='nixl'")
-    engines = comm.__dict__.setdefault(_ENGINES_ATTRIBUTE, {})
+    engines = comm.runtime.extension(_ENGINES_SLOT, dict)
     if name not in engines:
         engines[name] = _create(comm, name)
-        comm._dependents.add(engines[name])  # Communicator.close closes it
+        comm.runtime.close_with(engines[name])
     return engines[name]
 
 

@@ -75,7 +75,7 @@ class StreamWaits:
                                         "dead)")
             return True
 
-        self._comm._runtime.engine.watch(watchdog, on_error=self._watchdog_failed)
+        self._comm.runtime.engine.watch(watchdog, on_error=self._watchdog_failed)
 
     def _force_open(self, waits: list, why: str) -> None:
         """Store the awaited values from a stream of our own, so the waiting streams go on; the engine is

@@ -56,7 +56,8 @@ import numpy as np
 import torch
 
 from ...backends.base import Op
-from ...blocks import BlockPoolDesc, BlockTransfer
+from ...block_transfer import BlockTransfer
+from ...blocks import BlockPoolDesc
 from ..count_rows import HEADER
 from ..engine import DispatchHandle, Received, SkeletonEngine
 from ..layout import Placement, SendLayout, exclusive_cumsum, segment_positions

@@ -43,7 +43,7 @@ class Arrivals:
 
     def __init__(self, comm: Communicator) -> None:
         self._comm = comm
-        comm._inbox.open_channel(MAGIC)  # MoE notifications never mix with the user's
+        self._channel = comm.runtime.channel(MAGIC)  # MoE notifications never mix with the user's
         self._early: list[set[tuple[int, int]]] = [set() for _ in range(comm.world_size)]
 
     def wait(self, kind: int, round_: int, senders: list[int], transfers: list, fn: str) -> None:
@@ -80,7 +80,7 @@ class Arrivals:
                         "every rank must make the same MoE calls in the same order")
             return f"{fn}: WRITEs of {_KIND_NAMES[kind]} to rank(s) {[t.peer for t in in_flight]} did not complete"
 
-        runtime = self._comm._runtime
+        runtime = self._comm.runtime
 
         def alive() -> None:  # a sender or WRITE target that is gone ends the wait now, not at the timeout
             for rank in {*pending, *(transfer.peer for transfer in in_flight)}:
@@ -92,7 +92,7 @@ class Arrivals:
     def _raise_failed(self, peer: int, what: str) -> None:
         """A WRITE to ``peer`` failed: ``PeerLostError`` if the peer is gone (NIXL may report its death before
         the liveness view has seen it: looked for up to the liveness period), else ``TransferError``."""
-        runtime = self._comm._runtime
+        runtime = self._comm.runtime
         gone = runtime.gone_among([peer], runtime.config.liveness_s)
         if gone is not None:
             raise PeerLostError(f"{what}: rank {peer} is gone ({gone[1]})")
@@ -100,7 +100,7 @@ class Arrivals:
 
     def _arrived(self, sender: int, wanted: tuple[int, int], fn: str) -> bool:
         """Take ``sender``'s notifications until ``wanted``; keep the others for their own call."""
-        while (message := self._comm._inbox.try_pop(sender, MAGIC)) is not None:
+        while (message := self._channel.try_pop(sender)) is not None:
             got = _parse(message, sender, fn)
             if got == wanted:
                 return True
