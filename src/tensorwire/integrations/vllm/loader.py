@@ -38,6 +38,7 @@ class LoadResult:
     num_bytes: int = 0
     transfer_s: float = 0.0  # post + wait of the READ
     contact_s: float = 0.0  # finding the producer and preparing the transfer (first contact only; else 0)
+    transport: str = ""  # what moved the bytes: "cuda_ipc" (GPU caches, one host), "nixl", "shm"
 
 
 class _Producer:
@@ -103,7 +104,7 @@ class Loader:
             log.warning("TensorwireConnector: loading %d request(s) from %r failed: %s", len(loads), instance, e)
             return LoadResult(loads, f"{type(e).__name__}: {e}")
         return LoadResult(loads, None, len(local), len(local) * producer.transfer.bytes_per_block, transfer_s,
-                          contact_s)
+                          contact_s, producer.transfer.transport)
 
     def _contact(self, instance: str, their_layout: str) -> _Producer:
         """First contact: refuse a producer of another layout, then find its worker and prepare the READ."""

@@ -69,6 +69,7 @@ class WorkerSide:
         self._read_early: set[str] = set()  # read before this worker learnt of the hold (a step apart)
         self._load_errors: set[int] = set()
         self.stats = StatsLog()
+        self.transports: set[str] = set()  # what moved the loads' bytes so far ("" for a failed one)
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         """Join the fleet, register the KV cache as one block pool and publish it. Blocks (directory, pinning)."""
@@ -106,6 +107,7 @@ class WorkerSide:
         ``load_errors``. Never blocks."""
         recving = set()
         for result in self._loader.results() if self._loader is not None else ():
+            self.transports.add(result.transport)
             self.stats.record(result)
             recving.update(load.request_id for load in result.loads)
             if result.error is not None:
