@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BackendUnavailableError, TransferError
-from .command import at_least, check_plot, header, list_of, write_json
-from .record import Record, records_to_json
+from .command import at_least, check_plot, list_of, publish
+from .record import Record
 from .timing import quantile
 from .vllm_parties import Party, make_model, start_directory, start_instance, vllm_python, wait_ready
 
@@ -280,11 +280,5 @@ def main(args: argparse.Namespace) -> int:
                              tuple(args.connectors), args.timeout, args.quiet)
     check_plot(args)
     records = run(config)
-    print(format_report(records), flush=True)
-    if args.json is not None:
-        write_json(args.json, {"header": {**header(args.argv), "config": asdict(config)},
-                               "records": records_to_json(records)})
-    if args.plot is not None:
-        plot_vllm(records, args.plot, title=" ".join(["tensorwire", *args.argv]))
-        print(f"wrote {args.plot}", file=sys.stderr)
+    publish(args, config, records, format_report(records), plot_vllm)
     return 0
