@@ -11,7 +11,9 @@ recorded the same way for both: ``transfer_duration`` and ``bytes_transferred``)
 
 - transfer time per request: the connector's reported transfer time of the rep over its requests (NixlConnector
   reads each request apart; TensorwireConnector one READ per producer per engine step);
-- bytes per request; consumer TTFT; producer time against a plain instance (no connector) on the same prompts;
+- bytes per request; consumer TTFT; the producer's time for the handed-off prefill against a plain run of the
+  same row on the same instance (other prompts of the same lengths, no ``kv_transfer_params``, just before it:
+  the same engine, load and neighbours, only the connector's part differs);
 - first contact: the first remote request of a fresh pair's TTFT (after a local warm-up request on each
   instance) minus the median TTFT of the same row later.
 
@@ -19,7 +21,7 @@ Each connector reports its own transfer time: TensorwireConnector's is post to c
 NixlConnector's is NIXL's telemetry, post to the completion that its ``get_finished`` polls once per engine step,
 so it includes part of a step. The consumer's TTFT is the end-to-end figure that holds the same for both.
 
-Before the pairs, the plain instance times the rows (the producer's reference), then stops. Needs an interpreter
+Needs an interpreter
 with vLLM (``TENSORWIRE_VLLM_PYTHON``, default ``.venv-vllm/bin/python``): without one the command fails at once,
 saying so. The default run takes about 10 minutes on a 2-core machine.
 """
@@ -49,6 +51,7 @@ HELP = "vLLM prefill -> decode: TensorwireConnector beside vLLM's NixlConnector 
 CONNECTORS = ("tensorwire", "nixl")
 REFERENCE = "nixl"
 MAX_TOKENS = 1
+PLAIN_SEEDS = 10**9  # added to a row's seed: prompts of the producer's plain run, never those of a remote one
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ def _prompts(length: int, count: int, seed: int) -> list[list[int]]:
 
 
 def _seed(rep: int, length: int, count: int) -> int:
-    """The prompts of one rep of one row: the same for the plain instance and every pair."""
+    """The prompts of one rep of one row: the same for every pair."""
     return (rep * 10_000 + length) * 100 + count
 
 
@@ -86,22 +89,6 @@ class _Bench:
 
     def flags(self) -> tuple[str, ...]:
         return ("--block-size", str(self.config.block_size), "--kv-mb", "256")
-
-    def plain_times(self) -> dict[tuple[int, int], list[float]]:
-        """The plain instance's prefill time of each row's prompts (the producer's reference)."""
-        plain = start_instance(self.python, "plain", self.model, "plain", flags=self.flags())
-        try:
-            wait_ready([plain], 2 * self.config.timeout_s)
-            self._warm_up(plain)
-            times: dict[tuple[int, int], list[float]] = {}
-            for rep in range(self.config.reps):
-                for length, count in _rows(self.config):
-                    prompts = _prompts(length, count, seed=_seed(rep, length, count))
-                    answer = plain.ask({"op": "generate", "prompts": prompts, "max_tokens": 1}, self.config.timeout_s)
-                    times.setdefault((length, count), []).append(answer["wall_s"])
-            return times
-        finally:
-            plain.close()
 
     def pair(self, connector: str) -> dict[tuple[int, int], dict[str, list]]:
         """Every row of one connector's pair: observations per rep, and the first request's TTFT."""
@@ -147,6 +134,8 @@ class _Bench:
         timeout = self.config.timeout_s
         prompts = _prompts(length, count, seed)
         consumer.ask({"op": "stats"}, timeout)  # what earlier requests left
+        plain = producer.ask({"op": "generate", "prompts": _prompts(length, count, seed + PLAIN_SEEDS),
+                              "max_tokens": 1}, timeout)
         made = producer.ask({"op": "generate", "prompts": prompts, "max_tokens": 1,
                              "params": [{"do_remote_decode": True}] * count}, timeout)
         params = [out["kv_transfer_params"] for out in made["outputs"]]
@@ -157,7 +146,7 @@ class _Bench:
         stats = consumer.ask({"op": "stats"}, timeout)["stats"]
         failed = sum(1 for out in used["outputs"] if out["finish_reason"] == "error")
         failed += len(stats.get("num_failed_transfers", [])) + len(stats.get("num_failed_handshakes", []))
-        return {"ttft_s": used["wall_s"], "producer_s": made["wall_s"], "failed": failed,
+        return {"ttft_s": used["wall_s"], "producer_s": made["wall_s"], "plain_s": plain["wall_s"], "failed": failed,
                 "transfer_s": sum(stats.get("transfer_duration", [])) / count,
                 "bytes": sum(stats.get("bytes_transferred", [])) / count,
                 "transfers": len(stats.get("transfer_duration", []))}
@@ -173,16 +162,14 @@ def run(config: VllmBenchConfig) -> list[Record]:
         model = f"{work}/llama"
         make_model(python, model, seed=0)
         bench = _Bench(config, python, model)
-        bench.say("timing the plain instance (no connector)")
-        plain = bench.plain_times()
         measured = {}
         for connector in config.connectors:
             bench.say(f"{connector}: starting a producer and a consumer")
             measured[connector] = bench.pair(connector)
-    return _records(config, plain, measured)
+    return _records(config, measured)
 
 
-def _records(config: VllmBenchConfig, plain: dict, measured: dict) -> list[Record]:
+def _records(config: VllmBenchConfig, measured: dict) -> list[Record]:
     records = []
     for connector, rows in measured.items():
         for (length, count), row in ((k, v) for k, v in rows.items() if "transfer_s" in v):
@@ -190,7 +177,7 @@ def _records(config: VllmBenchConfig, plain: dict, measured: dict) -> list[Recor
             ttft = statistics.median(row["ttft_s"])
             params = {"prompt_tokens": length, "requests": count, "block_size": config.block_size,
                       "ttft_ms": ttft * 1e3, "producer_ms": statistics.median(row["producer_s"]) * 1e3,
-                      "plain_prefill_ms": statistics.median(plain[(length, count)]) * 1e3,
+                      "plain_prefill_ms": statistics.median(row["plain_s"]) * 1e3,
                       "failed": sum(row["failed"]), "transfers_per_rep": statistics.median(row["transfers"])}
             params["producer_overhead"] = params["producer_ms"] / params["plain_prefill_ms"]
             if "first_ttft_s" in row:
