@@ -109,7 +109,8 @@ class WorkerSide:
         for result in self._loader.results() if self._loader is not None else ():
             self.transports.add(result.transport)
             self.stats.record(result)
-            recving.update(load.request_id for load in result.loads)
+            # A load of no blocks only told the producer (vLLM is not waiting for it): not reported.
+            recving.update(load.request_id for load in result.loads if load.local_block_ids)
             if result.error is not None:
                 self._load_errors.update(b for load in result.loads for b in load.local_block_ids)
         return self._released(), recving
