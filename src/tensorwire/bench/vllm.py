@@ -234,6 +234,7 @@ def plot_vllm(records: list[Record], path: Path, title: str) -> None:
     for axis, label in zip(axes, ("transfer time per request (ms)", "consumer TTFT (ms)")):
         axis.set_xticks([j + 0.2 for j in range(len(rows))], rows, rotation=30, fontsize=8)
         axis.set_ylabel(label)
+        axis.set_yscale("log")  # the two connectors differ by up to 100x here
         axis.legend()
     figure.suptitle(title, fontsize=9)
     figure.tight_layout()
