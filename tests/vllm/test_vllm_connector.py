@@ -131,7 +131,8 @@ def test_two_producers_one_consumer(fleet):
     outputs = _decode(fleet["decode"], prompts, params)
     assert not _same(outputs, _plain(fleet, prompts))
     stats = _stats(fleet["decode"])
-    assert sorted(stats["num_requests"]) == [2, 2], stats  # one READ per producer, each for its two requests
+    # one READ per producer per engine step: the scheduler may plan the four over one or more steps
+    assert sum(stats["num_requests"]) == 4 and len(stats["num_requests"]) >= 2, stats
     assert not stats["num_failed_transfers"], stats
 
 
