@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tensorwire.bench import kv_report, moe, report
+from tensorwire.bench import kv_report, moe, report, vllm
 from tensorwire.bench.p2p_records import BenchConfig, BenchResult
 from tensorwire.bench.record import Record, compare_with, records_from_json, records_to_json
 from tensorwire.bench.timing import Timing, quantile
@@ -70,6 +70,10 @@ def test_the_committed_results_read_as_records(path):
     if path.name.startswith("fleet-"):  # joins and first contacts are times, not transfers
         assert benchmark == "fleet" and all(r.median_us > 0 for r in records)
         assert any(r.gbps > 0 for r in records) and all(r.gbps > 0 for r in records if r.op == "READ")
+        return
+    if path.name.startswith("vllm-"):  # each connector's transfers, held against NixlConnector's
+        assert benchmark == "vllm" and all(r.median_us > 0 and r.nbytes > 0 for r in records)
+        assert {r.path for r in records} == {"tensorwire", "nixl"} and "consumer TTFT" in vllm.format_report(records)
         return
     assert records and all(r.median_us > 0 and r.gbps > 0 and r.nbytes > 0 for r in records)
     assert benchmark == ("kv" if path.name.startswith("kv-") else "moe" if path.name.startswith("moe-") else "p2p")

@@ -43,16 +43,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import WaitTimeoutError
-from .command import at_least, check_plot, header, parse_size, positive, write_json
+from .command import at_least, check_plot, parse_size, positive, publish
 from .fleet_parties import FIRST_POOL_BLOCKS, FIRST_READ_BLOCKS, SHM_PREFIX, holder, reader, world_rank
 from .fleet_raw import raw_first_contacts
 from .fleet_report import FLEET, RAW_NIXL, WORLD, format_report, plot_fleet
-from .record import Record, records_to_json
+from .record import Record
 from .timing import Budget, quantile, summarize
 
 __all__ = ["HELP", "FleetBenchConfig", "run", "add_arguments", "main", "format_report", "plot_fleet"]
@@ -369,11 +369,5 @@ def main(args: argparse.Namespace) -> int:
     config = config_from(args)
     check_plot(args)
     records = run(config)
-    print(format_report(records), flush=True)
-    if args.json is not None:
-        write_json(args.json, {"header": {**header(args.argv), "config": asdict(config)},
-                               "records": records_to_json(records)})
-    if args.plot is not None:
-        plot_fleet(records, args.plot, title=" ".join(["tensorwire", *args.argv]))
-        print(f"wrote {args.plot}", file=sys.stderr)
+    publish(args, config, records, format_report(records), plot_fleet)
     return 0
