@@ -32,7 +32,8 @@ from .errors import TensorwireError
 
 __all__ = ["main", "quiet_nixl_logging", "parse_size", "BENCH_COMMANDS"]
 
-BENCH_COMMANDS = ("p2p", "moe", "kv", "fleet")  # modules of tensorwire.bench; the first runs when no name is given
+# modules of tensorwire.bench; the first runs when no name is given
+BENCH_COMMANDS = ("p2p", "moe", "kv", "fleet", "vllm")
 
 
 def _bench_module(name: str) -> ModuleType:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tensorwire.bench import kv_report, moe, p2p_report
+from tensorwire.bench import kv_report, moe, p2p_report, vllm
 from tensorwire.bench.command import header_lines
 from tensorwire.bench.p2p_records import BenchConfig, BenchResult
 from tensorwire.bench.partial import PartialRecords
@@ -121,6 +121,10 @@ def test_the_committed_results_read_as_records(path):
     if path.name.startswith("fleet-"):  # joins and first contacts are times, not transfers
         assert benchmark == "fleet" and all(r.median_us > 0 for r in records)
         assert any(r.gbps > 0 for r in records) and all(r.gbps > 0 for r in records if r.op == "READ")
+        return
+    if path.name.startswith("vllm-"):  # each connector's transfers, held against NixlConnector's
+        assert benchmark == "vllm" and all(r.median_us > 0 and r.nbytes > 0 for r in records)
+        assert {r.path for r in records} == {"tensorwire", "nixl"} and "consumer TTFT" in vllm.format_report(records)
         return
     assert records and all(r.median_us > 0 and r.gbps > 0 and r.nbytes > 0 for r in records)
     assert benchmark == ("kv" if path.name.startswith("kv-") else "moe" if path.name.startswith("moe-") else "p2p")

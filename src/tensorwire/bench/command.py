@@ -24,7 +24,7 @@ from typing import Any
 from ..machine import cpu_summary, gpu_names, hostname, software_versions
 
 __all__ = ["parse_size", "parse_sizes", "at_least", "positive", "list_of", "MEMORY_CHOICES", "add_common_arguments",
-           "memories", "write_json", "check_plot", "header", "header_lines", "announce", "progress"]
+           "memories", "write_json", "check_plot", "header", "header_lines", "announce", "progress", "publish"]
 
 MEMORY_CHOICES = ("cpu", "cuda", "all")  # --memory of every benchmark; 'all' is cpu plus cuda when torch sees a GPU
 
@@ -135,6 +135,23 @@ def write_json(path: Path, document: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=1) + "\n")
     print(f"wrote {path}", file=sys.stderr)
+
+
+def publish(args: argparse.Namespace, config: Any, records: list, report: str,
+            plot: Callable[[list, Path, str], None]) -> None:
+    """Print ``report``; write ``args.json`` (header with ``config``, a dataclass, and the records) and
+    ``args.plot`` (``plot(records, path, title)``) where given."""
+    from dataclasses import asdict
+
+    from .record import records_to_json
+
+    print(report, flush=True)
+    if args.json is not None:
+        write_json(args.json, {"header": {**header(args.argv), "config": asdict(config)},
+                               "records": records_to_json(records)})
+    if args.plot is not None:
+        plot(records, args.plot, " ".join(["tensorwire", *args.argv]))
+        print(f"wrote {args.plot}", file=sys.stderr)
 
 
 def header(argv: list[str]) -> dict[str, Any]:
