@@ -68,9 +68,9 @@ class FleetBenchConfig:
     blocks: int = 10_000
     block_bytes: int = 16384
     transports: tuple[str, ...] = ("nixl", "shm")
-    time_s: float = 2.0  # a 160 MiB READ over NIXL takes 60-75 ms here, its p90 up to 2x that: ~30 calls a path
+    time_s: float = 1.0  # a 160 MiB READ over NIXL takes 60-75 ms here, its p90 up to 2x that: ~15 calls a path
     rounds: int = 8
-    first_contacts: int = 8
+    first_contacts: int = 3  # also raw NIXL's fresh process pairs, the longest part of a default run
     timeout_s: float = 600.0
     quiet: bool = False
     partial: PartialRecords | None = None  # where each fleet size's records go as they are measured
@@ -340,11 +340,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transports", type=_transports, default=defaults.transports, metavar="LIST",
                         help="steady READ transports: nixl, shm or nixl,shm (default nixl,shm)")
     parser.add_argument("--time", type=positive, default=defaults.time_s, metavar="S",
-                        help="seconds of timed steady READs per path, transport and fleet size (default 2)")
+                        help="seconds of timed steady READs per path, transport and fleet size (default 1)")
     parser.add_argument("--rounds", type=at_least(int, 1), default=defaults.rounds, metavar="N",
                         help="alternating rounds of fleet and world READs (default 8)")
     parser.add_argument("--first-contacts", type=at_least(int, 1), default=defaults.first_contacts, metavar="N",
-                        help="never-seen members each reader reaches, at most (default 8)")
+                        help="never-seen members a reader reaches at most, and raw NIXL's first contacts (default 3)")
     parser.add_argument("--timeout", type=positive, default=defaults.timeout_s, metavar="S",
                         help="give up (and stop every process) after this many seconds (default 600)")
     parser.add_argument("--memory", choices=["cpu", "cuda"], default="cpu",
