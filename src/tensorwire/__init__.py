@@ -33,6 +33,7 @@ from .joining import init
 from .membership import Member
 from .moe import all_to_all_v
 from .registration import Registration
+from .shared_memory import shared_empty
 from .transfer import Transfer
 
 READ = Op.READ
@@ -56,5 +57,5 @@ __all__ = [
     "MemoryKind", "BackendInfo", "backends", "testing", "TensorwireError", "TensorwireWarning", "InvalidArgumentError",
     "ClosedError", "BackendUnavailableError", "TransferError", "WaitTimeoutError", "PeerLostError",
     "RevokedError",
-    "AuthenticationError", "moe", "all_to_all_v", "Member",
+    "AuthenticationError", "moe", "all_to_all_v", "Member", "shared_empty",
 ]

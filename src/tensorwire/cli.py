@@ -32,7 +32,8 @@ from .errors import TensorwireError
 
 __all__ = ["main", "quiet_nixl_logging", "parse_size", "BENCH_COMMANDS"]
 
-BENCH_COMMANDS = ("p2p", "moe", "kv", "fleet")  # modules of tensorwire.bench; the first runs when no name is given
+# modules of tensorwire.bench; the first runs when no name is given
+BENCH_COMMANDS = ("p2p", "moe", "kv", "fleet", "vllm")
 
 
 def _bench_module(name: str) -> ModuleType:
@@ -49,6 +50,8 @@ def _parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
                                  description="Diagnose this machine; exits 0 whenever it could diagnose.")
     doctor.add_argument("--timeout", type=at_least(float), default=15.0,
                         help="seconds each 2-process probe may take (default 15)")
+    doctor.add_argument("--clean", action="store_true",
+                        help="remove the /dev/shm files that killed tensorwire processes left")
     doctor.set_defaults(handler=_doctor, parser=doctor)
 
     directory = commands.add_parser(
@@ -98,7 +101,7 @@ def _doctor(args: argparse.Namespace) -> int:
     from .doctor import diagnose
 
     quiet_nixl_logging()
-    diagnose(lambda line: print(line, flush=True), timeout_s=args.timeout, quiet=True)
+    diagnose(lambda line: print(line, flush=True), timeout_s=args.timeout, quiet=True, clean=args.clean)
     return 0
 
 

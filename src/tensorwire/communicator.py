@@ -217,6 +217,14 @@ class Communicator:
             return self._notifications.wait_on_stream(from_rank, stream, self._timeout(timeout))
         return self._notifications.wait(from_rank, self._timeout(timeout))
 
+    def poll_notifications(self) -> list[tuple[int, bytes]]:
+        """Every notification that arrived from any sender and was not taken yet, as ``(sender rank, message)``,
+        each sender's in arrival order. Never blocks (one poll of the backend). For a receiver that cannot name
+        its senders in advance, e.g. a KV producer told by whichever consumer READ its blocks
+        (``BlockTransfer.post(notify=)``). Do not mix it with ``wait_notification(stream=)`` for one sender."""
+        self._check_open("poll_notifications")
+        return self._runtime.inbox.take_all()
+
     # --- KV-cache blocks ---------------------------------------------------------------------------
     def register_blocks(self, views: torch.Tensor | Sequence[torch.Tensor]) -> BlockPool:
         """A ``BlockPool`` over ``views`` (each ``[num_blocks, ...]`` on one CPU or CUDA device, block i =

@@ -324,8 +324,10 @@ class Report:
             self.emit(f"  !!! fix: {fix}")
 
 
-def diagnose(emit: Callable[[str], None] = print, timeout_s: float = 15.0, quiet: bool = True) -> Report:
-    """Run every check, printing through ``emit`` as it goes; returns the report (problems listed)."""
+def diagnose(emit: Callable[[str], None] = print, timeout_s: float = 15.0, quiet: bool = True,
+             clean: bool = False) -> Report:
+    """Run every check, printing through ``emit`` as it goes; returns the report (problems listed). ``clean``:
+    remove the ``/dev/shm`` files that tensorwire processes gone since left (else only count them)."""
     from . import backends
 
     report = Report(emit)
@@ -365,6 +367,7 @@ def diagnose(emit: Callable[[str], None] = print, timeout_s: float = 15.0, quiet
     else:
         report.loud("WARN", reason)
     _report_ucx_binding(report)
+    _report_leftovers(report, clean)  # before the probes: their tw.init would remove the files unreported
 
     report.section("transports (2 processes, UCX_PROTO_INFO=y in their environment)")
     host = run_probe("cpu", timeout_s, quiet) if nixl_ok else None
@@ -383,6 +386,30 @@ def diagnose(emit: Callable[[str], None] = print, timeout_s: float = 15.0, quiet
     else:
         report.line("no problems found")
     return report
+
+
+def _report_leftovers(report: Report, clean: bool) -> None:
+    """The ``/dev/shm`` files of tensorwire processes that were killed (``shared_memory.orphans``)."""
+    from .shared_memory import SHM_DIRECTORY, orphans, remove_orphans
+
+    report.section("shared memory")
+    found = remove_orphans() if clean else orphans()
+    if not found:
+        report.line(f"no files in {SHM_DIRECTORY} left by tensorwire processes that are gone")
+    elif clean:
+        report.line(f"removed {len(found)} file(s) left in {SHM_DIRECTORY} by tensorwire processes that are gone")
+    else:
+        size = sum(_file_size(path) for path in found)
+        report.loud("WARN", f"{len(found)} file(s) ({size} bytes) in {SHM_DIRECTORY} left by tensorwire processes "
+                    "that are gone (killed)", "tensorwire doctor --clean removes them (so does the next tw.init)")
+
+
+def _file_size(path: str) -> int:
+    """Bytes of ``path``, 0 when another process removed it meanwhile."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 def _table(report: Report, header: list[str], rows: list[list[str]]) -> None:

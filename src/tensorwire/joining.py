@@ -17,6 +17,7 @@ from .communicator import Communicator
 from .directory_client import DirectoryRendezvous
 from .environment import resolve_environment
 from .errors import InvalidArgumentError
+from .shared_memory import remove_orphans
 
 __all__ = ["init"]
 
@@ -63,6 +64,7 @@ def init(
             device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
         else:
             device = torch.device("cpu")
+    remove_orphans()  # what killed tensorwire processes of this host left in /dev/shm
     return Communicator(_rendezvous(env, cfg, timeout_s, store), torch.device(device), cfg, timeout_s)
 
 

@@ -25,10 +25,10 @@ __all__ = [
 
 def nixl_module() -> str | None:
     """The wheel the ``nixl`` meta package picked (``nixl_cu12`` / ``nixl_cu13``), or None if none imports."""
-    from .backends.nixl_setup import _import_nixl
+    from .backends.nixl_setup import import_nixl
 
     try:
-        api, _ = _import_nixl()
+        api, _ = import_nixl()
     except Exception:  # noqa: BLE001 - "not importable" is the answer, reported elsewhere with its reason
         return None
     return api.__name__.split(".")[0]

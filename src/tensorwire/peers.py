@@ -223,14 +223,10 @@ class Peers:
         same_host = to_self or self._views[peer].host == self.host
         usable = registry.reachable(self._backends, to_self, same_host, local_kind, remote_kind, peer,
                                     [r for _, r in pairs])
+        remotes = [r for _, r in pairs]
         if requested is None and usable:
-            chosen = self._backends[usable[0]].capabilities
-            if local_kind is remote_kind is MemoryKind.CUDA and same_host and not to_self and not chosen.stream_ordered:
-                self._warn_once(
-                    f"gpu-not-stream-ordered-{peer}",
-                    f"tensorwire: GPU transfers with rank {peer} on this host take {usable[0]}, not a stream-ordered "
-                    f"copy between GPUs ({self._ipc_reason()}); expect lower bandwidth",
-                )
+            if same_host and not to_self:
+                self._warn_if_degraded(peer, usable[0], local_kind, remote_kind, remotes)
             return usable[0]
         if requested is not None and requested not in self._backends:
             self._backends.require(requested, fn)  # a test transport is built when a test first asks for it
@@ -238,10 +234,41 @@ class Peers:
                                         [r for _, r in pairs])
         if requested not in usable:
             usable = [name for name in usable if name in registry.NAMES]  # the tests' own transports unnamed
+            why = self._unusable_reason(requested, peer, to_self, same_host, local_kind, remote_kind, remotes)
             raise InvalidArgumentError(
                 f"{fn}: transport={requested!r} cannot reach rank {peer} for {local_kind.name}->"
-                f"{remote_kind.name} memory here; usable: {usable}")
+                f"{remote_kind.name} memory here: {why}; usable: {usable}")
         return requested
+
+    def _warn_if_degraded(self, peer: int, chosen: str, local_kind: MemoryKind, remote_kind: MemoryKind,
+                          remotes: list[Segment]) -> None:
+        """Once per peer: a same-host transfer that takes a slower transport than the one meant to carry it."""
+        if local_kind is remote_kind is MemoryKind.CUDA and not self._backends[chosen].capabilities.stream_ordered:
+            self._warn_once(f"gpu-not-stream-ordered-{peer}",
+                            f"tensorwire: GPU transfers with rank {peer} on this host take {chosen}, not a "
+                            f"stream-ordered copy between GPUs ({self._ipc_reason()}); expect lower bandwidth")
+        shm = self._backends.get("shm")
+        if local_kind is remote_kind is MemoryKind.CPU and shm is not None and chosen != "shm":
+            refused = shm.refused_file(peer, remotes)
+            if refused is not None:
+                self._warn_once(f"shm-refused-{peer}", f"tensorwire: host memory transfers with rank {peer} take "
+                                f"{chosen}, not shm: {refused}; expect lower bandwidth")
+
+    def _unusable_reason(self, requested: str, peer: int, to_self: bool, same_host: bool, local_kind: MemoryKind,
+                         remote_kind: MemoryKind, remotes: list[Segment]) -> str:
+        """Why the transport a caller forced cannot carry this transfer (for its error message)."""
+        backend = self._backends.get(requested)
+        if backend is None:
+            info = registry.transport(requested).info() if requested in registry.NAMES else None
+            return f"it is not loaded here ({info.reason if info else 'a test transport this communicator lacks'})"
+        refusal = registry.capability_refusal(backend.capabilities, to_self, same_host, local_kind, remote_kind)
+        if refusal is not None:
+            return refusal
+        if requested == "shm":
+            return backend.unreached_reason(peer, remotes) or "the peer's file cannot be mapped here"
+        if backend.capabilities.peer_pointers:
+            return self._ipc_reason()
+        return f"rank {peer}'s ranges are not reachable by it"
 
     def _ipc_reason(self) -> str:
         if self._backends.with_capability("peer_pointers") is None:

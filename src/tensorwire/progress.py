@@ -144,6 +144,16 @@ class Inbox:
             channel = next((p for p in self._channels if p and message.startswith(p)), b"")
             self._channels[channel][sender].append(message)
 
+    def take_all(self, channel: bytes = b"") -> list[tuple[int, bytes]]:
+        """Every queued message of ``channel`` from any sender, as ``(sender, message)``, each sender's in
+        order, after polling the backend once."""
+        self.pump()
+        with self._lock:
+            taken = [(sender, m) for sender, queue in self._channels[channel].items() for m in queue]
+            for queue in self._channels[channel].values():
+                queue.clear()
+        return taken
+
     def try_pop(self, sender: int, channel: bytes = b"") -> bytes | None:
         """The oldest message from ``sender`` in ``channel``, polling the backend once if none is queued."""
         with self._lock:

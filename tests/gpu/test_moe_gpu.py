@@ -1,9 +1,9 @@
 """MoE dispatch / combine on GPU memory: the "cuda" and "nixl" backends between two processes sharing one
-GPU, the "cuda" backend without any host sync, and a whole MoE step captured in a CUDA graph.
+GPU, the "cuda" engine without any host sync, and a whole MoE step captured in a CUDA graph.
 
 Inputs and the reference are ``tensorwire.testing.moe_reference`` (every rank rebuilds every rank's inputs). The "cuda"
-backend sums in a Triton kernel (fused multiply-adds), so combine results are compared within rounding.
-Every GPU wait of the backend is bounded (its watchdog opens a wait nobody releases and the next call
+engine sums in a Triton kernel (fused multiply-adds), so combine results are compared within rounding.
+Every GPU wait of the engine is bounded (its watchdog opens a wait nobody releases and the next call
 raises), and ``launch`` bounds the whole job.
 """
 
@@ -43,7 +43,7 @@ def _on(device, tensors):
     return [t.to(device) for t in tensors]
 
 
-def _cases_on_one_gpu(backend: str):
+def _cases_on_one_gpu(engine: str):
     with tw.init(timeout=INIT_TIMEOUT) as comm:
         torch.cuda.set_device(comm.device)
         world, me = comm.world_size, comm.rank
@@ -53,12 +53,12 @@ def _cases_on_one_gpu(backend: str):
             expected = [reference_dispatch(inputs, r, world) for r in range(world)]
             x, topk_idx, topk_weights = _on(comm.device, inputs[me])
             reference = reference_combine(*inputs[me], scaled=True)
-            what = f"{backend}/{case.name} rank {me}"
-            d = moe.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, comm=comm, backend=backend)
+            what = f"{engine}/{case.name} rank {me}"
+            d = moe.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, comm=comm, engine=engine)
             check_dispatch(d, expected[me], expected[me]["recv_src_rank"].numel(), what)
             _close(moe.combine(scaled_expert(d.recv_x, d.tokens_per_expert, me), d), reference, f"{what}: combine")
             capacity = max(e["recv_src_rank"].numel() for e in expected) + 5
-            d = moe.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, comm=comm, backend=backend,
+            d = moe.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, comm=comm, engine=engine,
                              capacity=capacity)
             check_dispatch(d, expected[me], capacity, f"{what} capacity")
             _close(moe.combine(scaled_expert(d.recv_x, d.tokens_per_expert, me), d), reference,
@@ -67,19 +67,19 @@ def _cases_on_one_gpu(backend: str):
         for seed, dtype in ((0, torch.int64), (1, torch.bfloat16)):
             counts = a2a_counts(seed, world)
             send = a2a_rows(me, sum(counts[me])).to(dtype).to(comm.device)
-            recv, recv_counts = tw.all_to_all_v(send, counts[me], comm=comm, backend=backend)
+            recv, recv_counts = tw.all_to_all_v(send, counts[me], comm=comm, engine=engine)
             expected_rows = torch.cat([a2a_rows(s, sum(counts[s]))[sum(counts[s][:me]):sum(counts[s][:me + 1])]
                                        for s in range(world)]).to(dtype)
-            assert_equal(recv, expected_rows, f"{backend} all_to_all_v rank {me}")
+            assert_equal(recv, expected_rows, f"{engine} all_to_all_v rank {me}")
             assert recv_counts.device == send.device
         comm.barrier()
     return me
 
 
-@pytest.mark.parametrize("backend", ["cuda", "nixl"])
-def test_dispatch_combine_between_processes_on_one_gpu(backend):
+@pytest.mark.parametrize("engine", ["cuda", "nixl"])
+def test_dispatch_combine_between_processes_on_one_gpu(engine):
     """Every case of the host suite, exact shapes and capacity, plus all_to_all_v, at world 2 on one GPU."""
-    assert launch(_cases_on_one_gpu, 2, backend, env=GPU_ENV, timeout=600) == [0, 1]
+    assert launch(_cases_on_one_gpu, 2, engine, env=GPU_ENV, timeout=600) == [0, 1]
 
 
 # --- no host sync, CUDA graphs ---------------------------------------------------------------------
@@ -107,7 +107,7 @@ def _routing(step: int, rank: int, world: int, tokens: int, topk: int, hidden: i
 
 def _step(comm, x, topk_idx, topk_weights, capacity):
     d = moe.dispatch(x, topk_idx, topk_weights, num_experts=EXPERTS_PER_RANK * comm.world_size, comm=comm,
-                     backend="cuda", capacity=capacity)
+                     engine="cuda", capacity=capacity)
     return d, moe.combine(_graph_safe_expert(d, comm.rank), d)
 
 
@@ -196,7 +196,7 @@ def _peer_never_comes(timeout_s: float):
         outcome = None
         if me == 0:
             comm.timeout_s = timeout_s  # the watchdog's deadline
-            d = moe.dispatch(*inputs, num_experts=EXPERTS_PER_RANK * world, comm=comm, backend="cuda",
+            d = moe.dispatch(*inputs, num_experts=EXPERTS_PER_RANK * world, comm=comm, engine="cuda",
                              capacity=capacity)
             done = torch.cuda.Event()
             done.record()
@@ -228,7 +228,7 @@ def _in_flight_on_one_gpu():
         num_experts = EXPERTS_PER_RANK * world
         for _ in range(20):
             batches = [_on(comm.device, make_inputs(CASES[i], me, world)) for i in (0, 2)]
-            pending = [moe.dispatch(x, i, w, num_experts=num_experts, comm=comm, backend="cuda") for x, i, w in batches]
+            pending = [moe.dispatch(x, i, w, num_experts=num_experts, comm=comm, engine="cuda") for x, i, w in batches]
             for (x, topk_idx, topk_weights), d in zip(batches, pending):
                 y = moe.combine(scaled_expert(d.recv_x, d.tokens_per_expert, me), d)
                 _close(y, reference_combine(x.cpu(), topk_idx.cpu(), topk_weights.cpu(), scaled=True),

@@ -1,7 +1,7 @@
 """NIXL's agent is made on a thread of its own while ``init`` returns: a joining process does its own work
 meanwhile; ``register`` waits for the agent; a failure to make it is a typed error at first use, not a hang.
 
-The agent's making is slowed (or failed) in the rank by wrapping ``_make_agent``, so the order of events is
+The agent's making is slowed (or failed) in the rank by wrapping ``make_agent``, so the order of events is
 forced, not timed."""
 
 from __future__ import annotations
@@ -20,20 +20,20 @@ SLOW_S = 4.0  # how long the slowed rank's agent takes: far longer than init and
 
 
 def _slow_agent(done: threading.Event):
-    original = nixl_backend._make_agent
+    original = nixl_backend.make_agent
 
     def make(*args, **kwargs):
         time.sleep(SLOW_S)
         agent = original(*args, **kwargs)
         done.set()
         return agent
-    nixl_backend._make_agent = make
+    nixl_backend.make_agent = make
 
 
 def _failing_agent():
     def make(*args, **kwargs):
         raise RuntimeError("NIXL_ERR_BACKEND: UCX found no transport (made up by the test)")
-    nixl_backend._make_agent = make
+    nixl_backend.make_agent = make
 
 
 # --- rank functions --------------------------------------------------------------------------------

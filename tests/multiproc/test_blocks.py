@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import struct
-import uuid
+import time
 
 import numpy as np
 import pytest
@@ -18,6 +18,7 @@ import torch
 
 import tensorwire as tw
 from tensorwire.block_transfer import as_ids
+from tensorwire.shared_memory import owned_file_name
 from tensorwire.testing.data import assert_equal
 from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch
 
@@ -39,7 +40,7 @@ def make_views(rank: int, memory: str, files: list[str]) -> list[torch.Tensor]:
     for i, shape in enumerate(SHAPES):
         values = pool_values(rank, i, shape)
         if memory == "shm":
-            files.append(f"/dev/shm/tensorwire-test-{uuid.uuid4().hex}")
+            files.append(owned_file_name())
             view = torch.from_file(files[-1], shared=True, size=values.numel(), dtype=torch.int32).view(values.shape)
             views.append(view.copy_(values))
         else:
@@ -270,3 +271,34 @@ def test_disaggregated_kv_example_runs():
     done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "decode read 63 blocks x 4 layers" in done.stdout, done.stdout
+
+
+def _reader_notifies_owner() -> bool:
+    """Rank 1 READs rank 0's blocks with ``notify=``; rank 0 never names rank 1 but finds the message with
+    ``poll_notifications`` (what a KV producer does to learn that a consumer is done with its blocks)."""
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        rank = comm.rank
+        pool = comm.register_blocks(pool_values(rank, 0, SHAPES[0]).clone())
+        comm.publish_blocks("kv", pool)
+        if rank == 1:
+            with comm.prepare_blocks(tw.READ, pool, comm.lookup_blocks("kv", 0, timeout=WAIT)) as x:
+                x.post([0, 1], [5, 6], notify=b"read 5,6")
+                x.wait(timeout=WAIT)
+                x.post([], [], notify=b"nothing to read")  # 0 ids: the message still goes
+            comm.barrier(timeout=WAIT)
+            ok = torch.equal(pool.views[0][:2], pool_values(0, 0, SHAPES[0])[5:7])
+        else:
+            assert comm.poll_notifications() == []
+            taken: list = []
+            deadline = time.monotonic() + WAIT
+            while len(taken) < 2 and time.monotonic() < deadline:
+                taken += comm.poll_notifications()
+                time.sleep(0.01)
+            comm.barrier(timeout=WAIT)
+            ok = taken == [(1, b"read 5,6"), (1, b"nothing to read")] and comm.poll_notifications() == []
+        pool.close()
+        return ok
+
+
+def test_poll_notifications_takes_every_senders_messages():
+    assert launch(_reader_notifies_owner, 2) == [True, True]

@@ -1,6 +1,6 @@
 """The ``tensorwire`` command line, run as a user runs it (a subprocess): ``bench`` on host memory writes
-verified records of every path, ``bench moe`` reports each backend, ``doctor`` gives a verdict, and a bad
-argument is refused with the reason."""
+verified records of every path, which read back as ``Record``s, ``bench moe`` reports each engine, ``doctor``
+gives a verdict, and a bad argument is refused with the reason."""
 
 from __future__ import annotations
 
@@ -11,10 +11,26 @@ import sys
 
 import pytest
 
+from tensorwire.bench.record import Record, records_from_json, records_to_json
+
 
 def _tensorwire(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tensorwire", *args], capture_output=True, text=True,
                           timeout=timeout, check=False)
+
+
+def _round_trip(document: dict) -> list[Record]:
+    """The file's records read as ``Record``s, which write back to the very same JSON."""
+    records = records_from_json(document)
+    assert records and all(isinstance(r, Record) for r in records)
+    assert json.dumps(records_to_json(records)) == json.dumps(document["records"])
+    return records
+
+
+def _header_and_progress(stderr: str, benchmark: str) -> None:
+    """The header (machine, software, method) came before the first progress line of a case."""
+    assert f"tensorwire bench {benchmark}:" in stderr and "  machine " in stderr and "  software " in stderr, stderr
+    assert stderr.index("  software ") < stderr.index(f"\nbench {benchmark}: "), stderr  # a case's progress line
 
 
 @pytest.mark.slow
@@ -33,13 +49,15 @@ def test_bench_writes_every_path_on_host_memory(tmp_path):
         assert expected <= seen, f"missing {sorted(expected - seen)}"
     assert {r["transport"] for r in result["records"] if r["path"] == "tensorwire (in-process)"} == {"local"}
     assert all(r["gbps"] > 0 and r["reps"] >= 3 and r["benchmark"] == "p2p" for r in result["records"])
-    assert all(r["reference"] == "copy" and r["ratio"] > 0 for r in result["records"] if r["path"] == "tensorwire")
+    assert all(r["reference"] == "copy" and (r["ratio"] is None or r["ratio"] > 0)  # None: the copy was unsteady
+               for r in result["records"] if r["path"] == "tensorwire")
     assert result["header"]["command"].startswith("tensorwire bench")
     assert len(result["idle"]) == 2 and all(i["cores"] >= 0 for i in result["idle"])
+    assert {r.benchmark for r in _round_trip(result)} == {"p2p"} and result["interrupted"] is False
 
 
-def test_bench_moe_reports_each_backend():
-    """``bench moe`` on host memory: dispatch and combine rows for torch and nixl (the backend is a record's
+def test_bench_moe_reports_each_engine():
+    """``bench moe`` on host memory: dispatch and combine rows for torch and nixl (the engine is a record's
     path), each held against the copy, checked combine output."""
     from tensorwire.bench import moe
 
@@ -47,21 +65,23 @@ def test_bench_moe_reports_each_backend():
     assert {(r.path, r.op) for r in records} == {
         (b, op) for b in ("torch", "nixl") for op in ("dispatch", "combine")}
     assert all(r.params["rows"] > 0 and r.median_us > 0 and r.benchmark == "moe" for r in records)
-    assert all(r.reference == "copy" and r.ratio > 0 for r in records)
-    assert all(r.params["shared_copy_gbps"] > 0 and r.params["ratio_to_shared_copy"] > 0 for r in records)
+    assert all(r.reference == "copy" and (r.ratio is None or r.ratio > 0) for r in records)  # None: copy unsteady
+    assert all(r.params["shared_copy_gbps"] > 0 for r in records)
 
 
 @pytest.mark.slow
-def test_bench_moe_takes_ranks_and_backends(tmp_path):
-    """``bench moe --ranks 1 --backends nixl``: only that backend's rows, measured by one rank (and a small PNG
+def test_bench_moe_takes_ranks_and_engines(tmp_path):
+    """``bench moe --ranks 1 --engines nixl``: only that engine's rows, measured by one rank (and a small PNG
     with --plot where matplotlib is installed)."""
     out, png = tmp_path / "moe.json", tmp_path / "moe.png"
     plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []
-    done = _tensorwire("bench", "moe", "--memory", "cpu", "--ranks", "1", "--backends", "nixl", "--json", str(out),
+    done = _tensorwire("bench", "moe", "--memory", "cpu", "--ranks", "1", "--engines", "nixl", "--json", str(out),
                        *plot)
     assert done.returncode == 0, done.stderr[-3000:]
     records = json.loads(out.read_text())["records"]
     assert {r["path"] for r in records} == {"nixl"} and {r["params"]["world_size"] for r in records} == {1}
+    assert {r.benchmark for r in _round_trip({"records": records})} == {"moe"}
+    _header_and_progress(done.stderr, "moe")
     if plot:
         assert 0 < png.stat().st_size < 100_000
 
@@ -72,6 +92,7 @@ def test_bench_kv_writes_every_path_on_host_memory(tmp_path):
     contiguous copy for every case, the tensorwire paths' bytes verified (wrong bytes fail the command)."""
     out = tmp_path / "kv.json"
     done = _tensorwire("bench", "kv", "--memory", "cpu", "--blocks", "300", "--block-bytes", "4096", "--no-llama",
+                       "--patterns", "random,contiguous",
                        "--time", "0.02", "--json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -82,10 +103,13 @@ def test_bench_kv_writes_every_path_on_host_memory(tmp_path):
                 assert (op, pattern, path) in paths, (op, pattern, path)
     assert {r["transport"] for r in result["records"] if r["path"] == "tensorwire"} == {"shm"}
     assert all(r["gbps"] > 0 and r["params"]["blocks"] == 300 for r in result["records"])
-    assert all(r["reference"] == "contiguous copy" and r["ratio"] > 0 for r in result["records"])
+    assert all(r["reference"] == "contiguous copy" and (r["ratio"] is None or r["ratio"] > 0)  # None: copy unsteady
+               for r in result["records"])
     posts = [r["params"] for r in result["records"] if "post_p50_us" in r["params"]]
     assert posts and all(p["post_p99_us"] >= p["post_p50_us"] > 0 for p in posts)
     assert result["header"]["command"].startswith("tensorwire bench kv")
+    assert {r.benchmark for r in _round_trip(result)} == {"kv"}
+    _header_and_progress(done.stderr, "kv")
 
 
 def test_doctor_gives_a_verdict():
@@ -97,8 +121,8 @@ def test_doctor_gives_a_verdict():
 @pytest.mark.parametrize("args, words", [
     (("bench", "--sizes", "12Q"), "size"),
     (("bench", "--time-budget", "-1"), "pass 0 or more"),
-    (("bench", "moe", "--backends", "torch,nccl"), "unknown or no backend ['nccl']"),
-    (("bench", "moe", "--backends", ","), "unknown or no backend"),
+    (("bench", "moe", "--engines", "torch,nccl"), "unknown or no engine ['nccl']"),
+    (("bench", "moe", "--engines", ","), "unknown or no engine"),
     (("bench", "moe", "--ranks", "0"), "pass 1 or more"),
     (("bench", "--ranks", "4"), "applies to 'tensorwire bench moe'"),
 ])

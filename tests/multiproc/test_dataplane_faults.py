@@ -21,12 +21,12 @@ import signal
 import struct
 import threading
 import time
-import uuid
 
 import pytest
 import torch
 
 import tensorwire as tw
+from tensorwire.shared_memory import owned_file_name
 from tensorwire.testing.data import assert_equal, rank_values
 from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch
 
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/s
 
 
 def _shm_path() -> str:
-    return f"/dev/shm/tensorwire-test-{uuid.uuid4().hex}"
+    return owned_file_name()
 
 
 def _host_tensor(values: torch.Tensor, path: str | None) -> torch.Tensor:

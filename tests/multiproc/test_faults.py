@@ -50,28 +50,28 @@ def _blocked_call(comm, call: str, peer: int):
     raise AssertionError(call)
 
 
-def _peer_killed_during_moe_dispatch(backend: str):
+def _peer_killed_during_moe_dispatch(engine: str):
     comm = tw.init()  # the default 300 s timeout: the bound must not depend on it
     x = torch.ones(16, 64)
     topk_idx = torch.tensor([[i % 2, (i + 1) % 2] for i in range(16)])
     topk_weights = torch.full((16, 2), 0.5)
-    tw.moe.dispatch(x, topk_idx, topk_weights, num_experts=2, comm=comm, backend=backend)  # connected, prepared
+    tw.moe.dispatch(x, topk_idx, topk_weights, num_experts=2, comm=comm, engine=engine)  # connected, prepared
     comm.barrier(timeout=WAIT)
     if comm.rank == 1:
         _die_soon(1.0)
         time.sleep(60)
     error, seconds = raises_after(
-        lambda: tw.moe.dispatch(x, topk_idx, topk_weights, num_experts=2, comm=comm, backend=backend), tw.PeerLostError)
+        lambda: tw.moe.dispatch(x, topk_idx, topk_weights, num_experts=2, comm=comm, engine=engine), tw.PeerLostError)
     t0 = time.monotonic()
     comm.close()
     return error, seconds, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("backend", ["nixl", "torch"])
+@pytest.mark.parametrize("engine", ["nixl", "torch"])
 @pytest.mark.slow
-def test_a_killed_peer_ends_a_moe_dispatch_within_the_liveness_bound(backend):
-    error, seconds, close_s = launch(_peer_killed_during_moe_dispatch, 2, backend, env=ENV, may_die=(1,))[0]
-    print(f"\nmoe dispatch ({backend}): {error} {seconds:.2f}s after the call began (peer killed after ~1s); "
+def test_a_killed_peer_ends_a_moe_dispatch_within_the_liveness_bound(engine):
+    error, seconds, close_s = launch(_peer_killed_during_moe_dispatch, 2, engine, env=ENV, may_die=(1,))[0]
+    print(f"\nmoe dispatch ({engine}): {error} {seconds:.2f}s after the call began (peer killed after ~1s); "
           f"close {close_s:.2f}s")
     assert seconds > 0.5, "the call did not block: the test proves nothing"
     assert seconds < BOUND_S and close_s < BOUND_S

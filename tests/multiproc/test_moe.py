@@ -3,7 +3,7 @@ single-process reference written in plain torch (``tensorwire.testing.moe_refere
 
 Every rank's inputs are a pure function of (case, rank), so each rank rebuilds all ranks' inputs locally and
 computes what it must receive. Token rows encode their sender (``x[t, h] = rank * 1000 + t + h / 64``), so a
-row from the wrong rank or token names where it came from. One launched job per (backend, world size) runs
+row from the wrong rank or token names where it came from. One launched job per (engine, world size) runs
 every case, back to back on one communicator, which also exercises round-keeping between calls.
 """
 
@@ -30,9 +30,9 @@ from tensorwire.testing.moe_reference import (
 )
 from tensorwire.testing.suite import INIT_TIMEOUT, launch
 
-HOST_BACKENDS = ["torch", "nixl"]
+HOST_ENGINES = ["torch", "nixl"]
 # --- rank functions ------------------------------------------------------------------------------
-def _run_cases(comm: tw.Communicator, backend: str) -> list[str]:
+def _run_cases(comm: tw.Communicator, engine: str) -> list[str]:
     world, me = comm.world_size, comm.rank
     num_experts = EXPERTS_PER_RANK * world
     done = []
@@ -40,14 +40,14 @@ def _run_cases(comm: tw.Communicator, backend: str) -> list[str]:
         inputs = [make_inputs(case, r, world) for r in range(world)]
         x, topk_idx, topk_weights = inputs[me]
         expected = reference_dispatch(inputs, me, world)
-        what = f"{backend}/{case.name} rank {me}"
+        what = f"{engine}/{case.name} rank {me}"
 
-        d = moe.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, comm=comm, backend=backend)
+        d = moe.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, comm=comm, engine=engine)
         check_dispatch(d, expected, expected["recv_src_rank"].numel(), what)
         y = moe.combine(scaled_expert(d.recv_x, d.tokens_per_expert, me), d)
         check_close(y, reference_combine(x, topk_idx, topk_weights, scaled=True), f"{what}: combine, scaled experts")
 
-        d = moe.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, comm=comm, backend=backend)
+        d = moe.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, comm=comm, engine=engine)
         y = moe.combine(d.recv_x.clone(), d)
         check_close(y, reference_combine(x, topk_idx, topk_weights, scaled=False), f"{what}: combine, identity experts")
         valid_weight = torch.where(topk_idx >= 0, topk_weights, 0.0).sum(1, keepdim=True)
@@ -58,7 +58,7 @@ def _run_cases(comm: tw.Communicator, backend: str) -> list[str]:
     return done
 
 
-def _run_capacity(comm: tw.Communicator, backend: str) -> None:
+def _run_capacity(comm: tw.Communicator, engine: str) -> None:
     """capacity=: static shapes, valid rows counted; too small -> the same error on every rank, then the
     communicator keeps working."""
     world, me = comm.world_size, comm.rank
@@ -68,67 +68,67 @@ def _run_capacity(comm: tw.Communicator, backend: str) -> None:
     expected = [reference_dispatch(inputs, r, world) for r in range(world)]
     most = max(e["recv_src_rank"].numel() for e in expected)
     capacity = most + 5
-    d = moe.dispatch(x, topk_idx, topk_weights, num_experts=EXPERTS_PER_RANK * world, comm=comm, backend=backend,
+    d = moe.dispatch(x, topk_idx, topk_weights, num_experts=EXPERTS_PER_RANK * world, comm=comm, engine=engine,
                      capacity=capacity)
-    check_dispatch(d, expected[me], capacity, f"{backend}/capacity rank {me}")
+    check_dispatch(d, expected[me], capacity, f"{engine}/capacity rank {me}")
     y = moe.combine(scaled_expert(d.recv_x, d.tokens_per_expert, me), d)
-    check_close(y, reference_combine(x, topk_idx, topk_weights, scaled=True), f"{backend}/capacity rank {me}: combine")
+    check_close(y, reference_combine(x, topk_idx, topk_weights, scaled=True), f"{engine}/capacity rank {me}: combine")
     with pytest.raises(tw.InvalidArgumentError, match=f"capacity={most - 1} is too small.*pass capacity >= {most}"):
-        moe.dispatch(x, topk_idx, topk_weights, num_experts=EXPERTS_PER_RANK * world, comm=comm, backend=backend,
+        moe.dispatch(x, topk_idx, topk_weights, num_experts=EXPERTS_PER_RANK * world, comm=comm, engine=engine,
                      capacity=most - 1)
 
 
-def _run_in_flight(comm: tw.Communicator, backend: str) -> None:
+def _run_in_flight(comm: tw.Communicator, engine: str) -> None:
     """Two dispatches in flight combine correctly; a third one before combining the first is refused."""
     world, me = comm.world_size, comm.rank
     num_experts = EXPERTS_PER_RANK * world
     batches = [make_inputs(CASES[i], me, world) for i in (0, 2, 3)]
-    first, second, third = (moe.dispatch(x, i, w, num_experts=num_experts, comm=comm, backend=backend)
+    first, second, third = (moe.dispatch(x, i, w, num_experts=num_experts, comm=comm, engine=engine)
                             for x, i, w in batches)
     with pytest.raises(tw.InvalidArgumentError, match="combine each dispatch before the second one after it"):
         moe.combine(first.recv_x, first)
     for (x, topk_idx, topk_weights), d in zip(batches[1:], (second, third)):
         y = moe.combine(scaled_expert(d.recv_x, d.tokens_per_expert, me), d)
-        check_close(y, reference_combine(x, topk_idx, topk_weights, scaled=True), f"{backend}/in-flight rank {me}")
+        check_close(y, reference_combine(x, topk_idx, topk_weights, scaled=True), f"{engine}/in-flight rank {me}")
     with pytest.raises(tw.InvalidArgumentError, match="already combined"):
         moe.combine(third.recv_x, third)
 
 
-def _run_all_to_all_v(comm: tw.Communicator, backend: str) -> None:
+def _run_all_to_all_v(comm: tw.Communicator, engine: str) -> None:
     world, me = comm.world_size, comm.rank
     for seed, dtype in ((0, torch.int64), (1, torch.float32), (2, torch.bfloat16)):
         counts = a2a_counts(seed, world)
         send = a2a_rows(me, sum(counts[me])).to(dtype)
         send_counts = torch.tensor(counts[me]) if seed % 2 else counts[me]
-        recv, recv_counts = tw.all_to_all_v(send, send_counts, comm=comm, backend=backend)
+        recv, recv_counts = tw.all_to_all_v(send, send_counts, comm=comm, engine=engine)
         expected_parts = []
         for source in range(world):
             start = sum(counts[source][:me])
             expected_parts.append(a2a_rows(source, sum(counts[source]))[start:start + counts[source][me]])
-        assert_equal(recv_counts, torch.tensor([counts[s][me] for s in range(world)]), f"{backend} a2av recv_counts")
-        assert_equal(recv, torch.cat(expected_parts).to(dtype), f"{backend} a2av rows seed {seed}, rank {me}")
+        assert_equal(recv_counts, torch.tensor([counts[s][me] for s in range(world)]), f"{engine} a2av recv_counts")
+        assert_equal(recv, torch.cat(expected_parts).to(dtype), f"{engine} a2av rows seed {seed}, rank {me}")
     # Nothing at all to send anywhere.
-    recv, recv_counts = tw.all_to_all_v(torch.empty(0, 3), [0] * world, comm=comm, backend=backend)
+    recv, recv_counts = tw.all_to_all_v(torch.empty(0, 3), [0] * world, comm=comm, engine=engine)
     assert recv.shape == (0, 3) and recv_counts.tolist() == [0] * world
 
 
-def _everything(backend: str):
+def _everything(engine: str):
     with tw.init(timeout=INIT_TIMEOUT) as comm:
-        done = _run_cases(comm, backend)
-        _run_capacity(comm, backend)
-        _run_in_flight(comm, backend)
-        _run_all_to_all_v(comm, backend)
+        done = _run_cases(comm, engine)
+        _run_capacity(comm, engine)
+        _run_in_flight(comm, engine)
+        _run_all_to_all_v(comm, engine)
         comm.barrier()
     return done
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["world2", "world4"])
-@pytest.mark.parametrize("backend", HOST_BACKENDS)
+@pytest.mark.parametrize("engine", HOST_ENGINES)
 @pytest.mark.slow
-def test_dispatch_combine_all_to_all_v(backend, world):
+def test_dispatch_combine_all_to_all_v(engine, world):
     """Every case (K = 1, 2, 4, 8; skew; a silent rank; a rank with no tokens; float32 and bfloat16),
     capacity, two dispatches in flight and all_to_all_v, against the single-process reference."""
-    results = launch(_everything, world, backend, timeout=150)
+    results = launch(_everything, world, engine, timeout=150)
     assert results == [[c.name for c in CASES]] * world
 
 
@@ -151,9 +151,9 @@ def _provoke(comm: tw.Communicator) -> dict[str, str]:
         "device": lambda: moe.dispatch(x, topk_idx.to("meta"), topk_weights, num_experts=experts, comm=comm),
         "E % world": lambda: moe.dispatch(x, topk_idx, topk_weights, num_experts=experts + 1, comm=comm),
         "capacity 0": lambda: moe.dispatch(x, topk_idx, topk_weights, num_experts=experts, comm=comm, capacity=0),
-        "backend name": lambda: moe.dispatch(x, topk_idx, topk_weights, num_experts=experts, comm=comm, backend="nccl"),
-        "backend cuda on cpu": lambda: moe.dispatch(x, topk_idx, topk_weights, num_experts=experts, comm=comm,
-                                                    backend="cuda"),
+        "engine name": lambda: moe.dispatch(x, topk_idx, topk_weights, num_experts=experts, comm=comm, engine="nccl"),
+        "engine cuda on cpu": lambda: moe.dispatch(x, topk_idx, topk_weights, num_experts=experts, comm=comm,
+                                                    engine="cuda"),
         "expert id >= E": lambda: moe.dispatch(x, out_of_range, topk_weights, num_experts=experts, comm=comm),
         "a2av counts length": lambda: tw.all_to_all_v(x, [x.shape[0]], comm=comm),
         "a2av counts sum": lambda: tw.all_to_all_v(x, [0] * world, comm=comm),
@@ -191,8 +191,8 @@ EXPECTED_ERRORS = {
     "device": ("InvalidArgumentError", "move it with .to(x.device)"),
     "E % world": ("InvalidArgumentError", "is not divisible by the world size"),
     "capacity 0": ("InvalidArgumentError", "pass a positive number of rows"),
-    "backend name": ("InvalidArgumentError", "is not one of 'torch', 'nixl', 'cuda'"),
-    "backend cuda on cpu": ("BackendUnavailableError", "pass backend='nixl' or 'torch'"),
+    "engine name": ("InvalidArgumentError", "is not one of 'torch', 'nixl', 'cuda'"),
+    "engine cuda on cpu": ("BackendUnavailableError", "pass engine='nixl' or 'torch'"),
     "expert id >= E": ("InvalidArgumentError", "topk_idx on rank(s) [0] holds expert ids outside [-1,"),
     "a2av counts length": ("InvalidArgumentError", "pass one per rank"),
     "a2av counts sum": ("InvalidArgumentError", "the counts must cover every row"),
@@ -233,9 +233,9 @@ def test_layout_orders_pairs_by_rank_then_expert_then_token():
     assert where.return_start.tolist() == [[2, 2], [2, 3]]  # where those blocks sit in each source's send order
 
 
-# --- the "cuda" backend's kernels on Triton's interpreter (no GPU needed; needs triton) ------------
+# --- the "cuda" engine's kernels on Triton's interpreter (no GPU needed; needs triton) ------------
 def _interpreted_cuda_steps(world: int, capacity_slack: int) -> list[str]:
-    """The ``"cuda"`` backend's steps (``engines/cuda_steps``' functions and ``nvlink``'s kernels) for ``world``
+    """The ``"cuda"`` engine's steps (``engines/cuda_steps``' functions and ``nvlink``'s kernels) for ``world``
     ranks in this one process, on host tensors standing in for the IPC-mapped spaces and a host check
     standing in for the stream waits (every awaited flag word must have reached its target), followed by
     the ``consume_flags`` kernel, as on the stream. Ranks run each step in turn; the count exchange runs twice,
@@ -397,9 +397,9 @@ def _interpreter_job(call: str) -> None:
 @pytest.mark.parametrize("world,slack", [(2, 3), (3, -1)], ids=["world2", "world3-overflow"])
 @pytest.mark.slow
 def test_cuda_backend_kernels_on_the_triton_interpreter(world, slack):
-    """The cuda backend's kernels and device tables, run by Triton's interpreter on host memory: rows land
+    """The cuda engine's kernels and device tables, run by Triton's interpreter on host memory: rows land
     where the receive order says, combine pulls and sums them, an overflow is flagged (not written)."""
-    pytest.importorskip("triton", reason="Triton is not installed (the cuda backend's kernels need it)")
+    pytest.importorskip("triton", reason="Triton is not installed (the cuda engine's kernels need it)")
     _interpreter_job(f"_interpreted_cuda_steps({world}, {slack})")
 
 
@@ -458,9 +458,9 @@ def _interpreted_routing_tables() -> list[str]:
 
 @pytest.mark.slow
 def test_routing_kernels_compute_the_torch_tables():
-    """The cuda backend's routing kernels (counting sort, block tables) on Triton's interpreter give what
+    """The cuda engine's routing kernels (counting sort, block tables) on Triton's interpreter give what
     ``layout``'s torch ops give."""
-    pytest.importorskip("triton", reason="Triton is not installed (the cuda backend's kernels need it)")
+    pytest.importorskip("triton", reason="Triton is not installed (the cuda engine's kernels need it)")
     _interpreter_job("_interpreted_routing_tables()")
 
 
@@ -480,7 +480,7 @@ def _user_notifications_beside_moe():
             inputs = [make_inputs(CASES[0], r, world) for r in range(world)]
             x, topk_idx, topk_weights = inputs[me]
             d = moe.dispatch(x, topk_idx, topk_weights, num_experts=EXPERTS_PER_RANK * world, comm=comm,
-                             backend="nixl")
+                             engine="nixl")
             y = moe.combine(d.recv_x.clone(), d)
             check_close(y, reference_combine(x, topk_idx, topk_weights, scaled=False), "combine beside user traffic")
             message = comm.wait_notification(1, timeout=10) if me == 0 else None
@@ -515,7 +515,7 @@ def _prepares_per_step() -> list[int]:
         for _ in range(4):
             before = len(prepared)
             d = moe.dispatch(x, topk_idx, topk_weights, num_experts=EXPERTS_PER_RANK * world, comm=comm,
-                             backend="nixl")
+                             engine="nixl")
             y = moe.combine(d.recv_x.clone(), d)
             check_close(y, reference_combine(x, topk_idx, topk_weights, scaled=False), "repeated step")
             per_step.append(len(prepared) - before)

@@ -91,7 +91,7 @@ def _dispatch_over_torch(comm: tw.Communicator) -> None:
     inputs = [make_inputs(case, r, world) for r in range(world)]
     x, topk_idx, topk_weights = inputs[me]
     expected = reference_dispatch(inputs, me, world)
-    d = moe.dispatch(x, topk_idx, topk_weights, num_experts=EXPERTS_PER_RANK * world, comm=comm, backend="torch")
+    d = moe.dispatch(x, topk_idx, topk_weights, num_experts=EXPERTS_PER_RANK * world, comm=comm, engine="torch")
     check_dispatch(d, expected, expected["recv_src_rank"].numel(), f"torch/{case.name} rank {me}")
     y = moe.combine(scaled_expert(d.recv_x, d.tokens_per_expert, me), d)
     check_close(y, reference_combine(x, topk_idx, topk_weights, scaled=True), f"torch/{case.name} rank {me}: combine")
@@ -197,5 +197,5 @@ def _store_lives_with_its_group():
 
 def test_the_process_groups_store_lives_as_long_as_the_group():
     """Before: the store was a local of process_group(); NCCL's first collective then found no Python store
-    ("INTERNAL ASSERT FAILED ... Not implemented" on an H100, moe --ranks 1 with the torch backend)."""
+    ("INTERNAL ASSERT FAILED ... Not implemented" on an H100, moe --ranks 1 with the torch engine)."""
     assert launch(_store_lives_with_its_group, 2) == [True, True]

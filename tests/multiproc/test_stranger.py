@@ -36,7 +36,7 @@ def _stranger_steals(port: int, address: int) -> None:
     """Without the token: read rank 0's memory map from the store and try every way to use it."""
     if os.environ.get("TENSORWIRE_JOB_TOKEN"):
         raise RuntimeError("the stranger must run without the job token")
-    from tensorwire.backends.nixl_setup import _import_nixl
+    from tensorwire.backends.nixl_setup import import_nixl
     from tensorwire.memory_map import MemoryMap
 
     client = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10))
@@ -48,7 +48,7 @@ def _stranger_steals(port: int, address: int) -> None:
         found["map_decoded"] = True
     except Exception:  # noqa: BLE001 - the point
         found["map_decoded"] = False
-    api, _ = _import_nixl()
+    api, _ = import_nixl()
     agent = api.nixl_agent("tensorwire-rank1", api.nixl_agent_config(backends=["UCX"]))
     loaded = []
     for start in range(0, min(len(blob), 64)):  # wherever the agent metadata might start
@@ -62,11 +62,11 @@ def _stranger_steals(port: int, address: int) -> None:
 
 def _stranger_notifies(metadata_path: str) -> None:
     """With rank 0's NIXL metadata in hand (as if leaked): send it notifications as agents claiming rank 1."""
-    from tensorwire.backends.nixl_setup import _import_nixl
+    from tensorwire.backends.nixl_setup import import_nixl
 
     with open(metadata_path, "rb") as f:
         metadata = f.read()
-    api, _ = _import_nixl()
+    api, _ = import_nixl()
     sent = 0
     for name in ("tensorwire-rank1", "tw1-0123456789abcdef-" + "0" * 32, "tw1-0123456789abcdef"):
         agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))

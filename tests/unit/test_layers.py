@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                                     "tensorwire.environment", "tensorwire.sealing", "tensorwire.network",
                                     "tensorwire.store_sockets", "tensorwire.bootstrap", "tensorwire.sealed_store",
                                     "tensorwire.etcd_store", "tensorwire.directory_client", "tensorwire.membership",
-                                    "tensorwire.directory"]),
+                                    "tensorwire.directory", "tensorwire.shared_memory"]),
     ("memory maps and waiting", ["tensorwire.memory_map", "tensorwire.progress"]),
     ("backends", ["tensorwire.backends", "tensorwire.backends.*"]),
     ("communicator", ["tensorwire.communicator", "tensorwire.registration", "tensorwire.transfer",
@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("launcher and test data", ["tensorwire.testing", "tensorwire.testing.launch", "tensorwire.testing.data",
                                 "tensorwire.testing.netns"]),
     ("public API", ["tensorwire"]),
+    ("integrations", ["tensorwire.integrations", "tensorwire.integrations.*"]),
     ("tool support", ["tensorwire.machine", "tensorwire.testing.suite", "tensorwire.testing.scenarios",
                       "tensorwire.testing.moe_reference"]),
     ("tools", ["tensorwire.doctor", "tensorwire.bench", "tensorwire.bench.*"]),
@@ -229,6 +230,22 @@ def test_the_reach_check_sees_a_reach():
 # its methods and its TransferState, never through its private attributes. Seen as ``<name>._attr`` where the
 # name is one they call a transfer by.
 _TRANSFER_NAMES = {"owner", "_owner", "core", "_core", "transfer", "_transfer"}
+
+
+def test_integrations_use_the_public_api_only(graph):
+    """An integration imports ``tensorwire`` itself and its own modules, nothing else of tensorwire; and no module
+    below it imports one (``import tensorwire`` must never import a serving engine)."""
+    integrations = {m for m in graph if m.startswith("tensorwire.integrations")}
+    private = {m: sorted(t for t in graph[m] if t != "tensorwire" and t not in integrations) for m in integrations}
+    assert not any(private.values()), f"integrations reaching below the public API: {private}"
+    for name, (path, _) in _modules().items():
+        if name in integrations:
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "tw":
+                    assert not node.attr.startswith("_"), f"{name} uses tw.{node.attr}, a private name"
+    tools = {m for m in graph if m.startswith(("tensorwire.bench", "tensorwire.cli", "tensorwire.__main__"))}
+    importers = {m for m in graph if graph[m] & integrations} - integrations - tools
+    assert not importers, f"{sorted(importers)} import an integration (and so a serving engine)"
 
 
 def test_no_module_reaches_into_a_transfer():

@@ -43,7 +43,7 @@ from ..errors import AuthenticationError, BackendUnavailableError, PeerLostError
 from .base import BackendContext, Capabilities, Op, Poster, Segment, Status
 from .block_copy import BlockBindings, BlockLayout
 from .nixl_names import agent_name, member_rank
-from .nixl_setup import _error_classes, _import_nixl, _make_agent, info, quiet_nixl_logging
+from .nixl_setup import _error_classes, import_nixl, info, make_agent, quiet_nixl_logging
 
 __all__ = ["NixlBackend", "info", "agent_name", "member_rank", "quiet_nixl_logging"]
 
@@ -80,7 +80,7 @@ class NixlBackend:
         empty; every other call waits for the agent (at most ``ready_timeout_s``: ``BackendUnavailableError``,
         as when making it failed)."""
         if importlib.util.find_spec("nixl") is None:
-            _import_nixl()  # raises BackendUnavailableError saying how to install it, before any thread
+            import_nixl()  # raises BackendUnavailableError saying how to install it, before any thread
         self.rank = rank
         self._token = token
         self.agent_name = agent_name(rank, token)
@@ -101,13 +101,13 @@ class NixlBackend:
     def _make(self, progress_wakeup_ms: float, on_ready: Callable[[], None] | None) -> None:
         """The agent thread: set ``agent``, ``_bound``, the status codes and error classes, then ``on_ready()``."""
         try:
-            api, bindings = _import_nixl()
+            api, bindings = import_nixl()
             self._errors = _error_classes(bindings)
             self._success = bindings.NIXL_SUCCESS
             # NIXL's status codes as ``Status``, the one mapping (post, its unbundled form and status read it):
             # ``self._statuses.get(code, _ERROR)``, a lookup in C on the hot path.
             self._statuses = {bindings.NIXL_SUCCESS: Status.DONE, bindings.NIXL_IN_PROG: Status.IN_PROGRESS}
-            agent = _make_agent(api, bindings, self.agent_name, progress_wakeup_ms, net_devices=self.net_devices)
+            agent = make_agent(api, bindings, self.agent_name, progress_wakeup_ms, net_devices=self.net_devices)
             self._bound = agent.agent  # the nixlBind.nixlAgent under nixl_agent
             self.agent = agent
         except BackendUnavailableError as e:

@@ -1,6 +1,6 @@
 """Getting a NIXL agent: importing ``nixl`` (typed errors for what is missing), whether its UCX backend starts here
 (``info``), NIXL's log lines (demoted to DEBUG), and the agent built with a sleeping progress thread
-(``_make_agent``). No transfers: ``backends/nixl.py`` uses what is made here.
+(``make_agent``). No transfers: ``backends/nixl.py`` uses what is made here.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import BackendUnavailableError
 from .base import BackendInfo
 
-__all__ = ["info", "quiet_nixl_logging"]
+__all__ = ["info", "quiet_nixl_logging", "import_nixl", "make_agent"]
 
 
 class _DemoteInfo(logging.Filter):
@@ -32,7 +32,7 @@ class _DemoteInfo(logging.Filter):
 _DEMOTE_INFO = _DemoteInfo()
 
 
-def _import_nixl() -> tuple[Any, Any]:
+def import_nixl() -> tuple[Any, Any]:
     """``(nixl._api, nixl._bindings)``, or ``BackendUnavailableError`` saying why not. NIXL's INFO lines are
     demoted to DEBUG on ``tensorwire.nixl`` (``_DemoteInfo``)."""
     try:
@@ -60,7 +60,7 @@ def _import_nixl() -> tuple[Any, Any]:
 def info() -> BackendInfo:
     """Whether NIXL with its UCX plugin can be used here (no agent is left behind)."""
     try:
-        api, _ = _import_nixl()
+        api, _ = import_nixl()
     except BackendUnavailableError as e:
         return BackendInfo("nixl", False, str(e), fix="pip install nixl")
     version = _version()
@@ -95,7 +95,7 @@ def quiet_nixl_logging() -> None:
     import (the doctor reports why).
     """
     try:
-        _import_nixl()
+        import_nixl()
     except BackendUnavailableError:
         return
     logger = logging.getLogger("nixl")
@@ -120,7 +120,7 @@ def _error_classes(bindings: Any) -> frozenset[str]:
     return frozenset(n for n in dir(bindings) if n.startswith("nixl") and n.endswith("Error"))
 
 
-def _make_agent(api: Any, bindings: Any, name: str, progress_wakeup_ms: float, sync_mode: str = "STRICT",
+def make_agent(api: Any, bindings: Any, name: str, progress_wakeup_ms: float, sync_mode: str = "STRICT",
                 net_devices: str | None = None) -> Any:
     """A ``nixl_agent`` whose UCX progress thread sleeps between events instead of spinning.
 

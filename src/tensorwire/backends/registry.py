@@ -16,8 +16,8 @@ from typing import Any
 from ..descriptors import MemoryKind
 from .base import BackendInfo, Capabilities, Segment
 
-__all__ = ["Transport", "TRANSPORTS", "NAMES", "TEST_TRANSPORTS", "FORCEABLE", "transport", "reachable", "infos",
-           "stream_ordered_names"]
+__all__ = ["Transport", "TRANSPORTS", "NAMES", "TEST_TRANSPORTS", "FORCEABLE", "transport", "reachable",
+           "capability_refusal", "infos", "stream_ordered_names"]
 
 
 @dataclass(frozen=True)
@@ -77,21 +77,27 @@ def reachable(backends: dict[str, Any], to_self: bool, same_host: bool, local_ki
     names = []
     for entry in TRANSPORTS + TEST_TRANSPORTS:
         backend = backends.get(entry.name)
-        if backend is None:
+        if backend is None or capability_refusal(backend.capabilities, to_self, same_host, local_kind, remote_kind):
             continue
-        caps = backend.capabilities
-        if (caps.same_process if to_self else caps.remote) is False:
-            continue
-        if caps.same_host_only and not same_host:
-            continue
-        if local_kind not in caps.memory_kinds or remote_kind not in caps.memory_kinds:
-            continue
-        if caps.same_kind_only and local_kind is not remote_kind:
-            continue
-        if not backend.reaches(peer, remotes):
-            continue
-        names.append(entry.name)
+        if backend.reaches(peer, remotes):
+            names.append(entry.name)
     return names
+
+
+def capability_refusal(caps: Capabilities, to_self: bool, same_host: bool, local_kind: MemoryKind,
+                       remote_kind: MemoryKind) -> str | None:
+    """Why a transport with ``caps`` cannot carry such a transfer whatever the peer registered, or None."""
+    if to_self and caps.same_process is False:
+        return "it does not reach this very process (the local transport does)"
+    if not to_self and caps.remote is False:
+        return "it reaches this very process only"
+    if caps.same_host_only and not same_host:
+        return "it reaches ranks of this host only"
+    if local_kind not in caps.memory_kinds or remote_kind not in caps.memory_kinds:
+        return f"it moves {' and '.join(sorted(k.name for k in caps.memory_kinds))} memory only"
+    if caps.same_kind_only and local_kind is not remote_kind:
+        return "it moves memory between two ranges of the same kind only"
+    return None
 
 
 def infos() -> dict[str, BackendInfo]:

@@ -39,15 +39,16 @@ import os
 import stat
 import struct
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..descriptors import MemoryKind
-from ..errors import InvalidArgumentError, PeerLostError, TransferError
+from ..errors import InvalidArgumentError, PeerLostError, TensorwireWarning, TransferError
 from .base import BackendContext, BackendInfo, Capabilities, Op, Poster, Segment, Status
 from .block_copy import BlockBindings, BlockLayout, HostBlockRequest, copy_request
 
-__all__ = ["ShmBackend", "shared_file_of", "info"]
+__all__ = ["ShmBackend", "shared_file_of", "removed_file_of", "info"]
 
 
 def info() -> BackendInfo:
@@ -120,25 +121,41 @@ class _Request:
         return self.blocks.bindings
 
 
+def _mapping_of(addr: int, nbytes: int) -> list[str] | None:
+    """The ``/proc/self/maps`` fields (range, perms, offset, dev, inode, path) of the file mapping holding all of
+    ``[addr, addr + nbytes)``, or None (anonymous memory, or a range across mappings)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 6:
+                continue  # anonymous memory
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= addr and addr + nbytes <= end:
+                return [*fields[:5], fields[5].rstrip("\n")]
+    return None
+
+
 def shared_file_of(addr: int, nbytes: int) -> SharedFile | None:
     """The file behind ``[addr, addr + nbytes)`` if the range lies in one ``MAP_SHARED`` mapping of a regular
     file that its path still names, else None (anonymous memory; device files such as ``/dev/nvidia*``,
     which back pinned CUDA host memory; a file removed or replaced since it was mapped)."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)  # range, perms, offset, dev (major:minor, hex), inode, path
-            if len(fields) < 6:
-                continue  # anonymous memory
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            if not (start <= addr and addr + nbytes <= end):
-                continue
-            path = fields[5].rstrip("\n")
-            if fields[1][3] != "s" or not path.startswith("/"):
-                return None
-            major, minor = (int(x, 16) for x in fields[3].split(":"))
-            file = SharedFile(path, int(fields[2], 16) + (addr - start), os.makedev(major, minor), int(fields[4]))
-            return file if file.is_at_path() else None
-    return None
+    fields = _mapping_of(addr, nbytes)
+    if fields is None or fields[1][3] != "s" or not fields[5].startswith("/"):
+        return None
+    start = int(fields[0].split("-")[0], 16)
+    major, minor = (int(x, 16) for x in fields[3].split(":"))
+    file = SharedFile(fields[5], int(fields[2], 16) + (addr - start), os.makedev(major, minor), int(fields[4]))
+    return file if file.is_at_path() else None
+
+
+def removed_file_of(addr: int, nbytes: int) -> str | None:
+    """The path of the shared file behind ``[addr, addr + nbytes)`` when that file was removed after it was
+    mapped (the kernel marks the mapping ``(deleted)``): a peer can no longer open it. Else None."""
+    fields = _mapping_of(addr, nbytes)
+    suffix = " (deleted)"
+    if fields is None or fields[1][3] != "s" or not fields[5].endswith(suffix):
+        return None
+    return fields[5][: -len(suffix)]
 
 
 class ShmBackend:
@@ -159,6 +176,7 @@ class ShmBackend:
         self._exports: dict[tuple[int, int], _Export] = {}  # (addr, nbytes) -> export, this process
         self._peer_exports: dict[int, list[_Export]] = {}
         self._mapped: dict[tuple[int, _Export], tuple[mmap.mmap, ctypes.Array, int]] = {}  # -> (map, view, base)
+        self._warned_removed: set[str] = set()
 
     @classmethod
     def create(cls, context: BackendContext) -> ShmBackend:
@@ -168,10 +186,20 @@ class ShmBackend:
     def register(self, segment: Segment) -> tuple[int, int] | None:
         file = shared_file_of(segment.addr, segment.nbytes)
         if file is None:
+            self._warn_if_removed(segment)
             return None  # anonymous or private memory: NIXL carries it
         key = (segment.addr, segment.nbytes)
         self._exports[key] = _Export(segment.addr, segment.nbytes, file)
         return key
+
+    def _warn_if_removed(self, segment: Segment) -> None:  # once per file
+        path = removed_file_of(segment.addr, segment.nbytes)
+        if path is not None and path not in self._warned_removed:
+            self._warned_removed.add(path)
+            warnings.warn(f"tensorwire: register: host memory at 0x{segment.addr:x} (+{segment.nbytes}) lies in "
+                          f"{path!r}, which was removed after it was mapped: peers on this host take nixl, not shm; "
+                          "keep the file until the registration is closed (tw.shared_empty does)",
+                          TensorwireWarning, stacklevel=5)
 
     def deregister(self, handle: tuple[int, int] | None) -> None:
         if handle is not None:
@@ -213,6 +241,25 @@ class ShmBackend:
         exports = self._peer_exports.get(peer, [])
         return all(any(e.contains(s) and ((peer, e) in self._mapped or self._refusal(e) is None) for e in exports)
                    for s in remote)
+
+    def unreached_reason(self, peer: int, remote: list[Segment]) -> str | None:
+        """Why ``reaches(peer, remote)`` is false, or None when it is true: a range in no shared file mapping
+        ``peer`` exported (anonymous or private memory), or ``refused_file``'s reason."""
+        for s in remote:
+            if not any(e.contains(s) for e in self._peer_exports.get(peer, [])):
+                return (f"rank {peer} registered [0x{s.addr:x}, +{s.nbytes}) outside any shared file mapping "
+                        "(anonymous or private memory; tw.shared_empty allocates host memory that shm reaches)")
+        return self.refused_file(peer, remote)
+
+    def refused_file(self, peer: int, remote: list[Segment]) -> str | None:
+        """Why a range ``peer`` registered in a shared file cannot be reached through that file here (removed
+        or replaced since, another user's, ...), or None: the degradation to NIXL worth a warning."""
+        for s in remote:
+            exports = [e for e in self._peer_exports.get(peer, []) if e.contains(s)]
+            refusal = None if any((peer, e) in self._mapped for e in exports) else exports and self._refusal(exports[0])
+            if refusal:
+                return f"rank {peer}'s file {exports[0].file.path!r} {refusal}"
+        return None
 
     def _refusal(self, export: _Export) -> str | None:
         """Why ``export``'s file must not be mapped here, or None (the file opened and checked, then closed)."""

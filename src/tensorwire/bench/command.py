@@ -16,6 +16,7 @@ import re
 import shlex
 import subprocess
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 from ..machine import cpu_summary, gpu_names, hostname, software_versions
 
 __all__ = ["parse_size", "parse_sizes", "at_least", "positive", "list_of", "MEMORY_CHOICES", "add_common_arguments",
-           "memories", "write_json", "check_plot", "header"]
+           "memories", "write_json", "check_plot", "header", "header_lines", "announce", "progress", "publish"]
 
 MEMORY_CHOICES = ("cpu", "cuda", "all")  # --memory of every benchmark; 'all' is cpu plus cuda when torch sees a GPU
 
@@ -136,6 +137,23 @@ def write_json(path: Path, document: dict[str, Any]) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
+def publish(args: argparse.Namespace, config: Any, records: list, report: str,
+            plot: Callable[[list, Path, str], None]) -> None:
+    """Print ``report``; write ``args.json`` (header with ``config``, a dataclass, and the records) and
+    ``args.plot`` (``plot(records, path, title)``) where given."""
+    from dataclasses import asdict
+
+    from .record import records_to_json
+
+    print(report, flush=True)
+    if args.json is not None:
+        write_json(args.json, {"header": {**header(args.argv), "config": asdict(config)},
+                               "records": records_to_json(records)})
+    if args.plot is not None:
+        plot(records, args.plot, " ".join(["tensorwire", *args.argv]))
+        print(f"wrote {args.plot}", file=sys.stderr)
+
+
 def header(argv: list[str]) -> dict[str, Any]:
     """Where and with what the benchmark ran (the JSON header)."""
     return {
@@ -162,3 +180,37 @@ def _source_revision() -> dict[str, Any] | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return {"commit": commit.stdout.strip(), "modified": bool(status.stdout.strip())}
+
+
+def header_lines(title: str, head: dict[str, Any], method: list[tuple[str, str]], ucx: str | None = None) -> list[str]:
+    """The header every benchmark prints on stderr before it measures and atop its report: ``title``, the machine,
+    the software (``ucx``: the version the ranks loaded, when known), then the ``method`` rows (label, text),
+    wrapped at 116 columns."""
+    v = head["versions"]
+    rows = [
+        ("machine", f"{head['cpu']['model']}, {head['cpu']['usable_cores']} cores; "
+                    + (", ".join(head["gpus"]) if head["gpus"] else "no CUDA device")),
+        ("software", f"tensorwire {v['tensorwire']}{_revision_text(head.get('source'))}, torch {v['torch']}, nixl "
+                     f"{v['nixl']} ({v['nixl_module']}), UCX {ucx or v['ucx'] or '?'}, Python {v['python']}"),
+        *method,
+    ]
+    lines = [title] + [f"  {label:<11} {text}" for label, text in rows]
+    return [textwrap.fill(line, 116, subsequent_indent=" " * 14) for line in lines]
+
+
+def announce(lines: list[str], quiet: bool) -> None:
+    """Print the header (``header_lines``) on stderr before anything is measured, unless ``quiet``."""
+    if not quiet:
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def progress(benchmark: str, text: str, quiet: bool) -> None:
+    """One progress line on stderr, ``bench <benchmark>: <text>``, as a case starts; nothing when ``quiet``."""
+    if not quiet:
+        print(f"bench {benchmark}: {text}", file=sys.stderr, flush=True)
+
+
+def _revision_text(source: dict[str, Any] | None) -> str:
+    if not source:
+        return ""
+    return f" (git {source['commit']}{', modified' if source['modified'] else ''})"

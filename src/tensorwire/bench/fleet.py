@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing as mp
-import os
 import secrets
 import sys
 import threading
@@ -48,10 +47,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import WaitTimeoutError
-from .command import at_least, check_plot, header, parse_size, positive, write_json
-from .fleet_parties import FIRST_POOL_BLOCKS, FIRST_READ_BLOCKS, SHM_PREFIX, holder, reader, world_rank
+from ..shared_memory import remove_orphans
+from .command import announce, at_least, check_plot, header, header_lines, parse_size, positive, write_json
+from .fleet_parties import FIRST_POOL_BLOCKS, FIRST_READ_BLOCKS, holder, reader, world_rank
 from .fleet_raw import raw_first_contacts
 from .fleet_report import FLEET, RAW_NIXL, WORLD, format_report, plot_fleet
+from .partial import PartialRecords, measure_until_interrupted
 from .record import Record, records_to_json
 from .timing import Budget, quantile, summarize
 
@@ -63,15 +64,16 @@ HELP = "fleet members launched apart: join, first READ from a never-seen member,
 
 @dataclass(frozen=True)
 class FleetBenchConfig:
-    members: tuple[int, ...] = (2, 8, 32)
+    members: tuple[int, ...] = (2, 8)  # about a minute on 2 cores; --members 2,8,32 for the scaling figures
     blocks: int = 10_000
     block_bytes: int = 16384
     transports: tuple[str, ...] = ("nixl", "shm")
-    time_s: float = 2.0  # a 160 MiB READ over NIXL takes 60-75 ms here, its p90 up to 2x that: ~30 calls a path
+    time_s: float = 1.0  # a 160 MiB READ over NIXL takes 60-75 ms here, its p90 up to 2x that: ~15 calls a path
     rounds: int = 8
-    first_contacts: int = 8
+    first_contacts: int = 3  # also raw NIXL's fresh process pairs, the longest part of a default run
     timeout_s: float = 600.0
     quiet: bool = False
+    partial: PartialRecords | None = None  # where each fleet size's records go as they are measured
 
 
 class _Party:
@@ -168,11 +170,7 @@ class _Run:
                 process.kill()
             process.join(timeout=10)
         self.directory.close()
-        prefix = f"{SHM_PREFIX}-{os.getpid()}-"
-        if os.path.isdir("/dev/shm"):
-            for name in os.listdir("/dev/shm"):
-                if name.startswith(prefix):
-                    os.unlink(os.path.join("/dev/shm", name))
+        remove_orphans()  # the /dev/shm files of parties that were killed
 
 
 # --- one fleet size --------------------------------------------------------------------------------------------
@@ -226,9 +224,9 @@ def _steady(run: _Run, party: _Party, world: _Party, size: int) -> list[Record]:
         world_record = Record.measured("fleet", "cpu", "READ", WORLD, transport, nbytes, summarize(samples[WORLD]),
                                        **params)
         fleet_record = Record.measured("fleet", "cpu", "READ", FLEET, transport, nbytes, summarize(samples[FLEET]),
-                                       **params).against(WORLD, world_record.gbps)
+                                       **params).against(world_record)
         run.say(f"{size} members, {transport}: fleet {fleet_record.gbps:.2f} GB/s, one world "
-                f"{world_record.gbps:.2f} GB/s ({fleet_record.ratio:.3f}x)")
+                f"{world_record.gbps:.2f} GB/s ({fleet_record.ratio_text()})")
         out += [fleet_record, world_record]
     return out
 
@@ -287,7 +285,10 @@ def run(config: FleetBenchConfig) -> list[Record]:
         joined: list[dict[str, Any]] = []
         contacted: set[int] = set()
         for size in sorted(config.members):
-            records += _stage(bench_run, size, holders, joined, contacted, world)
+            measured = _stage(bench_run, size, holders, joined, contacted, world)
+            if config.partial is not None:
+                config.partial.add(measured)
+            records += measured
         world_source.ask("stop")
         world.ask("stop")
         for party in holders:
@@ -304,7 +305,7 @@ def _against_raw_nixl(run: _Run, records: list[Record]) -> list[Record]:
     seconds = raw_first_contacts(FIRST_POOL_BLOCKS, FIRST_READ_BLOCKS, c.block_bytes, c.first_contacts, c.timeout_s)
     raw = Record.measured("fleet", "cpu", "first READ", RAW_NIXL, "nixl", FIRST_READ_BLOCKS * c.block_bytes,
                           summarize(seconds), max_ms=max(seconds) * 1e3, contacts=len(seconds))
-    held = [r.against(RAW_NIXL, raw.gbps) if r.op == "first READ" else r for r in records]
+    held = [r.against(raw) if r.op == "first READ" else r for r in records]
     return [*held, raw]
 
 
@@ -329,9 +330,9 @@ def _transports(text: str) -> tuple[str, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = FleetBenchConfig()
-    parser.description = (HELP + ". Host memory only. The defaults take about 3 minutes on a 2-core machine.")
+    parser.description = (HELP + ". Host memory only. The defaults take about a minute on a 2-core machine.")
     parser.add_argument("--members", type=_members, default=defaults.members, metavar="N,N",
-                        help="fleet sizes, members in all (default 2,8,32)")
+                        help="fleet sizes, members in all (default 2,8)")
     parser.add_argument("--blocks", type=at_least(int, 1), default=defaults.blocks, metavar="N",
                         help="blocks of the steady READ, one request per post (default 10000)")
     parser.add_argument("--block-bytes", type=parse_size, default=defaults.block_bytes, metavar="SIZE",
@@ -339,11 +340,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transports", type=_transports, default=defaults.transports, metavar="LIST",
                         help="steady READ transports: nixl, shm or nixl,shm (default nixl,shm)")
     parser.add_argument("--time", type=positive, default=defaults.time_s, metavar="S",
-                        help="seconds of timed steady READs per path, transport and fleet size (default 2)")
+                        help="seconds of timed steady READs per path, transport and fleet size (default 1)")
     parser.add_argument("--rounds", type=at_least(int, 1), default=defaults.rounds, metavar="N",
                         help="alternating rounds of fleet and world READs (default 8)")
     parser.add_argument("--first-contacts", type=at_least(int, 1), default=defaults.first_contacts, metavar="N",
-                        help="never-seen members each reader reaches, at most (default 8)")
+                        help="never-seen members a reader reaches at most, and raw NIXL's first contacts (default 3)")
     parser.add_argument("--timeout", type=positive, default=defaults.timeout_s, metavar="S",
                         help="give up (and stop every process) after this many seconds (default 600)")
     parser.add_argument("--memory", choices=["cpu", "cuda"], default="cpu",
@@ -365,15 +366,35 @@ def config_from(args: argparse.Namespace) -> FleetBenchConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the benchmark, print the report, write ``--json`` / ``--plot``; exit code 0, or raises."""
+    """Run the benchmark, print the header and progress on stderr, then the report; write ``--json`` /
+    ``--plot``. Ctrl-C stops every party and reports the fleet sizes measured so far (exit 130)."""
     config = config_from(args)
     check_plot(args)
-    records = run(config)
-    print(format_report(records), flush=True)
+    head = header(args.argv)
+    head_lines = header_lines("tensorwire bench fleet: members launched apart, meeting in a directory", head,
+                              method_rows(config))
+    announce(head_lines, config.quiet)
+    records, so_far = measure_until_interrupted(lambda partial: run(replace(config, partial=partial)), "fleet")
+    interrupted = records is None
+    records = so_far if interrupted else records
+    print("\n".join([*head_lines, "", format_report(records)]), flush=True)
     if args.json is not None:
-        write_json(args.json, {"header": {**header(args.argv), "config": asdict(config)},
-                               "records": records_to_json(records)})
-    if args.plot is not None:
+        write_json(args.json, {"header": {**head, "config": asdict(replace(config, partial=None))},
+                               "records": records_to_json(records), "interrupted": interrupted})
+    if args.plot is not None and records:
         plot_fleet(records, args.plot, title=" ".join(["tensorwire", *args.argv]))
         print(f"wrote {args.plot}", file=sys.stderr)
-    return 0
+    return 130 if interrupted else 0
+
+
+def method_rows(config: FleetBenchConfig) -> list[tuple[str, str]]:
+    """How ``bench fleet`` measures (the header's method rows)."""
+    return [
+        ("fleet", f"sizes {','.join(map(str, config.members))}: members of one launch join a directory in this "
+                  "process one after another (each times its own tw.init); a reader launched later reaches up to "
+                  f"{config.first_contacts} never-seen members (rank_of + lookup + prepare + first READ), held "
+                  "against raw NIXL's first contact"),
+        ("steady", f"READ {config.blocks} x {config.block_bytes // 1024} KiB random blocks of member-0 over "
+                   f"{','.join(config.transports)}, beside the same READ between 2 ranks of one launcher world, "
+                   f"{config.rounds} alternating rounds, {config.time_s:g} s per path"),
+    ]

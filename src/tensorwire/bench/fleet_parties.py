@@ -31,13 +31,13 @@ import numpy as np
 import torch
 
 from ..errors import TransferError
+from ..shared_memory import shared_empty
 from .timing import HostClock
 
-__all__ = ["FIRST_POOL_BLOCKS", "FIRST_READ_BLOCKS", "SHM_PREFIX", "holder", "reader", "world_rank", "descriptors"]
+__all__ = ["FIRST_POOL_BLOCKS", "FIRST_READ_BLOCKS", "holder", "reader", "world_rank", "descriptors"]
 
 FIRST_POOL_BLOCKS = 64  # each holder's small pool
 FIRST_READ_BLOCKS = 16  # the first READ from a never-seen member: random ids of its small pool
-SHM_PREFIX = "tensorwire-bench-fleet"  # /dev/shm files: <prefix>-<command pid>-<name>
 _STEADY_OWNER, _WORLD_OWNER = 5_000_000, 7_000_000
 _WAIT_S = 60.0
 
@@ -54,12 +54,10 @@ def _expected(ids: np.ndarray, block_bytes: int, owner: int) -> torch.Tensor:
     return torch.arange(words, dtype=torch.int32)[None, :] + ids[:, None] * 7919 + owner
 
 
-def _shm_values(path: str, blocks: int, block_bytes: int, owner: int) -> torch.Tensor:
-    """A ``[blocks, block_bytes / 4]`` int32 pool in the shared file ``path`` (as a serving engine's KV cache)."""
-    pool = torch.from_file(path, shared=True, size=blocks * block_bytes // 4, dtype=torch.int32)
-    pool = pool.view(blocks, block_bytes // 4)
-    _values(blocks, block_bytes, owner, out=pool)
-    return pool
+def _shm_values(blocks: int, block_bytes: int, owner: int) -> torch.Tensor:
+    """A ``[blocks, block_bytes / 4]`` int32 pool in a ``/dev/shm`` file (as a serving engine's KV cache) that
+    lives as long as the returned tensor (``shared_empty``)."""
+    return _values(blocks, block_bytes, owner, out=shared_empty((blocks, block_bytes // 4), dtype=torch.int32))
 
 
 def descriptors() -> dict[str, int]:
@@ -153,8 +151,8 @@ def holder(conn: Any, env: dict[str, str], directory: str, name: str, member: in
         comm.publish_blocks("first", state["pools"][0])
         joined["serving_ms"] = joined["join_ms"] + (time.perf_counter() - start) * 1e3
         if steady is not None:
-            state["file"] = f"/dev/shm/{SHM_PREFIX}-{os.getppid()}-{name}"
-            state["pools"].append(comm.register_blocks(_shm_values(state["file"], *steady, _STEADY_OWNER)))
+            state["shared"] = _shm_values(*steady, _STEADY_OWNER)
+            state["pools"].append(comm.register_blocks(state["shared"]))
             comm.publish_blocks("steady", state["pools"][1])
         return {**joined, **descriptors()}
 
@@ -163,8 +161,7 @@ def holder(conn: Any, env: dict[str, str], directory: str, name: str, member: in
             pool.close()
         if "comm" in state:
             state["comm"].close()
-        if "file" in state:
-            os.unlink(state["file"])
+        state.pop("shared", None)  # its /dev/shm file goes with it
         return descriptors()
 
     _serve(conn, env, lambda: {"join": join, "fds": descriptors, "stop": stop})
@@ -294,17 +291,13 @@ def world_rank(conns: tuple[Any, Any], blocks: int, block_bytes: int, transports
 
     comm = tw.init(timeout=timeout_s)
     conn = conns[comm.rank]
-    if comm.rank == 1:
-        path = f"/dev/shm/{SHM_PREFIX}-{os.getppid()}-world"
-        try:
-            pool = comm.register_blocks(_shm_values(path, blocks, block_bytes, _WORLD_OWNER))
-            comm.publish_blocks("steady", pool)
-            conn.send(("ok", "ready"))
-            conn.recv()  # stop
-            pool.close()
-            comm.close()
-        finally:
-            os.unlink(path)
+    if comm.rank == 1:  # the pool's /dev/shm file goes with the process (and with the tensor, were it freed)
+        pool = comm.register_blocks(_shm_values(blocks, block_bytes, _WORLD_OWNER))
+        comm.publish_blocks("steady", pool)
+        conn.send(("ok", "ready"))
+        conn.recv()  # stop
+        pool.close()
+        comm.close()
         conn.send(("ok", "stopped"))
         return
     steady = _SteadyRead(comm, comm.lookup_blocks("steady", 1, timeout=timeout_s), blocks, block_bytes, _WORLD_OWNER,

@@ -1,6 +1,6 @@
 """The reference of ``tensorwire bench fleet``'s first READ: raw NIXL's first contact between two processes.
 
-A holder process makes a bare NIXL agent configured as tensorwire's (``nixl_setup._make_agent``), registers a pool
+A holder process makes a bare NIXL agent configured as tensorwire's (``nixl_setup.make_agent``), registers a pool
 of ``FIRST_POOL_BLOCKS`` blocks and hands its agent metadata to a reader process over a pipe (the side channel a
 raw NIXL user builds). The reader, whose agent and landing buffer already exist, times what tensorwire's first
 READ also pays: loading the holder's metadata (``add_remote_agent``), describing ``FIRST_READ_BLOCKS`` blocks on
@@ -55,11 +55,11 @@ def raw_first_contacts(pool_blocks: int, read_blocks: int, block_bytes: int, con
 
 
 def _agent(name: str) -> Any:
-    from ..backends.nixl_setup import _import_nixl, _make_agent, quiet_nixl_logging
+    from ..backends.nixl_setup import import_nixl, make_agent, quiet_nixl_logging
 
     quiet_nixl_logging()
-    api, bindings = _import_nixl()
-    return _make_agent(api, bindings, name, progress_wakeup_ms=10.0)
+    api, bindings = import_nixl()
+    return make_agent(api, bindings, name, progress_wakeup_ms=10.0)
 
 
 def _pool(blocks: int, block_bytes: int) -> torch.Tensor:

@@ -16,34 +16,22 @@ GOAL_RATIO = 0.97
 
 
 def format_report(records: list[Record]) -> str:
-    """One block per fleet size: join, first READ, steady state per transport (fleet beside one world)."""
+    """One block per fleet size: join, first READ, steady state per transport (fleet beside one world); times in
+    us and ratios as BW/<reference>, as in every ``tensorwire bench`` report (the JSON keeps each step's ms)."""
     lines = []
     raw = [r for r in records if r.path == RAW_NIXL]
     records = [r for r in records if r.path != RAW_NIXL]
     for size in sorted({r.params["members"] for r in records}):
         rows = [r for r in records if r.params["members"] == size]
-        join = next(r for r in rows if r.op == "join")
-        first = next(r for r in rows if r.op == "first READ")
-        phases = ", ".join(f"{k} {v:.1f}" for k, v in join.params["phases_ms"].items())
         lines.append(f"{size} members")
-        lines.append(f"  join        median {join.median_us / 1e3:7.1f} ms  max {join.params['max_ms']:7.1f} ms  "
-                     f"(goal <= {GOALS_MS['join']:.0f}; median phases, ms: {phases})")
-        if "serving_ms" in join.params:
-            lines.append(f"  serving     median {join.params['serving_ms']:7.1f} ms  (joined and first pool "
-                         "registered: NIXL's agent, made meanwhile, is up)")
-        lines.append(f"  first READ  median {first.median_us / 1e3:7.1f} ms  max {first.params['max_ms']:7.1f} ms  "
-                     f"(goal <= {GOALS_MS['first READ']:.0f}) over {first.params['targets']} never-seen member(s): "
-                     f"rank_of {first.params['rank_of_ms']:.1f}, lookup {first.params['lookup_ms']:.1f}, "
-                     f"prepare {first.params['prepare_ms']:.1f}, "
-                     f"READ {first.params['read_ms']:.1f} ms; again {first.params['again_us']:.0f} us")
-        if first.reference == RAW_NIXL:
-            lines.append(f"              {first.ratio:.2f}x raw NIXL's first contact (its time over ours)")
+        lines += _latency_lines(rows)
         for r in rows:
             if r.op == "READ":
-                ratio = f"  {r.ratio:.3f}x one world (goal >= {GOAL_RATIO})" if r.reference == WORLD else ""
+                ratio = f"  BW/world {r.ratio_text()} (goal >= {GOAL_RATIO}x)" if r.reference == WORLD else ""
                 lines.append(f"  READ {r.params['blocks']}x{r.params['block_bytes'] // 1024}KiB {r.transport:5} "
-                             f"{r.path:10} {r.median_us / 1e3:8.2f} ms  {r.gbps:6.2f} GB/s{ratio}")
-        for what, counts in join.params["fds"].items():
+                             f"{r.path:10} median {r.median_us:10,.0f} us  {r.gbps:6.2f} GB/s{ratio}")
+        join = next((r for r in rows if r.op == "join"), None)
+        for what, counts in (join.params["fds"].items() if join else ()):
             if counts is not None:
                 text = (f"{counts['fds']} ({counts['sockets']} sockets)" if not isinstance(counts["fds"], dict)
                         else f"median {counts['fds']['median']:.0f}, max {counts['fds']['max']} "
@@ -51,9 +39,35 @@ def format_report(records: list[Record]) -> str:
                 lines.append(f"  fds {what:28} {text}")
     for r in raw:
         lines.append(f"raw NIXL first contact (metadata load + first READ of the same blocks, no lookup): median "
-                     f"{r.median_us / 1e3:.1f} ms, max {r.params['max_ms']:.1f} ms over {r.params['contacts']} fresh "
-                     "pair(s) of processes")
+                     f"{r.median_us:,.0f} us, max {r.params['max_ms'] * 1e3:,.0f} us over {r.params['contacts']} "
+                     "fresh pair(s) of processes")
+    if any(r.reference is not None and r.ratio is None for r in records):
+        lines.append("unsteady: the reference's p10-p90 spread exceeded 20% of its median, no ratio taken")
     return "\n".join(lines)
+
+
+def _latency_lines(rows: list[Record]) -> list[str]:
+    """Join, serving and first READ of one fleet size, in us."""
+    out = []
+    join = next((r for r in rows if r.op == "join"), None)
+    if join is not None:
+        p = join.params
+        phases = ", ".join(f"{k} {v * 1e3:,.0f}" for k, v in p["phases_ms"].items())
+        out.append(f"  join        median {join.median_us:10,.0f} us  max {p['max_ms'] * 1e3:10,.0f} us  "
+                   f"(goal <= {GOALS_MS['join'] * 1e3:,.0f}; median phases, us: {phases})")
+        if "serving_ms" in p:
+            out.append(f"  serving     median {p['serving_ms'] * 1e3:10,.0f} us  (joined and first pool registered: "
+                       "NIXL's agent, made meanwhile, is up)")
+    first = next((r for r in rows if r.op == "first READ"), None)
+    if first is not None:
+        p = first.params
+        out.append(f"  first READ  median {first.median_us:10,.0f} us  max {p['max_ms'] * 1e3:10,.0f} us  "
+                   f"(goal <= {GOALS_MS['first READ'] * 1e3:,.0f}) over {p['targets']} never-seen member(s): rank_of "
+                   f"{p['rank_of_ms'] * 1e3:,.0f}, lookup {p['lookup_ms'] * 1e3:,.0f}, prepare "
+                   f"{p['prepare_ms'] * 1e3:,.0f}, READ {p['read_ms'] * 1e3:,.0f} us; again {p['again_us']:,.0f} us")
+        if first.reference == RAW_NIXL:
+            out.append(f"              BW/raw nixl {first.ratio_text()} (raw NIXL's first contact time over ours)")
+    return out
 
 
 def plot_fleet(records: list[Record], path: Path, title: str = "tensorwire bench fleet") -> None:

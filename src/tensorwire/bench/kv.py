@@ -30,10 +30,8 @@ Non-goals: cross-host figures (run two ranks on two hosts with torchrun for thos
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +39,26 @@ import numpy as np
 import torch
 
 from ..errors import TransferError
-from .command import MEMORY_CHOICES, check_plot, header, list_of, memories, parse_sizes, positive, write_json
+from ..shared_memory import shared_empty
+from .command import (
+    MEMORY_CHOICES,
+    announce,
+    check_plot,
+    header,
+    header_lines,
+    list_of,
+    memories,
+    parse_sizes,
+    positive,
+    progress,
+    write_json,
+)
+from .kv_raw import raw_block_paths
 from .kv_report import COPY, format_report, plot_kv
+from .partial import PartialRecords, measure_until_interrupted
+from .raw_nixl import RawNixl, init_with_store, release_store
 from .record import Record, compare_with, records_to_json
-from .timing import Budget, CudaEventClock, HostClock, Timing, measure, quantile, time_call
+from .timing import Budget, CudaEventClock, HostClock, Timing, host_seconds, measure, quantile, steadiest, time_call
 
 __all__ = ["HELP", "KvBenchConfig", "run", "add_arguments", "main"]
 
@@ -53,6 +67,7 @@ HELP = "KV-cache block READ/WRITE by id between two local ranks beside raw NIXL,
 LLAMA = "llama70b-tp8"
 _LLAMA_VIEWS, _LLAMA_BLOCKS, _LLAMA_BLOCK_BYTES = 160, 512, 4096
 _RAW_GPU_MAX_BLOCKS = 10_000
+_POST_TIMING_S = 1.0  # the longest ``post`` alone is timed per path (a Llama-sized request over NIXL: ~0.1 s each)
 OPS = ("READ", "WRITE")
 PATTERNS = ("random", "contiguous")
 
@@ -60,15 +75,17 @@ PATTERNS = ("random", "contiguous")
 @dataclass(frozen=True)
 class KvBenchConfig:
     memory: tuple[str, ...] = ("cpu",)
-    blocks: tuple[int, ...] = (1000, 10_000, 50_000)
-    block_bytes: tuple[int, ...] = (4096, 16384)
+    blocks: tuple[int, ...] = (1000, 10_000)  # the defaults run in about a minute on 2 cores
+    block_bytes: tuple[int, ...] = (16384,)
     ops: tuple[str, ...] = ("READ", "WRITE")
-    patterns: tuple[str, ...] = ("random", "contiguous")
+    patterns: tuple[str, ...] = ("random",)  # contiguous ids (one merged NIXL descriptor) on request
     llama: bool = True
     raw: bool = True
     time_s: float = 0.2
-    post_reps: int = 50
+    post_reps: int = 20
     timeout_s: float = 1800.0
+    quiet: bool = False  # no progress lines on stderr
+    partial: PartialRecords | None = None  # where rank 0 adds each case's records as it measures them
 
 
 @dataclass(frozen=True)
@@ -85,29 +102,37 @@ class Case:
     def nbytes(self) -> int:
         return self.blocks * self.block_bytes * self.views
 
+    def label(self) -> str:
+        """``cpu READ random 1000 x 16 KiB`` (and ``x 160 views (llama70b-tp8)``)."""
+        views = f" x {self.views} views ({self.layout})" if self.views > 1 else ""
+        return f"{self.memory} {self.op} {self.pattern} {self.blocks} x {self.block_bytes // 1024} KiB{views}"
+
 
 def cases(config: KvBenchConfig, memory: str) -> list[Case]:
+    """Every (block bytes, blocks, op, pattern) of ``config``, then the Llama layout's READ (a decode rank pulling a
+    prompt's cache: the case a disaggregated server runs; its 82k descriptors make each path slow to time)."""
     out = [Case(memory, op, pattern, n, size) for size in config.block_bytes for n in config.blocks
            for op in config.ops for pattern in config.patterns]
-    if config.llama:
-        out += [Case(memory, op, "random", _LLAMA_BLOCKS, _LLAMA_BLOCK_BYTES, _LLAMA_VIEWS, LLAMA) for op in config.ops]
+    if config.llama and "READ" in config.ops:
+        out.append(Case(memory, "READ", "random", _LLAMA_BLOCKS, _LLAMA_BLOCK_BYTES, _LLAMA_VIEWS, LLAMA))
     return out
 
 
 # --- pools ------------------------------------------------------------------------------------------------
 def _values(rank: int, role: int, views: int, blocks: int, block_bytes: int, device: torch.device,
-            files: list[str]) -> list[torch.Tensor]:
-    """``views`` tensors ``[blocks, block_bytes / 4]`` int32 whose words encode (rank, role, view, block, word).
-    Host views live in one ``/dev/shm`` file (its path appended to ``files``), as a serving engine's shared KV
-    cache would, so that a peer on this host reaches them through ``shm``."""
+            allocations: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``views`` tensors ``[blocks, block_bytes / 4]`` int32 whose words encode (rank, role, view, block, word),
+    views of one allocation appended to ``allocations``. Host views live in one ``/dev/shm`` file
+    (``shared_empty``: removed when the allocation is freed), as a serving engine's shared KV cache would, so
+    that a peer on this host reaches them through ``shm``."""
     words = block_bytes // 4
     base = torch.arange(words, dtype=torch.int32, device=device)[None, :] + torch.arange(
         blocks, dtype=torch.int32, device=device)[:, None] * 7919
     if device.type == "cpu":
-        files.append(f"/dev/shm/tensorwire-bench-kv-{os.getpid()}-{role}-{blocks}-{block_bytes}")
-        storage = torch.from_file(files[-1], shared=True, size=views * blocks * words, dtype=torch.int32)
+        storage = shared_empty(views * blocks * words, dtype=torch.int32)
     else:
         storage = torch.empty(views * blocks * words, dtype=torch.int32, device=device)
+    allocations.append(storage)
     views_out = list(storage.view(views, blocks, words).unbind(0))  # one allocation: one contiguous reference copy
     for v, view in enumerate(views_out):
         torch.add(base, rank * 1_000_003 + role * 100_003 + v * 10_007, out=view)
@@ -124,51 +149,31 @@ def _expected(rank: int, role: int, view: int, ids: torch.Tensor, block_bytes: i
 class _Pools:
     """This rank's two pools for one (views, blocks, block bytes) shape: tensorwire and raw NIXL registered."""
 
-    def __init__(self, comm: Any, raw: Any, shape: tuple[int, int, int], device: torch.device) -> None:
+    def __init__(self, comm: Any, raw: RawNixl | None, shape: tuple[int, int, int], device: torch.device) -> None:
         views, blocks, block_bytes = shape
-        self.files: list[str] = []
-        self.source = _values(comm.rank, 0, views, blocks, block_bytes, device, self.files)
-        self.target = _values(comm.rank, 1, views, blocks, block_bytes, device, self.files)
+        self.allocations: list[torch.Tensor] = []  # the views' storage: a host pool's file lives as long
+        self.source = _values(comm.rank, 0, views, blocks, block_bytes, device, self.allocations)
+        self.target = _values(comm.rank, 1, views, blocks, block_bytes, device, self.allocations)
         self.pools = [comm.register_blocks(self.source), comm.register_blocks(self.target)]
-        self.raw_regs = [raw.register_memory(t) for t in self.source + self.target] if raw is not None else []
+        if raw is not None:
+            for tensor in self.source + self.target:
+                raw.register(tensor)
 
-    def close(self, raw: Any) -> None:
+    def close(self, raw: RawNixl | None) -> None:
         for pool in self.pools:
             pool.close()
-        for reg in self.raw_regs:
-            raw.deregister_memory(reg)
-        for path in self.files:
-            os.unlink(path)
-
-
-# --- raw NIXL references ----------------------------------------------------------------------------------
-def _block_rows(tensors: list[torch.Tensor], ids: np.ndarray, block_bytes: int) -> np.ndarray:
-    """Nx3 ``(addr, len, device)`` descriptors of ``ids`` in every view, view-major (as vLLM orders them)."""
-    device = max(tensors[0].device.index or 0, 0)
-    addrs = np.concatenate([t.data_ptr() + ids.astype(np.uint64) * np.uint64(t.stride(0) * 4) for t in tensors])
-    rows = np.empty((len(addrs), 3), dtype=np.uint64)
-    rows[:, 0], rows[:, 1], rows[:, 2] = addrs, block_bytes, device
-    return rows
-
-
-def _raw_wait(agent: Any, handle: Any) -> None:
-    state = agent.transfer(handle)
-    while state == "PROC":
-        state = agent.check_xfer_state(handle)
-    if state != "DONE":
-        raise TransferError(f"bench kv: raw NIXL transfer ended in state {state!r}")
+        if raw is not None:
+            raw.deregister_all()
+        self.allocations.clear()  # host pools: their files go (the views keep the mappings while referenced)
 
 
 # --- one rank ------------------------------------------------------------------------------------------------
 def _rank_main(config: KvBenchConfig) -> list[Record]:
-    import tensorwire as tw
-
-    from ..backends.nixl_setup import _import_nixl, _make_agent
-
-    comm = tw.init(timeout=120)
+    comm, bench_store = init_with_store(120.0)
     records: list[Record] = []
-    api, bindings = _import_nixl()
-    raw = _make_agent(api, bindings, f"bench-kv-raw{comm.rank}", comm.config.progress_wakeup_ms) if config.raw else None
+    raw = None
+    if config.raw:  # configured as tensorwire's own agent: only tensorwire's layers differ
+        raw = RawNixl(comm.rank, bench_store, "tensorwire", comm.config.progress_wakeup_ms, prefix="bench-kv-raw")
     # No cleanup on failure: a failing rank reports at once and the launcher stops both (closing first would
     # wait, bounded but long, for a peer that sits in a barrier waiting for this rank).
     for memory in config.memory:
@@ -181,20 +186,21 @@ def _rank_main(config: KvBenchConfig) -> list[Record]:
         for shape, shape_cases in by_shape.items():
             records += _bench_shape(comm, raw, config, shape, shape_cases, device)
     comm.barrier(timeout=config.timeout_s)
+    if raw is not None:
+        raw.close()
     comm.close()
+    release_store(comm.rank, bench_store)
     return records
 
 
-def _bench_shape(comm: Any, raw: Any, config: KvBenchConfig, shape: tuple[int, int, int], shape_cases: list[Case],
-                 device: torch.device) -> list[Record]:
+def _bench_shape(comm: Any, raw: RawNixl | None, config: KvBenchConfig, shape: tuple[int, int, int],
+                 shape_cases: list[Case], device: torch.device) -> list[Record]:
     pools = _Pools(comm, raw, shape, device)
     tag = f"{shape[0]}x{shape[1]}x{shape[2]}-{device.type}"
     comm.publish_blocks(f"kv-source-{tag}", pools.pools[0])
     comm.publish_blocks(f"kv-target-{tag}", pools.pools[1])
     if raw is not None:
-        store = comm.runtime.store
-        store.set(f"bench-kv-raw/{tag}/{comm.rank}", raw.get_agent_metadata())
-        raw.add_remote_agent(store.get(f"bench-kv-raw/{tag}/{1 - comm.rank}", 60, "bench kv: raw metadata"))
+        raw.exchange_metadata(tag)
     records = []
     comm.barrier(timeout=120)
     if comm.rank == 0:
@@ -202,11 +208,15 @@ def _bench_shape(comm: Any, raw: Any, config: KvBenchConfig, shape: tuple[int, i
         remote_target = comm.lookup_blocks(f"kv-target-{tag}", 1, timeout=60)
         peer_tensors = _remote_tensors(remote_source), _remote_tensors(remote_target)
         for case in shape_cases:
-            records += _bench_case(comm, raw, config, case, pools, (remote_source, remote_target), peer_tensors)
+            progress("kv", case.label(), config.quiet)
+            measured = _bench_case(comm, raw, config, case, pools, (remote_source, remote_target), peer_tensors)
+            if config.partial is not None:
+                config.partial.add(measured)
+            records += measured
     comm.barrier(timeout=config.timeout_s)
     pools.close(raw)  # on success only, as in _rank_main
     if raw is not None:
-        raw.remove_remote_agent(f"bench-kv-raw{1 - comm.rank}")
+        raw.forget_peer()
     return records
 
 
@@ -215,7 +225,7 @@ def _remote_tensors(desc: Any) -> list[tuple[int, int]]:
     return [(a, s) for a, s, _, _ in desc.regions]
 
 
-def _bench_case(comm: Any, raw: Any, config: KvBenchConfig, case: Case, pools: _Pools, remotes: tuple,
+def _bench_case(comm: Any, raw: RawNixl | None, config: KvBenchConfig, case: Case, pools: _Pools, remotes: tuple,
                 peer_tensors: tuple) -> list[Record]:
     """Every path of one case, each held against the contiguous copy of the same bytes."""
     import tensorwire as tw
@@ -251,17 +261,25 @@ def _bench_case(comm: Any, raw: Any, config: KvBenchConfig, case: Case, pools: _
             name = "tensorwire" if transport is None else f"tensorwire ({transport})"
             out.append(_record(case, name, timing, x.transport, post_us))
     if raw is not None and (not on_gpu or count <= _RAW_GPU_MAX_BLOCKS):
-        out += _bench_raw(raw, case, pools, op, local_ids, remote_ids, peer_tensors, budget)
+        local = pools.target if op is tw.READ else pools.source
+        peer = peer_tensors[0] if op is tw.READ else peer_tensors[1]
+        for name, timing, post_us in raw_block_paths(raw, op.value, (local, peer), case.views, case.block_bytes,
+                                                     (local_ids, remote_ids), budget):
+            out.append(_record(case, name, timing, "nixl", post_us))
     out += _bench_local_references(case, pools, local_ids, remote_ids, budget)
     return compare_with(out, COPY)
 
 
 def _post_times(x: Any, local_ids: np.ndarray, remote_ids: np.ndarray, reps: int, on_gpu: bool) -> list[float]:
-    """Host time of ``post`` alone (host ids: checking and translating included), waited outside the timing."""
+    """Host time of ``post`` alone (host ids: checking and translating included), waited outside the timing:
+    ``reps`` posts after 2 untimed, fewer (5 at least) where they take over ``_POST_TIMING_S`` in all."""
     samples = []
-    for _ in range(reps + 2):
+    started = host_seconds()
+    for i in range(reps + 2):
         samples.append(time_call(lambda: x.post(local_ids, remote_ids)) * 1e6)
         x.wait(timeout=60)
+        if i >= 6 and host_seconds() - started > _POST_TIMING_S:
+            break
     if on_gpu:
         torch.cuda.synchronize()
     return samples[2:]
@@ -293,62 +311,6 @@ def _verify(comm: Any, x: Any, case: Case, pools: _Pools, local_ids: np.ndarray,
         view[scratch] = _expected(0, 1, v, scratch, case.block_bytes)
 
 
-def _bench_raw(raw: Any, case: Case, pools: _Pools, op: Any, local_ids: np.ndarray, remote_ids: np.ndarray,
-               peer_tensors: tuple, budget: Budget) -> list[Record]:
-    """A bare NIXL agent over the same blocks: per-request Nx3 descriptors, and per-block lists prepped once."""
-    import tensorwire as tw
-
-    mem = "VRAM" if case.memory == "cuda" else "DRAM"
-    local = pools.target if op is tw.READ else pools.source
-    peer = peer_tensors[0] if op is tw.READ else peer_tensors[1]
-    peer_name = "bench-kv-raw1"
-    device = max(local[0].device.index or 0, 0)
-
-    def remote_rows(ids: np.ndarray) -> np.ndarray:
-        addrs = np.concatenate([a + ids.astype(np.uint64) * np.uint64(s) for a, s in peer])
-        rows = np.empty((len(addrs), 3), dtype=np.uint64)
-        rows[:, 0], rows[:, 1], rows[:, 2] = addrs, case.block_bytes, device
-        return rows
-
-    def per_request() -> Any:
-        return raw.initialize_xfer(op.value, raw.get_xfer_descs(_block_rows(local, local_ids, case.block_bytes), mem),
-                                   raw.get_xfer_descs(remote_rows(remote_ids), mem), peer_name)
-
-    all_ids = np.arange(case.blocks)
-    local_list = raw.prep_xfer_dlist("", _block_rows(local, all_ids, case.block_bytes), mem)
-    remote_list = raw.prep_xfer_dlist(peer_name, remote_rows(all_ids), mem)
-    views = np.arange(case.views, dtype=np.int64)[:, None] * case.blocks
-    local_index = (views + local_ids[None, :]).astype(np.int32).ravel()
-    remote_index = (views + remote_ids[None, :]).astype(np.int32).ravel()
-
-    def prepped() -> Any:
-        return raw.make_prepped_xfer(op.value, local_list, local_index, remote_list, remote_index)
-
-    out = []
-    try:
-        for name, build in (("raw nixl descs", per_request), ("raw nixl prepped", prepped)):
-            post_us = [_build_us(build) for _ in range(12)]  # as post is timed for tensorwire
-
-            def request(build=build) -> None:
-                handle = build()
-                _raw_wait(raw, handle)
-                handle.release()
-
-            out.append(_record(case, name, measure(request, HostClock(), budget), "nixl", post_us[2:]))
-    finally:
-        raw.release_dlist_handle(local_list)
-        raw.release_dlist_handle(remote_list)
-    return out
-
-
-def _build_us(build: Callable[[], Any]) -> float:
-    """Host µs ``build`` takes to make one raw NIXL request, which is then released untimed."""
-    built: list[Any] = []
-    took = time_call(lambda: built.append(build()))
-    built[0].release()
-    return took * 1e6
-
-
 def _bench_local_references(case: Case, pools: _Pools, local_ids: np.ndarray, remote_ids: np.ndarray,
                             budget: Budget) -> list[Record]:
     """The same bytes copied contiguously inside this rank, and (GPU) torch's two-pass gather."""
@@ -361,7 +323,7 @@ def _bench_local_references(case: Case, pools: _Pools, local_ids: np.ndarray, re
     def contiguous() -> None:
         landing.copy_(source)
 
-    out = [_record(case, COPY, measure(contiguous, clock, budget), "copy", [])]
+    out = [_record(case, COPY, steadiest(lambda: measure(contiguous, clock, budget)), "copy", [])]
     if on_gpu:
         local = torch.as_tensor(local_ids, device=pools.source[0].device)
         remote = torch.as_tensor(remote_ids, device=pools.source[0].device)
@@ -398,14 +360,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", choices=MEMORY_CHOICES, default="all",
                         help="memory to benchmark; 'all' (default) is cpu plus cuda when torch sees a GPU")
     parser.add_argument("--blocks", type=list_of(int, minimum=1), default=defaults.blocks, metavar="LIST",
-                        help="block counts, e.g. 1000,10000,50000 (the default)")
+                        help="block counts, e.g. 1000,10000,50000 (default 1000,10000)")
     parser.add_argument("--block-bytes", type=parse_sizes, default=defaults.block_bytes, metavar="LIST",
-                        help="bytes per block and view, multiples of 4, e.g. 4K,16K (the default)")
+                        help="bytes per block and view, multiples of 4, e.g. 4K,16K (default 16K)")
     parser.add_argument("--ops", type=list_of(str.upper, choices=OPS), default=defaults.ops, metavar="LIST",
                         help="READ, WRITE or READ,WRITE (the default)")
     parser.add_argument("--patterns", type=list_of(str.lower, choices=PATTERNS), default=defaults.patterns,
-                        metavar="LIST", help="random, contiguous or random,contiguous (the default)")
-    parser.add_argument("--no-llama", action="store_true", help="skip the Llama-3-70B TP8 layout")
+                        metavar="LIST", help="random (the default), contiguous or random,contiguous")
+    parser.add_argument("--no-llama", action="store_true", help="skip the Llama-3-70B TP8 layout's READ")
     parser.add_argument("--no-raw", action="store_true", help="skip the raw NIXL references")
     parser.add_argument("--time", type=positive, default=defaults.time_s, metavar="S",
                         help=f"seconds of timed calls per path (default {defaults.time_s})")
@@ -413,6 +375,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"give up after this many seconds (default {defaults.timeout_s:.0f})")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write every record to PATH")
     parser.add_argument("--plot", type=Path, default=None, metavar="PNG", help="plot GB/s to PNG (needs matplotlib)")
+    parser.add_argument("--quiet", action="store_true", help="no header or progress lines on stderr")
 
 
 def config_from(args: argparse.Namespace) -> KvBenchConfig:
@@ -422,18 +385,44 @@ def config_from(args: argparse.Namespace) -> KvBenchConfig:
         args.parser.error(f"--block-bytes {','.join(map(str, args.block_bytes))}: give multiples of 4")
     return KvBenchConfig(memory=memories(args), blocks=args.blocks, block_bytes=args.block_bytes, ops=args.ops,
                          patterns=args.patterns, llama=not args.no_llama, raw=not args.no_raw, time_s=args.time,
-                         timeout_s=args.timeout)
+                         timeout_s=args.timeout, quiet=args.quiet)
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run the benchmark, print the header and a line per case on stderr, then the table; write ``--json`` /
+    ``--plot``; blocks until both ranks are done. Ctrl-C stops both ranks and reports what was measured (exit 130)."""
     config = config_from(args)
     check_plot(args)
-    records = run(config)
-    print(format_report(records))
+    head = header(args.argv)
+    head_lines = header_lines(TITLE, head, method_rows(config))
+    announce(head_lines, config.quiet)
+    records, so_far = measure_until_interrupted(lambda partial: run(replace(config, partial=partial)), "kv")
+    interrupted = records is None
+    records = so_far if interrupted else records
+    print("\n".join([*head_lines, "", format_report(records)]), flush=True)
     if args.json is not None:
-        write_json(args.json, {"header": {**header(args.argv), "config": asdict(config)},
-                                     "records": records_to_json(records)})
-    if args.plot is not None:
+        write_json(args.json, {"header": {**head, "config": asdict(replace(config, partial=None))},
+                               "records": records_to_json(records), "interrupted": interrupted})
+    if args.plot is not None and records:
         plot_kv(records, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
-    return 0
+    return 130 if interrupted else 0
+
+
+TITLE = "tensorwire bench kv: KV-cache blocks by id, rank 0 <-> rank 1, two local processes"
+
+
+def method_rows(config: KvBenchConfig) -> list[tuple[str, str]]:
+    """How ``bench kv`` measures (the header's method rows)."""
+    shapes = f"{','.join(map(str, config.blocks))} blocks x {','.join(f'{b // 1024} KiB' for b in config.block_bytes)}"
+    return [
+        ("cases", f"{'/'.join(config.memory)} memory, {','.join(config.ops)}, {','.join(config.patterns)} ids, "
+                  f"{shapes}" + (f", plus {LLAMA} ({_LLAMA_VIEWS} views x {_LLAMA_BLOCKS} blocks x 4 KiB)"
+                                 if config.llama else "")),
+        ("tensorwire", "prepare_blocks once, then post(ids) + wait() per request; post alone timed too (host ids)"),
+        ("raw nixl", "a bare agent: Nx3 descriptors + initialize_xfer per request ('descs'), or per-block lists "
+                     "prepped once + make_prepped_xfer ('prepped')" if config.raw else "skipped (--no-raw)"),
+        ("copy", "the same bytes copied contiguously inside rank 0: the reference, measured again while its p10-p90 "
+                 "spread exceeds 20% (3 tries), then flagged 'unsteady' and not divided by"),
+        ("timing", f"{config.time_s:g} s of timed requests per path (at least 5); median, p10, p90"),
+    ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .record import Record
+from .record import STEADY_SPREAD, Record
 
 __all__ = ["COPY", "format_report", "plot_kv"]
 
@@ -13,17 +13,20 @@ COPY = "contiguous copy"  # the reference of every path: the same bytes copied i
 
 
 def format_report(records: list[Record]) -> str:
-    """One line per (case, path): post p50/p99, total, GB/s, and the ratio to the contiguous copy."""
-    lines = [f"{'case':<44} {'path':<20} {'transport':<9} {'post p50':>10} {'p99':>10} {'total':>11} {'GB/s':>8} "
-             f"{'x copy':>7}"]
+    """One line per (case, path): post p50/p99, the whole request's median, GB/s, and the ratio to the contiguous
+    copy; times in us, as in every ``tensorwire bench`` report."""
+    lines = [f"{'case':<44} {'path':<20} {'via':<9} {'post p50 us':>11} {'post p99 us':>11} {'median us':>11} "
+             f"{'GB/s':>8} {'BW/copy':>8}"]
     for r in records:
         p = r.params
         case = (f"{r.memory} {r.op} {p['pattern']} {p['blocks']}x{p['block_bytes'] // 1024}KiB"
                 + (f" x{p['views']} views ({p['layout']})" if p["views"] > 1 else ""))
-        post = f"{p['post_p50_us']:9.1f}u {p['post_p99_us']:9.1f}u" if "post_p50_us" in p else f"{'':>10} {'':>10}"
-        ratio = f"{r.ratio:6.2f}x" if r.reference == COPY else ""
-        lines.append(f"{case:<44} {r.path:<20} {r.transport:<9} {post} {r.median_us / 1e3:9.3f}ms "
-                     f"{r.gbps:8.2f} {ratio:>7}")
+        post = f"{p['post_p50_us']:11.1f} {p['post_p99_us']:11.1f}" if "post_p50_us" in p else f"{'':>11} {'':>11}"
+        ratio = r.ratio_text() if r.reference == COPY else ""
+        lines.append(f"{case:<44} {r.path:<20} {r.transport:<9} {post} {r.median_us:11.1f} {r.gbps:8.2f} {ratio:>8}")
+    lines += ["", "BW/copy = GB/s over the same bytes copied contiguously inside rank 0; unsteady = that copy's "
+              "p10-p90 spread", f"exceeded {STEADY_SPREAD:.0%} of its median after 3 tries: no ratio taken; via = the "
+              "transport that moved the bytes"]
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 """``tensorwire bench [p2p]``: point-to-point READ and WRITE between two local ranks, beside raw NIXL and a
 copy. This module is the command and ``run``; one rank's measuring is ``p2p_rank.py``, the byte checks
-``inbox.py``, the baseline ``raw_nixl.py``, the names and configuration ``p2p_records.py`` (the records are
-``record.Record``, every tensorwire row held against the copy), the tables ``report.py``.
+``p2p_inbox.py``, the baseline ``raw_nixl.py``, the names and configuration ``p2p_records.py`` (the records are
+``record.Record``, every tensorwire row held against the copy), the tables ``p2p_report.py``.
 
 Two processes (``tensorwire.testing.launch``). Rank 0 initiates every transfer; rank 1 is the passive target
 a one-sided transfer has, and only checks the bytes that landed. For each (memory, op, size), rank 0
@@ -13,7 +13,7 @@ measures, on the same registered buffers:
   take ``shm``), ``tensorwire (nixl)`` forces NIXL too, the row to hold against raw NIXL.
 - ``raw nixl``: a second, bare ``nixl_agent`` per rank, as a raw NIXL user would drive it: metadata through
   a store, ``initialize_xfer`` once, then per repetition ``transfer()`` + a tight ``check_xfer_state`` loop.
-  It is built by tensorwire's own ``_make_agent`` with NIXL's defaults except a sleeping progress thread
+  It is built by tensorwire's own ``make_agent`` with NIXL's defaults except a sleeping progress thread
   (``RAW_CONFIGS``: NIXL's spinning default would distort both sides on a small machine), so the comparison
   isolates what tensorwire adds: its Python layers and its choice of NIXL thread-safety mode.
 - ``tensorwire (in-process)`` (WRITE): rank 0's outbox into its own inbox through ``comm.prepare`` (the
@@ -50,11 +50,20 @@ import argparse
 import os
 import resource
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import InvalidArgumentError
 from ..testing.data import first_mismatch, rank_pattern
-from .command import add_common_arguments, at_least, check_plot, memories, parse_sizes, write_json
+from .command import (
+    add_common_arguments,
+    announce,
+    at_least,
+    check_plot,
+    header_lines,
+    memories,
+    parse_sizes,
+    write_json,
+)
 from .p2p_records import (
     CUDA_SIZES,
     HOST_SIZES,
@@ -68,10 +77,11 @@ from .p2p_records import (
     Record,
     format_size,
 )
+from .partial import measure_until_interrupted
 from .timing import Budget, host_seconds
 
 # Besides the command, the names this module always had: its measuring now lives in p2p_rank.py (one rank),
-# inbox.py (the byte checks), raw_nixl.py (the baseline) and p2p_records.py (what a run records).
+# p2p_inbox.py (the byte checks), raw_nixl.py (the baseline) and p2p_records.py (what a run records).
 __all__ = [
     "HOST_SIZES", "CUDA_SIZES", "RAW_CONFIGS", "BenchConfig", "Record", "BenchResult", "run", "rank_pattern",
     "first_mismatch", "format_size", "TENSORWIRE", "TENSORWIRE_STREAM", "TENSORWIRE_IN_PROCESS", "TENSORWIRE_GRAPH",
@@ -162,16 +172,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "sleeping progress thread; 'tensorwire' exactly tensorwire's agent configuration; "
                              "'nixl-default' every NIXL default (a progress thread that spins a core)")
     # Flags of 'bench moe', accepted here only to say where they belong (argparse would just call them unknown).
-    for flag in ("--ranks", "--backends"):
+    for flag in ("--ranks", "--engines"):
         parser.add_argument(flag, default=None, help=argparse.SUPPRESS)
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the benchmark, print the table, write ``--json`` / ``--plot``; blocks until both ranks are done."""
+    """Run the benchmark, print the header and a line per case on stderr, then the table; write ``--json`` /
+    ``--plot``; blocks until both ranks are done. Ctrl-C stops both ranks at once and reports what was measured
+    (exit code 130)."""
     from ..backends.nixl import quiet_nixl_logging
-    from . import report
+    from . import p2p_report as report
 
-    for flag, value in (("--ranks", args.ranks), ("--backends", args.backends)):
+    for flag, value in (("--ranks", args.ranks), ("--engines", args.engines)):
         if value is not None:
             args.parser.error(f"{flag} applies to 'tensorwire bench moe'; the p2p bench runs rank 0 -> rank 1")
     quiet_nixl_logging()
@@ -190,13 +202,33 @@ def main(args: argparse.Namespace) -> int:
         graphs=args.graphs,
     )
     head = report.header(args.argv)
-    result = run(config)
+    unfinished = _unfinished_result(config)
+    announce(header_lines(report.TITLE, head, report.method_rows(config, unfinished.raw_config,
+                                                                 unfinished.progress_wakeup_ms,
+                                                                 unfinished.default_threads)), args.quiet)
+    result, so_far = measure_until_interrupted(lambda partial: run(replace(config, partial=partial)), "p2p")
+    interrupted = result is None
+    if interrupted:
+        result = replace(unfinished, records=so_far)
     print(report.format_report(result, head, config), flush=True)
     if args.json is not None:
-        write_json(args.json, report.to_json(result, head, config))
-    if args.plot is not None:
+        write_json(args.json, {**report.to_json(result, head, config), "interrupted": interrupted})
+    if args.plot is not None and result.records:
         from .plot import plot
 
         plot(result.records, args.plot, title=f"tensorwire bench, {head['hostname']}, {head['date'][:10]}")
         print(f"wrote {args.plot}", file=sys.stderr)
-    return 0
+    return 130 if interrupted else 0
+
+
+def _unfinished_result(config: BenchConfig) -> BenchResult:
+    """What the header says before the ranks ran, and a run cut short reports: no records, no idle figures; the
+    configuration the ranks will read (this machine's, this environment's)."""
+    import torch
+
+    from ..config import load
+
+    wakeup_ms = load().progress_wakeup_ms
+    return BenchResult(records=[], idle=[], ucx_version=None, progress_wakeup_ms=wakeup_ms,
+                       raw_config=RAW_CONFIGS[config.raw_config].format(delay_us=int(max(wakeup_ms, 1.0) * 1000)),
+                       default_threads=torch.get_num_threads())

@@ -8,7 +8,6 @@ import contextlib
 import functools
 import os
 import resource
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,8 +16,10 @@ import torch
 
 from ..backends.base import Op
 from ..descriptors import TensorDesc
+from ..shared_memory import SHM_DIRECTORY, shared_empty
 from ..testing.data import rank_pattern
-from .inbox import InboxChecker, Side, check_inbox, check_path
+from .command import progress
+from .p2p_inbox import InboxChecker, Side, check_inbox, check_path
 from .p2p_records import (
     COPY,
     COPY_MT,
@@ -35,33 +36,32 @@ from .p2p_records import (
     BenchConfig,
     format_size,
 )
-from .raw_nixl import RawNixl
+from .raw_nixl import RawNixl, init_with_store, release_store
 from .record import Record, compare_with
-from .timing import Budget, Clock, CudaEventClock, HostClock, Timing, measure, measure_interleaved, summarize, time_call
+from .timing import (
+    Budget,
+    Clock,
+    CudaEventClock,
+    HostClock,
+    Timing,
+    measure,
+    measure_interleaved,
+    steadiest,
+    summarize,
+    time_call,
+)
 
 __all__ = ["rank_main"]
 
 
 def rank_main(config: BenchConfig) -> dict[str, Any]:
     """One rank of the benchmark (run by ``launch``). Rank 0 returns the records."""
-    import datetime as dt
-
-    import torch.distributed as dist
-
-    import tensorwire as tw
-
-    from ..environment import resolve_environment
-
     if config.quiet_nixl:
         from ..backends.nixl import quiet_nixl_logging
 
         quiet_nixl_logging()
-    env = resolve_environment()
     # Our own store, lent to tw.init, also carries the raw agents' metadata under "bench/".
-    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0,
-                          timeout=dt.timedelta(seconds=config.timeout_s), wait_for_workers=False)
-    comm = tw.init(timeout=config.timeout_s, store=store)
-    bench_store = dist.PrefixStore("bench/", store)
+    comm, bench_store = init_with_store(config.timeout_s)
     result: dict[str, Any] = {"rank": comm.rank}
     try:
         result["idle"] = _measure_idle(comm, config.idle_s) if config.idle_s > 0 else None
@@ -79,11 +79,7 @@ def rank_main(config: BenchConfig) -> dict[str, Any]:
         comm.barrier()
     finally:
         comm.close()
-    # Rank 0 hosts the store: it must outlive rank 1's last use of it (close() announces departure).
-    if comm.rank == 1:
-        bench_store.set("closed", b"1")
-    else:
-        bench_store.wait(["closed"])
+    release_store(comm.rank, bench_store)
     return result
 
 
@@ -130,9 +126,7 @@ def _bench_all(comm: Any, raw: RawNixl, config: BenchConfig) -> tuple[list[Recor
     finally:
         raw.close()  # before the tensors can go: nothing may stay registered over freed memory
         for side in sides:
-            side.registration.close()
-            if side.shared_file is not None:
-                os.unlink(side.shared_file)  # the mapping lives on until the buffer is freed
+            side.registration.close()  # a host buffer's /dev/shm file goes with the buffer (shared_empty)
     return records, wait_returns
 
 
@@ -141,34 +135,31 @@ def _make_side(comm: Any, raw: RawNixl, memory: str, size: int) -> Side:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     own, peer = rank_pattern(size, comm.rank, device), rank_pattern(size, 1 - comm.rank, device)
-    shared_file = None
     if device.type == "cuda":
         buffer = torch.zeros(2 * size, dtype=torch.uint8, device=device)
     else:
-        buffer, shared_file = _host_buffer(2 * size)
+        buffer = _host_buffer(2 * size)
     buffer[:size].copy_(own)
     copy_dst = torch.zeros(size, dtype=torch.uint8, device=device) if comm.rank == 0 else None
     registration = comm.register(buffer)
     raw.register(buffer)
     comm.publish(f"bench/{memory}", registration.descs)
-    side = Side(memory, buffer, size, own, peer, copy_dst, registration, shared_file=shared_file)
+    side = Side(memory, buffer, size, own, peer, copy_dst, registration)
     side.sync()
     return side
 
 
-def _host_buffer(nbytes: int) -> tuple[torch.Tensor, str | None]:
-    """A zeroed host buffer in a file of ``/dev/shm`` when it has room for both ranks' (a peer on this host
-    then reaches it through the ``shm`` transport, as a user's shared buffer would be), else anonymous
-    memory, which NIXL carries. Returns the buffer and its file."""
-    directory = "/dev/shm"
+def _host_buffer(nbytes: int) -> torch.Tensor:
+    """A zeroed host buffer in a file of ``/dev/shm`` (``tw.shared_empty``: a new file reads as zeros) when it
+    has room for both ranks' and some to spare (a peer on this host then reaches it through the ``shm``
+    transport, as a user's shared buffer would be), else anonymous memory, which NIXL carries."""
     try:
-        stats = os.statvfs(directory)
+        stats = os.statvfs(SHM_DIRECTORY)
     except OSError:
-        return torch.zeros(nbytes, dtype=torch.uint8), None
-    if stats.f_bavail * stats.f_frsize < 4 * nbytes:  # a full tmpfs would kill a writer with SIGBUS
-        return torch.zeros(nbytes, dtype=torch.uint8), None
-    path = os.path.join(directory, f"tensorwire-bench-{os.getpid()}")
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), path
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    if stats.f_bavail * stats.f_frsize < 4 * nbytes:
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    return shared_empty(nbytes, dtype=torch.uint8)
 
 
 def _bench_size(comm: Any, raw: RawNixl, side: Side, size: int, config: BenchConfig,
@@ -179,8 +170,7 @@ def _bench_size(comm: Any, raw: RawNixl, side: Side, size: int, config: BenchCon
     remote_outbox, remote_inbox = side.remote.narrow(0, size), side.remote.narrow(side.half, size)
     cases = ((Op.READ, side.inbox[:size], remote_outbox), (Op.WRITE, side.outbox[:size], remote_inbox))
     for op, local, remote in cases:
-        if config.progress:
-            print(f"bench: {side.memory} {op.value:<5} {format_size(size)}", file=sys.stderr, flush=True)
+        progress("p2p", f"{side.memory} {op.value:<5} {format_size(size)}", quiet=not config.progress)
         with contextlib.ExitStack() as stack:
             paths = _transfer_paths(comm, raw, op, local, remote, stack)
             for name, (once, _) in paths.items():
@@ -191,7 +181,8 @@ def _bench_size(comm: Any, raw: RawNixl, side: Side, size: int, config: BenchCon
                 compared[COPY] = functools.partial(side.copy_dst[:size].copy_, side.outbox[:size])
                 paths[COPY] = (compared[COPY], "torch")
                 stack.enter_context(_torch_threads(1))
-            timings = measure_interleaved(compared, HostClock(), config.budget)
+            timings = steadiest(lambda: measure_interleaved(compared, HostClock(), config.budget),  # noqa: B023
+                                spread_of=lambda t: t[COPY].spread if COPY in t else 0.0)
             check_path(side, size, op, " + ".join(p for p in paths if p != COPY), checker)
         case = [_record(side.memory, op.value, size, name, timings[name], transport,
                         **({"threads": 1} if name == COPY else {}))
@@ -204,6 +195,8 @@ def _bench_size(comm: Any, raw: RawNixl, side: Side, size: int, config: BenchCon
         if op is Op.WRITE:
             case.append(_bench_in_process(comm, side, size, config.budget))
         records += compare_with(case, COPY, paths=TENSORWIRE_PATHS)
+        if config.partial is not None:
+            config.partial.add(records[-len(case):])
     return records
 
 

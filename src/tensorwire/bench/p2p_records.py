@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends.registry import stream_ordered_names
+from .partial import PartialRecords
 from .record import Record
 from .timing import Budget
 
@@ -26,11 +27,11 @@ TENSORWIRE_GRAPH = "tensorwire (graph)"  # post(stream=) + wait(stream=) capture
 STREAM_ORDERED = stream_ordered_names()
 TENSORWIRE_PATHS = (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_GRAPH, TENSORWIRE_IN_PROCESS, TENSORWIRE_NIXL)
 RAW_CONFIGS = {
-    "sleeping": "a bare nixl_agent per rank from tensorwire's _make_agent with NIXL's defaults (UCX, error mode "
-                "peer, 1 worker, thread sync NONE) except a sleeping progress thread, pthrDelay={delay_us} µs, "
+    "sleeping": "a bare nixl_agent per rank from tensorwire's make_agent with NIXL's defaults (UCX, error mode "
+                "peer, 1 worker, thread sync NONE) except a sleeping progress thread, pthrDelay={delay_us} us, "
                 "instead of NIXL's Python default 0, which spins a core per agent",
-    "tensorwire": "a bare nixl_agent per rank configured exactly as tensorwire's own (_make_agent's defaults: "
-                  "sleeping progress thread, pthrDelay={delay_us} µs, and tensorwire's thread sync mode), so only "
+    "tensorwire": "a bare nixl_agent per rank configured exactly as tensorwire's own (make_agent's defaults: "
+                  "sleeping progress thread, pthrDelay={delay_us} us, and tensorwire's thread sync mode), so only "
                   "tensorwire's Python layers differ",
     "nixl-default": "a bare nixl_agent per rank with every NIXL Python default, pthrDelay=0 included: its "
                     "progress thread spins a core per agent (distorts timings when threads outnumber cores)",
@@ -53,6 +54,7 @@ class BenchConfig:
     progress: bool = True
     timeout_s: float = 600.0
     graphs: bool = False  # GPU: also time post(stream=) + wait(stream=) replayed from a CUDA graph
+    partial: PartialRecords | None = None  # where rank 0 adds each case's records as it measures them
 
     def sizes(self, memory: str) -> tuple[int, ...]:
         return self.host_sizes if memory == "cpu" else self.cuda_sizes

@@ -97,27 +97,27 @@ def plot(records: list[Record], path: Path, title: str = "tensorwire bench") -> 
 
 
 def plot_moe(records: list[Record], path: Path, title: str = "tensorwire bench moe") -> None:
-    """``bench moe`` records as bars: GB/s per backend (the records' path), dispatch and combine side by side,
+    """``bench moe`` records as bars: GB/s per engine (the records' path), dispatch and combine side by side,
     one panel per token count, the copy of the same bytes as a dashed line. A small PNG."""
     if not records:
-        raise InvalidArgumentError("bench moe --plot: no records to plot (no backend was timed)")
+        raise InvalidArgumentError("bench moe --plot: no records to plot (no engine was timed)")
     pyplot = require_matplotlib()
     token_counts = sorted({r.params["tokens"] for r in records})
-    backends = list(dict.fromkeys(r.path for r in records))
+    engines = list(dict.fromkeys(r.path for r in records))
     figure, axes = pyplot.subplots(1, len(token_counts), figsize=(4.5 * len(token_counts), 3.2), dpi=_DPI,
                                    squeeze=False)
     for axis, tokens in zip(axes.flat, token_counts):
         rows = [r for r in records if r.params["tokens"] == tokens]
         for offset, (op, color) in enumerate((("dispatch", "#1f77b4"), ("combine", "#ff7f0e"))):
-            values = [next((r.gbps for r in rows if (r.path, r.op) == (b, op)), 0.0) for b in backends]
-            axis.bar([i + 0.4 * offset for i in range(len(backends))], values, width=0.4, label=op, color=color)
+            values = [next((r.gbps for r in rows if (r.path, r.op) == (b, op)), 0.0) for b in engines]
+            axis.bar([i + 0.4 * offset for i in range(len(engines))], values, width=0.4, label=op, color=color)
         copy = max((r.params["copy_gbps"] for r in rows), default=0.0)
         axis.axhline(copy, color="#2ca02c", linestyle="--", label=f"copy {copy:,.0f} GB/s")
         shared = max((r.params.get("shared_copy_gbps", 0.0) for r in rows), default=0.0)  # older JSONs lack it
         sample = rows[0].params
         if shared and sample["world_size"] > 1:
             axis.axhline(shared, color="#9467bd", linestyle=":", label=f"shared copy {shared:,.0f} GB/s")
-        axis.set_xticks([i + 0.2 for i in range(len(backends))], backends, fontsize=8)
+        axis.set_xticks([i + 0.2 for i in range(len(engines))], engines, fontsize=8)
         axis.set_yscale("log")
         axis.set_ylabel("GB/s (median)", fontsize=9)
         axis.set_title(f"T={tokens}, H={sample['hidden']} {sample['dtype']}, top-{sample['topk']}, "

@@ -1,11 +1,13 @@
-"""What every ``tensorwire bench`` benchmark records: one ``Record`` per measured path of one case, the same
-type for ``p2p``, ``moe`` and ``kv``, and the one way records go to and come from a JSON file.
+"""What every ``tensorwire bench`` benchmark records: one ``Record`` per measured path of one case, the same type
+for ``p2p``, ``moe`` and ``kv``, and the one way records go to and come from a JSON file.
 
-A record holds what all benchmarks share: which benchmark, the memory, the op, what was timed (``path``) and
-what moved the bytes (``transport``), the bytes one timed call moves, the statistics of its timed calls
-(median, p10 and p90 in µs; GB/s at the median), and the reference it is held against with the ratio of their
-bandwidths. What only one benchmark has (MoE's token count, KV's block count, a copy's thread count) is in
-``params``. ``from_dict`` also reads the records of JSON files written before benchmarks shared this type.
+A record holds what all benchmarks share: which benchmark, the memory, the op, what was timed (``path``) and what
+moved the bytes (``transport``), the bytes one timed call moves, the statistics of its timed calls (median, p10
+and p90 in µs; GB/s at the median), and the reference it is held against with the ratio of their bandwidths. A
+reference that is itself unsteady (p10 to p90 over ``STEADY_SPREAD`` of its median) is never divided by: the
+record names it and its spread, and its ``ratio`` is None. What only one benchmark has (MoE's token count, KV's
+block count, a copy's thread count) is in ``params``. ``from_dict`` also reads the records of JSON files written
+before benchmarks shared this type.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import Any
 
 from .timing import Timing
 
-__all__ = ["Record", "compare_with", "records_to_json", "records_from_json"]
+__all__ = ["Record", "STEADY_SPREAD", "compare_with", "records_to_json", "records_from_json"]
+
+STEADY_SPREAD = 0.2  # (p90 - p10) / median above which a measurement is too unsteady to hold others against
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,8 @@ class Record:
     p90_us: float
     gbps: float
     reference: str | None = None  # the path held against this one: a copy of the same bytes
-    ratio: float | None = None  # gbps over the reference's gbps: above 1 is faster than the reference
+    ratio: float | None = None  # gbps over the reference's gbps (above 1 is faster); None: reference unsteady
+    reference_spread: float | None = None  # the reference's (p90 - p10) / median
     params: dict[str, Any] = field(default_factory=dict, hash=False)  # benchmark-specific keys
 
     @staticmethod
@@ -45,10 +50,23 @@ class Record:
         return Record(benchmark, memory, op, path, transport, nbytes, timing.reps, timing.median_us,
                       timing.p10_us, timing.p90_us, timing.gbps(nbytes), params=params)
 
-    def against(self, reference: str, reference_gbps: float) -> Record:
-        """This record held against ``reference``, which moved the same bytes at ``reference_gbps``."""
-        ratio = self.gbps / reference_gbps if reference_gbps else float("nan")
-        return replace(self, reference=reference, ratio=ratio)
+    @property
+    def spread(self) -> float:
+        """(p90 - p10) / median: how much the timed calls varied."""
+        return (self.p90_us - self.p10_us) / self.median_us if self.median_us > 0 else float("inf")
+
+    def against(self, reference: Record) -> Record:
+        """This record held against ``reference``, which moved the same bytes: the ratio of their GB/s, or None
+        when the reference is unsteady (``STEADY_SPREAD``) or moved nothing measurable."""
+        steady = reference.spread <= STEADY_SPREAD and reference.gbps > 0
+        return replace(self, reference=reference.path, ratio=self.gbps / reference.gbps if steady else None,
+                       reference_spread=reference.spread)
+
+    def ratio_text(self) -> str:
+        """The ratio as a report column shows it: ``0.52x``, ``unsteady`` (reference spread too wide) or empty."""
+        if self.reference is None:
+            return ""
+        return "unsteady" if self.ratio is None else f"{self.ratio:.2f}x"
 
     def to_dict(self) -> dict[str, Any]:
         """The record as a JSON object: every field by name, ``params`` as a nested object."""
@@ -74,7 +92,7 @@ def compare_with(records: Iterable[Record], reference_path: str, paths: Iterable
     if reference is None:
         return records
     chosen = None if paths is None else set(paths)
-    return [r.against(reference_path, reference.gbps) if chosen is None or r.path in chosen else r for r in records]
+    return [r.against(reference) if chosen is None or r.path in chosen else r for r in records]
 
 
 def records_to_json(records: Iterable[Record]) -> list[dict[str, Any]]:

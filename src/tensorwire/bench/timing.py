@@ -34,12 +34,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["Budget", "Timing", "Clock", "HostClock", "CudaEventClock", "measure", "measure_interleaved", "summarize",
-           "time_call", "host_seconds", "quantile"]
+T = TypeVar("T")
+
+__all__ = ["Budget", "Timing", "Clock", "HostClock", "CudaEventClock", "measure", "measure_interleaved", "steadiest",
+           "summarize", "time_call", "host_seconds", "quantile"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,11 @@ class Timing:
     p90_us: float
     min_us: float
     mean_us: float
+
+    @property
+    def spread(self) -> float:
+        """(p90 - p10) / median: how much the timed calls varied."""
+        return (self.p90_us - self.p10_us) / self.median_us if self.median_us > 0 else float("inf")
 
     def gbps(self, nbytes: int) -> float:
         """Bandwidth at the median, in GB/s (1e9 bytes per second)."""
@@ -238,6 +245,21 @@ def measure_interleaved(fns: dict[str, Callable[[], Any]], clock: Clock | None =
         if gc_was_enabled:
             gc.enable()
     return {name: summarize(values) for name, values in samples.items()}
+
+
+def steadiest(measure_once: Callable[[], T], spread_of: Callable[[T], float] = lambda t: t.spread,
+              tries: int = 3, spread: float = 0.2) -> T:
+    """A measurement repeated until its reference is steady: ``measure_once()`` again while ``spread_of`` its
+    result (p10 to p90 over the median of the reference's calls; default: the result is that ``Timing``)
+    exceeds ``spread``, at most ``tries`` times in all; the steadiest of the tries. Benchmarks flag a reference
+    that stays unsteady instead of dividing by it (``record.Record.against``)."""
+    best = measure_once()
+    for _ in range(tries - 1):
+        if spread_of(best) <= spread:
+            break
+        again = measure_once()
+        best = again if spread_of(again) < spread_of(best) else best
+    return best
 
 
 def _warm_up(fn: Callable[[], Any], clock: Clock, budget: Budget) -> float:

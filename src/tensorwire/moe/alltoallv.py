@@ -22,14 +22,14 @@ __all__ = ["all_to_all_v"]
 
 
 def all_to_all_v(send: torch.Tensor, send_counts: torch.Tensor | Sequence[int], *, comm: Communicator,
-                 backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 engine: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``send[sum(send_counts[:r]) : +send_counts[r]]`` go to rank ``r``.
 
     Args:
         send: ``[N, ...]`` any dtype, CPU or CUDA; rows grouped by destination rank. The row shape
             (``send.shape[1:]``) and dtype must match on every rank.
         send_counts: ``[W]`` integers (a tensor on any device, or a list) summing to ``N``.
-        backend: ``"torch"``, ``"nixl"``, ``"cuda"`` or None for the fastest available.
+        engine: ``"torch"``, ``"nixl"``, ``"cuda"`` or None for the fastest available.
 
     Returns ``(recv, recv_counts)``: ``recv [sum(recv_counts), ...]`` on send's device, rows grouped by
     source rank in rank order; ``recv_counts [W]`` int64 on send's device. Collective; exact shapes, so
@@ -54,8 +54,8 @@ def all_to_all_v(send: torch.Tensor, send_counts: torch.Tensor | Sequence[int], 
             f"all_to_all_v: send_counts {counts} sum to {sum(counts)} but send has {send.shape[0]} rows; "
             "the counts must cover every row, grouped by destination rank"
         )
-    engine = selection.engine(comm, backend, send.device, "all_to_all_v")
-    recv, recv_counts = engine.all_to_all_v(send.contiguous(), counts)
+    chosen = selection.engine(comm, engine, send.device, "all_to_all_v")
+    recv, recv_counts = chosen.all_to_all_v(send.contiguous(), counts)
     return recv, torch.tensor(recv_counts, dtype=torch.int64).to(send.device)
 
 

@@ -12,7 +12,7 @@ The groups are cached in a ``WeakKeyDictionary`` keyed by the communicator, so t
 the group's own methods (``allgather``, ``alltoall_base``): the functional ``torch.distributed`` API wants
 a default process group, which tensorwire does not require users to create.
 
-Non-goals: a general torch.distributed wrapper. This is what ``tensorwire.moe``'s ``"torch"`` backend
+Non-goals: a general torch.distributed wrapper. This is what ``tensorwire.moe``'s ``"torch"`` engine
 needs: an all-gather of small rows and an all-to-all with uneven splits.
 """
 
@@ -67,8 +67,8 @@ def process_group(comm: Communicator, device: torch.device) -> Any:
         if not available:
             other = "'nixl' or 'cuda'" if kind == "nccl" else "'nixl'"
             raise BackendUnavailableError(
-                f"torch backend unavailable for {device.type} tensors: {reason}; "
-                f"pass backend={other}"
+                f"torch engine unavailable for {device.type} tensors: {reason}; "
+                f"pass engine={other}"
             )
         peers = tuple(rank for rank in range(comm.world_size) if rank != comm.rank)
         store = SealedStore(comm.runtime.store, f"pg/{kind}/", peers, comm.timeout_s)

@@ -14,18 +14,18 @@ import torch
 
 from ..errors import InvalidArgumentError
 from . import selection
-from .engine import Dispatch, DispatchResult, check_open
+from .engine import Dispatch, check_open
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
 
-__all__ = ["Dispatch", "DispatchResult", "dispatch"]
+__all__ = ["Dispatch", "dispatch"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_experts: int,
-             comm: Communicator, backend: str | None = None, capacity: int | None = None) -> Dispatch:
+             comm: Communicator, engine: str | None = None, capacity: int | None = None) -> Dispatch:
     """Send every (token, expert) pair's row of ``x`` to the rank holding the expert. Collective: every
     rank calls it, in the same order, with the same ``num_experts``, hidden size, dtype and ``capacity``.
 
@@ -34,24 +34,24 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         topk_idx: ``[T, K]`` int64 on x's device; ``-1`` means "no expert".
         topk_weights: ``[T, K]`` floating point on x's device; used by ``combine`` on this rank.
         num_experts: ``E``, a multiple of the world size.
-        backend: ``"torch"``, ``"nixl"``, ``"cuda"`` or None for the fastest available.
+        engine: ``"torch"``, ``"nixl"``, ``"cuda"`` or None for the fastest available.
         capacity: receive rows per rank. None: exact shapes, one host sync. Given: ``recv_x`` has
             ``capacity`` rows, ``num_recv_rows`` says how many are valid; on ``"cuda"`` the call then makes
             no host sync and is CUDA-graph capturable (an overflow drops rows and is reported by
-            ``Dispatch.check()``); the other backends still sync once and raise on overflow.
+            ``Dispatch.check()``); the other engines still sync once and raise on overflow.
 
     Returns a ``Dispatch`` (see its docstring for every tensor).
     """
     _check_inputs(x, topk_idx, topk_weights, num_experts, comm, capacity)
-    engine = selection.engine(comm, backend, x.device, "dispatch")
-    layout = engine.send_layout(topk_idx, num_experts, comm.world_size)
-    return engine.dispatch(x, layout, topk_weights, capacity)
+    chosen = selection.engine(comm, engine, x.device, "dispatch")
+    layout = chosen.send_layout(topk_idx, num_experts, comm.world_size)
+    return chosen.dispatch(x, layout, topk_weights, capacity)
 
 
 def _check_inputs(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                   comm: Communicator, capacity: int | None) -> None:
     """Validate at the public boundary (``if ... raise``: never stripped by ``python -O``). No host sync:
-    values inside the tensors are checked by the backends, on every rank alike."""
+    values inside the tensors are checked by the engines, on every rank alike."""
     from ..communicator import Communicator
 
     if not isinstance(comm, Communicator):

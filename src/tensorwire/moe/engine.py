@@ -32,7 +32,7 @@ from .rows import check_fresh
 if TYPE_CHECKING:
     from ..communicator import Communicator
 
-__all__ = ["Dispatch", "DispatchHandle", "DispatchResult", "Engine", "Received", "SkeletonEngine", "check_open"]
+__all__ = ["Dispatch", "DispatchHandle", "Engine", "Received", "SkeletonEngine", "check_open"]
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,10 @@ class Dispatch:
       - ``recv_weights [N]`` (topk_weights' dtype): the routing weight of each row's pair.
       - ``num_recv_rows`` 0-dim int64: the valid rows (``N`` itself on the exact path; with ``capacity`` the
         rows past it are unspecified).
-    Also ``capacity``, the ``backend`` name, ``num_tokens`` (this rank's ``T``) and ``combined``. What
+    Also ``capacity``, the ``engine`` name, ``num_tokens`` (this rank's ``T``) and ``combined``. What
     ``combine`` needs of the send side stays with the engine.
 
-    On the ``"cuda"`` backend ``recv_x`` is a view of the backend's receive buffer (no copy; strided when a
+    On the ``"cuda"`` engine ``recv_x`` is a view of the engine's receive buffer (no copy; strided when a
     row is not a multiple of 64 bytes), and so are ``recv_src_rank`` and ``recv_src_idx`` (valid until the
     second dispatch after this one). ``recv_x`` holds the received rows until this dispatch is combined, when
     ``combine`` stores the expert outputs into it (clone it to keep the inputs, e.g. for a backward pass).
@@ -74,7 +74,7 @@ class Dispatch:
     replay, so combine an eager dispatch before replaying a graph that dispatches.
 
     ``check()`` reports a device-side error (capacity overflow, an expert id out of range, a timed-out
-    wait) of the ``cuda`` backend; it synchronises with the host. The other backends raise such errors
+    wait) of the ``cuda`` engine; it synchronises with the host. The other engines raise such errors
     from the call itself.
     """
 
@@ -85,22 +85,20 @@ class Dispatch:
     recv_weights: torch.Tensor
     num_recv_rows: torch.Tensor
     capacity: int | None
-    backend: str
+    engine: str
     num_tokens: int
     _handle: DispatchHandle
     combined: bool = False
 
     def check(self) -> None:
-        """Raise the error the backend recorded on the device, if any. Synchronises with the host."""
+        """Raise the error the engine recorded on the device, if any. Synchronises with the host."""
         self._handle.engine.check("dispatch")
 
     def __repr__(self) -> str:
-        return (f"Dispatch(backend={self.backend!r}, recv_x={tuple(self.recv_x.shape)} {self.recv_x.dtype} on "
+        return (f"Dispatch(engine={self.engine!r}, recv_x={tuple(self.recv_x.shape)} {self.recv_x.dtype} on "
                 f"{self.recv_x.device}, num_tokens={self.num_tokens}, capacity={self.capacity}, "
                 f"combined={self.combined})")
 
-
-DispatchResult = Dispatch
 
 
 @dataclass(frozen=True)
@@ -118,7 +116,7 @@ class Received:
 
 
 class Engine(Protocol):
-    """One MoE backend, created once per communicator (``selection``) and closed with it. Every method
+    """One MoE engine, created once per communicator (``selection``) and closed with it. Every method
     but ``check`` and ``close`` is collective: every rank calls it, in the same order."""
 
     name: str
@@ -172,7 +170,7 @@ class SkeletonEngine:
         return Dispatch(
             recv_x=got.recv_x, tokens_per_expert=got.tokens_per_expert, recv_src_rank=got.recv_src_rank,
             recv_src_idx=got.recv_src_idx, recv_weights=got.recv_weights, num_recv_rows=got.num_recv_rows,
-            capacity=capacity, backend=self.name, num_tokens=layout.num_tokens,
+            capacity=capacity, engine=self.name, num_tokens=layout.num_tokens,
             _handle=DispatchHandle(self, layout, topk_weights, self.dispatches, got.state),
         )
 

@@ -8,12 +8,12 @@ Vocabulary (one name per concept, used across ``tensorwire.moe``):
 - The *send order* of a rank lists its pairs grouped by destination rank, then by local expert, then by
   token (a stable sort on the expert id, since ``e = rank * L + local_expert``). Invalid pairs come last.
 - The *count matrix* ``counts [W(source), E]``: row ``s`` is rank ``s``'s number of pairs per expert.
-  Every backend gathers it on every rank, so every rank can compute every other rank's layout. Seen as
+  Every engine gathers it on every rank, so every rank can compute every other rank's layout. Seen as
   ``[W(source), W(destination), L]`` it gives everything below.
 - The *receive order* of rank ``r`` groups rows by local expert, source ranks in order inside a group,
   each source's rows in its send order (so by token): row blocks ``(l, s)``, ``l`` major.
 
-Non-goals: deciding routing (the caller's ``topk_idx``), moving bytes (the backends).
+Non-goals: deciding routing (the caller's ``topk_idx``), moving bytes (the engines).
 """
 
 from __future__ import annotations

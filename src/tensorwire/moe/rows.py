@@ -103,6 +103,6 @@ def check_fresh(dispatches_now: int, dispatch_index: int) -> None:
     later = dispatches_now - dispatch_index
     if later >= 2:
         raise InvalidArgumentError(
-            f"combine: {later} dispatches ran after this one on the same communicator and backend; receive "
+            f"combine: {later} dispatches ran after this one on the same communicator and engine; receive "
             "buffers alternate between two dispatches, so combine each dispatch before the second one after it"
         )

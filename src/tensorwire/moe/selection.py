@@ -1,12 +1,12 @@
 """Which MoE engine moves the rows: the names, what each needs, the default, one engine per communicator.
 
-| backend   | memory    | how                                                              | host sync          |
+| engine    | memory    | how                                                              | host sync          |
 |-----------|-----------|------------------------------------------------------------------|--------------------|
 | ``torch`` | cpu, cuda | torch.distributed all-to-all (Gloo on host, NCCL on GPU)         | one per call       |
 | ``nixl``  | cpu, cuda | one-sided WRITEs into peers' registered buffers + notifications  | one per call       |
 | ``cuda``  | cuda      | Triton kernels storing into peers' memory through CUDA IPC       | none with capacity |
 
-``backend=None`` picks, for host tensors, ``nixl`` (UCX shared memory beats Gloo's TCP; ``tensorwire
+``engine=None`` picks, for host tensors, ``nixl`` (UCX shared memory beats Gloo's TCP; ``tensorwire
 bench`` measures both), and for CUDA tensors ``cuda`` when every rank is on this host and Triton and the
 CUDA IPC transport are present, else ``nixl`` (the path that crosses machines).
 
@@ -28,16 +28,16 @@ from .engine import Engine
 if TYPE_CHECKING:
     from ..communicator import Communicator
 
-__all__ = ["BACKENDS", "default_backend", "engine"]
+__all__ = ["ENGINES", "default_engine", "engine"]
 
-BACKENDS = ("torch", "nixl", "cuda")
+ENGINES = ("torch", "nixl", "cuda")
 # Engines live on their communicator (an extension slot), not in a module-level WeakKeyDictionary: an engine
 # holds registrations, which hold the communicator, so a weak-keyed cache would keep it alive forever.
 _ENGINES_SLOT = "moe.engines"
 
 
 def _cuda_reason(comm: Communicator, device: torch.device) -> str | None:
-    """None when the ``cuda`` backend can run here, else why not."""
+    """None when the ``cuda`` engine can run here, else why not."""
     if device.type != "cuda":
         return f"it moves CUDA tensors only, these are on {device}"
     if comm.runtime.transports.with_capability("peer_pointers") is None:
@@ -51,34 +51,34 @@ def _cuda_reason(comm: Communicator, device: torch.device) -> str | None:
     return None
 
 
-def default_backend(comm: Communicator, device: torch.device) -> str:
-    """The fastest backend available for tensors on ``device`` (see the module docstring)."""
+def default_engine(comm: Communicator, device: torch.device) -> str:
+    """The fastest engine available for tensors on ``device`` (see the module docstring)."""
     if device.type == "cuda" and _cuda_reason(comm, device) is None:
         return "cuda"
     return "nixl"
 
 
-def engine(comm: Communicator, backend: str | None, device: torch.device, fn: str) -> Engine:
-    """The engine of ``backend`` (None: the default) for ``comm``, created once per communicator."""
-    if backend is not None and backend not in BACKENDS:
+def engine(comm: Communicator, requested: str | None, device: torch.device, fn: str) -> Engine:
+    """The engine named ``requested`` (None: the default) for ``comm``, created once per communicator."""
+    if requested is not None and requested not in ENGINES:
         raise InvalidArgumentError(
-            f"{fn}: backend={backend!r} is not one of {', '.join(map(repr, BACKENDS))}; pass one of them, "
+            f"{fn}: engine={requested!r} is not one of {', '.join(map(repr, ENGINES))}; pass one of them, "
             "or None for the fastest available"
         )
-    name = backend or default_backend(comm, device)
+    name = requested or default_engine(comm, device)
     if name == "cuda":
         reason = _cuda_reason(comm, device)
         if reason is not None:
             raise BackendUnavailableError(
-                f"{fn}: backend='cuda' is unavailable: {reason}; "
-                "pass backend='nixl' or 'torch'"
+                f"{fn}: engine='cuda' is unavailable: {reason}; "
+                "pass engine='nixl' or 'torch'"
             )
     if name == "torch":
         from . import collectives
 
         available, reason = collectives.availability(device)
         if not available:
-            raise BackendUnavailableError(f"{fn}: backend='torch' is unavailable: {reason}; pass backend='nixl'")
+            raise BackendUnavailableError(f"{fn}: engine='torch' is unavailable: {reason}; pass engine='nixl'")
     engines = comm.runtime.extension(_ENGINES_SLOT, dict)
     if name not in engines:
         engines[name] = _create(comm, name)

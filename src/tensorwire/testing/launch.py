@@ -4,14 +4,21 @@ Each child gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, 
 ``MASTER_PORT`` in its own environment before ``fn`` runs, so ``tw.init()`` works unchanged, and a fresh random
 ``TENSORWIRE_JOB_TOKEN`` shared by the job's ranks only (the launching process's environment is not changed).
 The first rank to fail (exception or non-zero exit) stops every rank, and its traceback is raised here.
+
+The launching process owns its ranks: Ctrl-C reaches it alone (the ranks ignore SIGINT, so a rank is never
+cut half-way through its own cleanup) and it stops them all; a rank dies with the launching process even when
+that is killed with SIGKILL (Linux: ``PR_SET_PDEATHSIG``). Once its ranks are gone the launcher removes the
+``/dev/shm`` files they left (``shared_memory.remove_orphans``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import secrets
+import signal
 import socket
 import time
 import traceback
@@ -19,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import TensorwireError, WaitTimeoutError
+from ..shared_memory import remove_orphans
 
 __all__ = ["launch", "free_port", "RankFailedError"]
 
@@ -33,8 +41,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with(parent_pid: int) -> None:
+    """This rank ignores Ctrl-C (the launcher stops it) and is killed when the launching process dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return  # not Linux: a rank outlives a killed launcher until its own timeouts end it
+    if os.getppid() != parent_pid:  # the launcher died before the call above
+        os._exit(1)
+
+
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, env: dict[str, str],
-           args: tuple, conn: Any) -> None:
+           args: tuple, conn: Any, parent_pid: int) -> None:
+    _die_with(parent_pid)
     os.environ.update(env)
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
@@ -93,7 +116,8 @@ def _launch_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: 
     env = {"TENSORWIRE_JOB_TOKEN": secrets.token_hex(16), **(env or {})}
     for rank in range(world_size):
         parent_conn, child_conn = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(fn, rank, world_size, port, dict(env or {}), args, child_conn),
+        p = ctx.Process(target=_child, args=(fn, rank, world_size, port, dict(env or {}), args, child_conn,
+                                             os.getpid()),
                         name=f"tensorwire-rank{rank}", daemon=True)
         p.start()
         child_conn.close()
@@ -134,4 +158,5 @@ def _launch_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: 
                 p.kill()
         for p in procs:
             p.join(timeout=10)
+        remove_orphans()  # the /dev/shm files of ranks that were killed
     return results

@@ -1,4 +1,4 @@
-"""One module per MoE backend, each an ``engine.SkeletonEngine`` that writes its count exchange and its row
+"""One module per MoE engine, each an ``engine.SkeletonEngine`` that writes its count exchange and its row
 move (``engine`` draws the skeleton):
 
 - ``torch``: torch.distributed all-gather and all-to-all (``moe.collectives``); the reference.

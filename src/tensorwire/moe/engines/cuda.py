@@ -90,8 +90,8 @@ class CudaEngine(SkeletonEngine):
         except ImportError as e:
             missing = e.name or "a module"
             raise BackendUnavailableError(
-                f"backend='cuda': importing its Triton kernels failed because {missing!r} could not be imported "
-                f"({e}); install triton matching torch {torch.__version__}, or pass backend='nixl'"
+                f"engine='cuda': importing its Triton kernels failed because {missing!r} could not be imported "
+                f"({e}); install triton matching torch {torch.__version__}, or pass engine='nixl'"
             ) from e
         super().__init__(comm)
         self.kernels, self.routing = nvlink, routing
@@ -232,7 +232,7 @@ class CudaEngine(SkeletonEngine):
             self.device = device
             self.error = torch.zeros(1, dtype=torch.int64, device=device)
         elif device != self.device:
-            raise InvalidArgumentError(f"{fn}: backend='cuda' of this communicator runs on {self.device}, these "
+            raise InvalidArgumentError(f"{fn}: engine='cuda' of this communicator runs on {self.device}, these "
                                        f"tensors are on {device}; keep one device per communicator")
         return device
 

@@ -99,7 +99,7 @@ def map_space(comm: Communicator, key: str, nbytes: int,
     copy of it as an address in this process (``[W]`` int64 on ``device``). Collective; syncs the host."""
     if torch.cuda.is_current_stream_capturing():
         raise InvalidArgumentError(
-            f"backend='cuda' sets up its buffers ({key}) on the first call of each shape, which cannot be "
+            f"engine='cuda' sets up its buffers ({key}) on the first call of each shape, which cannot be "
             "captured; make one call with the same shapes and capacity before capturing the CUDA graph"
         )
     tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -115,5 +115,5 @@ def map_space(comm: Communicator, key: str, nbytes: int,
         try:
             addresses.append(comm.peer_pointer(desc))
         except BackendUnavailableError as e:
-            raise BackendUnavailableError(f"backend='cuda': {e}; or pass backend='nixl'") from e
+            raise BackendUnavailableError(f"engine='cuda': {e}; or pass engine='nixl'") from e
     return tensor, registration, torch.tensor(addresses, dtype=torch.int64).to(device)

@@ -109,9 +109,9 @@ def received_meta(space: DataSpace, half: int, rows: int,
 def raise_errors(bits: int, fn: str, timeout_s: float) -> None:
     """Raise what the device error word's ``bits`` say (``count_rows``' ERROR_* and ``TIMED_OUT``)."""
     if bits & TIMED_OUT:
-        raise WaitTimeoutError(f"{fn}: a GPU wait of backend='cuda' was not released by the peers within "
+        raise WaitTimeoutError(f"{fn}: a GPU wait of engine='cuda' was not released by the peers within "
                                f"{timeout_s:.3g}s and was forced open; a peer is stuck, dead or made different MoE "
-                               "calls; results since are invalid and this communicator's cuda backend is unusable: "
+                               "calls; results since are invalid and this communicator's cuda engine is unusable: "
                                "close it and init a new one")
     if bits & ERROR_EXPERT_OUT_OF_RANGE:
         raise InvalidArgumentError(f"{fn}: topk_idx on some rank held expert ids outside [-1, num_experts) (they were "

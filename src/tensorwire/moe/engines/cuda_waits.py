@@ -87,12 +87,12 @@ class StreamWaits:
             for _, addresses, target in waits:
                 for address in addresses:
                     cuda.check(cu.cuMemsetD32Async(address, target, 1, handle), "cuMemsetD32Async")
-        warnings.warn(f"tensorwire: backend='cuda': {why}; forced it open, MoE calls on this communicator raise "
+        warnings.warn(f"tensorwire: engine='cuda': {why}; forced it open, MoE calls on this communicator raise "
                       "from now on", TensorwireWarning, stacklevel=2)
 
     def _watchdog_failed(self, error: Exception) -> None:
         self.timed_out = True
-        warnings.warn(f"tensorwire: backend='cuda': the watchdog could not open a GPU wait: {error}", TensorwireWarning,
+        warnings.warn(f"tensorwire: engine='cuda': the watchdog could not open a GPU wait: {error}", TensorwireWarning,
                       stacklevel=2)
 
     def release(self) -> bool:

@@ -4,11 +4,10 @@ here) in ``command.py``, shared by every benchmark."""
 
 from __future__ import annotations
 
-import textwrap
 from dataclasses import asdict
 from typing import Any
 
-from .command import header
+from .command import header, header_lines
 from .p2p_records import (
     COPY,
     IDLE_BYTES,
@@ -25,9 +24,11 @@ from .p2p_records import (
     Record,
     format_size,
 )
-from .record import records_to_json
+from .record import STEADY_SPREAD, records_to_json
 
-__all__ = ["header", "comparisons", "summary", "format_report", "to_json"]
+__all__ = ["TITLE", "header", "method_rows", "comparisons", "summary", "format_report", "to_json"]
+
+TITLE = "tensorwire bench p2p: rank 0 -> rank 1, two local processes"
 
 _ROW_ORDER = (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_GRAPH, TENSORWIRE_IN_PROCESS, TENSORWIRE_NIXL, RAW, COPY)
 
@@ -53,43 +54,25 @@ def comparisons(records: list[Record]) -> list[dict[str, Any]]:
             out.append({
                 "memory": memory, "op": op, "size": size, "path": name, "transport": tw.transport,
                 "bw_vs_copy": tw.ratio if tw.reference == COPY else None,
-                "time_vs_raw": tw.median_us / raw.median_us if raw else None,
+                "time_vs_raw": tw.median_us / raw.median_us if raw and raw.spread <= STEADY_SPREAD else None,
             })
     return out
 
 
 def summary(result: BenchResult) -> list[dict[str, Any]]:
-    """The headline numbers against their goals; ``ok`` is None where a number was not measured."""
+    """The headline numbers against their goals; ``ok`` is None where a number was not measured, or its reference
+    was too unsteady to hold it against."""
     cases = _cases(result.records)
-    lines = []
-    big = cases.get(("cpu", "WRITE", 64 << 20), {})
-    if TENSORWIRE in big and COPY in big:
-        ratio = big[TENSORWIRE].gbps / big[COPY].gbps
-        lines.append({"name": "64 MiB cpu WRITE bandwidth vs copy", "value": ratio, "goal": ">= 0.6",
-                      "ok": ratio >= 0.6,
-                      "text": f"64 MiB cpu WRITE: tensorwire {big[TENSORWIRE].gbps:.2f} GB/s = {ratio:.2f}x copy "
-                              f"({big[COPY].gbps:.2f} GB/s, 1 thread); goal >= 0.6x"})
-    else:
-        lines.append({"name": "64 MiB cpu WRITE bandwidth vs copy", "value": None, "goal": ">= 0.6", "ok": None,
-                      "text": "64 MiB cpu WRITE: not measured (add 64M to --sizes and cpu to --memory)"})
-    small = cases.get(("cpu", "WRITE", 4 << 10), {})
-    if TENSORWIRE in small and RAW in small:
-        us, ratio = small[TENSORWIRE].median_us, small[TENSORWIRE].median_us / small[RAW].median_us
-        lines.append({"name": "4 KiB cpu WRITE latency", "value": us, "ratio_vs_raw": ratio,
-                      "goal": "<= 10 us, <= 1.1x raw", "ok": us <= 10 and ratio <= 1.1,
-                      "text": f"4 KiB cpu WRITE: tensorwire {us:.2f} µs median (goal <= 10 µs) = {ratio:.2f}x raw "
-                              f"nixl's {small[RAW].median_us:.2f} µs (goal <= 1.1x)"})
-    else:
-        lines.append({"name": "4 KiB cpu WRITE latency", "value": None, "goal": "<= 10 us, <= 1.1x raw", "ok": None,
-                      "text": "4 KiB cpu WRITE: not measured (add 4K to --sizes and cpu to --memory)"})
+    lines = [_bandwidth_line(cases.get(("cpu", "WRITE", 64 << 20), {})),
+             _latency_line(cases.get(("cpu", "WRITE", 4 << 10), {}))]
     for w in result.wait_returns:
         ok = w["median_us"] < 20 and w["in_flight"] == w["reps"]
         lines.append({"name": f"wait(stream=) return, {w['transport']}", "value": w["median_us"], "goal": "< 20 us",
                       "ok": ok,
-                      "text": f"wait(stream=) over {w['transport']} returned to the CPU after {w['median_us']:.1f} µs "
+                      "text": f"wait(stream=) over {w['transport']} returned to the CPU after {w['median_us']:.1f} us "
                               f"median (p10-p90 {w['p10_us']:.1f}-{w['p90_us']:.1f}, first call {w['first_us']:.1f}) "
                               f"with a {format_size(w['size'])} {w['op']} in flight ({w['in_flight']}/{w['reps']} "
-                              "still moving at return); goal < 20 µs"})
+                              "still moving at return); goal < 20 us"})
     if any(r.memory == "cuda" for r in result.records):
         lines += _gpu_latency_lines(cases)
     if result.idle:
@@ -103,8 +86,40 @@ def summary(result: BenchResult) -> list[dict[str, Any]]:
     return lines
 
 
+def _unsteady(reference: Record) -> str:
+    return (f"{reference.path} unsteady (p10-p90 spread {reference.spread:.0%} of its median, over "
+            f"{STEADY_SPREAD:.0%}): not compared; run again on a quiet machine")
+
+
+def _bandwidth_line(big: dict[str, Record]) -> dict[str, Any]:
+    """64 MiB host WRITE: tensorwire's bandwidth over the one-thread copy's (goal >= 0.6)."""
+    line = {"name": "64 MiB cpu WRITE bandwidth vs copy", "value": None, "goal": ">= 0.6", "ok": None}
+    if TENSORWIRE not in big or COPY not in big:
+        return {**line, "text": "64 MiB cpu WRITE: not measured (add 64M to --sizes and cpu to --memory)"}
+    tw, copy = big[TENSORWIRE], big[COPY]
+    if tw.ratio is None:
+        return {**line, "text": f"64 MiB cpu WRITE: tensorwire {tw.gbps:.2f} GB/s; {_unsteady(copy)}"}
+    return {**line, "value": tw.ratio, "ok": tw.ratio >= 0.6,
+            "text": f"64 MiB cpu WRITE: tensorwire {tw.gbps:.2f} GB/s = {tw.ratio:.2f}x copy ({copy.gbps:.2f} GB/s, "
+                    "1 thread); goal >= 0.6x"}
+
+
+def _latency_line(small: dict[str, Record]) -> dict[str, Any]:
+    """4 KiB host WRITE: tensorwire's median (goal <= 10 us) and its time over raw NIXL's (goal <= 1.1x)."""
+    line = {"name": "4 KiB cpu WRITE latency", "value": None, "goal": "<= 10 us, <= 1.1x raw", "ok": None}
+    if TENSORWIRE not in small or RAW not in small:
+        return {**line, "text": "4 KiB cpu WRITE: not measured (add 4K to --sizes and cpu to --memory)"}
+    us, raw = small[TENSORWIRE].median_us, small[RAW]
+    if raw.spread > STEADY_SPREAD:
+        return {**line, "value": us, "text": f"4 KiB cpu WRITE: tensorwire {us:.2f} us median; {_unsteady(raw)}"}
+    ratio = us / raw.median_us
+    return {**line, "value": us, "ratio_vs_raw": ratio, "ok": us <= 10 and ratio <= 1.1,
+            "text": f"4 KiB cpu WRITE: tensorwire {us:.2f} us median (goal <= 10 us) = {ratio:.2f}x raw nixl's "
+                    f"{raw.median_us:.2f} us (goal <= 1.1x)"}
+
+
 def _gpu_latency_lines(cases: dict[tuple[str, str, int], dict[str, Record]]) -> list[dict[str, Any]]:
-    """4 KiB on the GPU, post to completion seen on the stream, from a CUDA graph (goal <= 10 µs of GPU
+    """4 KiB on the GPU, post to completion seen on the stream, from a CUDA graph (goal <= 10 us of GPU
     time); the text puts the CPU's wall clock for ``post()`` + ``wait()`` beside it."""
     lines = []
     for op in ("READ", "WRITE"):
@@ -120,14 +135,14 @@ def _gpu_latency_lines(cases: dict[tuple[str, str, int], dict[str, Record]]) -> 
                           "text": f"4 KiB cuda {op}: not measured from a graph ({why})"})
             continue
         graph = case[TENSORWIRE_GRAPH]
-        others = "".join(f"; {path} {case[path].median_us:.1f} µs"
+        others = "".join(f"; {path} {case[path].median_us:.1f} us"
                          for path in (TENSORWIRE_STREAM, COPY) if path in case)
         cpu = case.get(TENSORWIRE)
-        cpu_text = (f"; the CPU's wall clock for post() + wait(): {cpu.median_us:.1f} µs" if cpu is not None else "")
+        cpu_text = (f"; the CPU's wall clock for post() + wait(): {cpu.median_us:.1f} us" if cpu is not None else "")
         lines.append({"name": name, "value": graph.median_us, "goal": "<= 10 us", "ok": graph.median_us <= 10,
                       "text": f"4 KiB cuda {op} over {graph.transport}, post to completion on the stream, GPU time "
-                              f"(launches queued ahead): graph {graph.median_us:.1f} µs median (p90 "
-                              f"{graph.p90_us:.1f}){others}{cpu_text}; goal <= 10 µs"})
+                              f"(launches queued ahead): graph {graph.median_us:.1f} us median (p90 "
+                              f"{graph.p90_us:.1f}){others}{cpu_text}; goal <= 10 us"})
     return lines
 
 
@@ -136,8 +151,9 @@ def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig
     out = _setup_lines(result, head, config) + [""] + _table_lines(result.records)
     out += [
         "",
-        "  BW/copy = tensorwire GB/s / copy GB/s (higher is better); time/raw = tensorwire µs / raw nixl µs",
-        "  (lower is better); GB/s = 1e9 bytes/s at the median; via = the transport that moved the bytes",
+        "  BW/copy = tensorwire GB/s / copy GB/s (higher is better); time/raw = tensorwire us / raw nixl us",
+        "  (lower is better); GB/s = 1e9 bytes/s at the median; via = the transport that moved the bytes;",
+        f"  unsteady = the reference's p10-p90 spread exceeded {STEADY_SPREAD:.0%} of its median: no ratio taken",
     ]
     out += _conditions_lines(result)
     out.append("")
@@ -149,29 +165,29 @@ def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig
 
 def _setup_lines(result: BenchResult, head: dict[str, Any], config: BenchConfig) -> list[str]:
     """What ran where: the machine, the software, how each path and the timing were done (wrapped)."""
-    v = head["versions"]
+    return header_lines(TITLE, head, method_rows(config, result.raw_config, result.progress_wakeup_ms,
+                                                 result.default_threads), ucx=result.ucx_version)
+
+
+def method_rows(config: BenchConfig, raw_config: str, wakeup_ms: float, threads: int) -> list[tuple[str, str]]:
+    """How each path and the timing are done (the header's method rows)."""
     budget = config.budget
     timing = (f"{budget.iters} calls" if budget.iters else f">= {budget.min_reps} calls and >= {budget.time_s:g} s")
     timing += f" per path, the transfer paths alternating in {budget.rounds} rounds"
-    out = [
-        "tensorwire bench: rank 0 -> rank 1, two local processes",
-        f"  machine     {head['cpu']['model']}, {head['cpu']['usable_cores']} cores; "
-        + (", ".join(head["gpus"]) if head["gpus"] else "no CUDA device"),
-        (f"  software    tensorwire {v['tensorwire']}{_revision_text(head.get('source'))}, torch {v['torch']}, "
-         f"nixl {v['nixl']} ({v['nixl_module']}), UCX {result.ucx_version or v['ucx'] or '?'}, Python {v['python']}"),
-        (f"  tensorwire  post() + wait() on one prepared handle; progress thread wakes every "
-         f"{result.progress_wakeup_ms:g} ms when idle"),
-        f"  raw nixl    {result.raw_config}; initialize_xfer once, then transfer() + tight check_xfer_state loop",
-        (f"  copy        dst.copy_(src) inside rank 0; host: 1 thread (torch's default {result.default_threads} "
-         "threads in the JSON as copy-mt); GPU: CUDA events, each chunk of calls queued before the GPU starts it"),
-        f"  timing      {budget.warmup_s:g} s warm-up, then {timing}; each call timed alone; median, p10, p90",
+    return [
+        ("tensorwire", f"post() + wait() on one prepared handle; progress thread wakes every {wakeup_ms:g} ms when "
+                       "idle"),
+        ("raw nixl", f"{raw_config}; initialize_xfer once, then transfer() + tight check_xfer_state loop"),
+        ("copy", f"dst.copy_(src) inside rank 0; host: 1 thread (torch's default {threads} threads in the JSON as "
+                 "copy-mt); GPU: CUDA events, each chunk of calls queued before the GPU starts it"),
+        ("timing", f"{budget.warmup_s:g} s warm-up, then {timing}; each call timed alone; median, p10, p90; a copy "
+                   f"spread over {STEADY_SPREAD:.0%} is measured again (3 tries), then flagged 'unsteady'"),
     ]
-    return [textwrap.fill(line, 116, subsequent_indent=" " * 14) for line in out]
 
 
 def _table_lines(records: list[Record]) -> list[str]:
     """One row per path, grouped by (memory, op, size) with a blank line between groups; columns aligned."""
-    columns = ["memory", "op", "size", "path", "via", "median µs", "p10 µs", "p90 µs", "GB/s", "BW/copy", "time/raw"]
+    columns = ["memory", "op", "size", "path", "via", "median us", "p10 us", "p90 us", "GB/s", "BW/copy", "time/raw"]
     rows = [columns]
     ratios = {(c["memory"], c["op"], c["size"], c["path"]): c for c in comparisons(records)}
     for (memory, op, size), paths in _cases(records).items():
@@ -184,8 +200,8 @@ def _table_lines(records: list[Record]) -> list[str]:
             rows.append([
                 memory if first else "", op if first else "", format_size(size) if first else "", path, r.transport,
                 f"{r.median_us:.2f}", f"{r.p10_us:.2f}", f"{r.p90_us:.2f}", f"{r.gbps:.2f}",
-                f"{c['bw_vs_copy']:.2f}x" if c.get("bw_vs_copy") else "",
-                f"{c['time_vs_raw']:.2f}x" if c.get("time_vs_raw") else "",
+                r.ratio_text() if r.reference == COPY else "",
+                _time_vs_raw(c, paths.get(RAW)),
             ])
             first = False
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
@@ -196,6 +212,12 @@ def _table_lines(records: list[Record]) -> list[str]:
         out.append("  ".join(cell.ljust(w) if i < 5 else cell.rjust(w)
                              for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
     return out
+
+
+def _time_vs_raw(comparison: dict[str, Any], raw: Record | None) -> str:
+    if comparison.get("time_vs_raw"):
+        return f"{comparison['time_vs_raw']:.2f}x"
+    return "unsteady" if comparison and raw is not None else ""
 
 
 def _conditions_lines(result: BenchResult) -> list[str]:
@@ -212,12 +234,6 @@ def _conditions_lines(result: BenchResult) -> list[str]:
         out.append(f"  idle CPU: {per_rank} cores over {result.idle[0]['wall_s']:.1f} s "
                    f"(connected communicator, {format_size(IDLE_BYTES)} registered)")
     return out
-
-
-def _revision_text(source: dict[str, Any] | None) -> str:
-    if not source:
-        return ""
-    return f" (git {source['commit']}{', modified' if source['modified'] else ''})"
 
 
 def to_json(result: BenchResult, head: dict[str, Any], config: BenchConfig) -> dict[str, Any]:

@@ -33,7 +33,6 @@ class Side:
     copy_dst: torch.Tensor | None  # rank 0: destination of the local copy
     registration: Any
     remote: TensorDesc | None = None  # the peer's buffer
-    shared_file: str | None = None  # the host buffer's file in /dev/shm, removed at the end
 
     @property
     def outbox(self) -> torch.Tensor:

@@ -1,0 +1,133 @@
+"""``TensorwireConnector``: vLLM's ``KVConnectorBase_V1`` over tensorwire (see the class docstring)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from .handoff import Plan
+from .layout import fingerprint
+from .scheduler import SchedulerSide
+from .settings import Settings
+from .stats import TensorwireKVConnectorStats
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["TensorwireConnector", "TensorwireConnectorMetadata"]
+
+
+class TensorwireConnectorMetadata(KVConnectorMetadata):
+    """One engine step's ``Plan``, from the scheduler to every worker."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+
+
+class TensorwireConnector(KVConnectorBase_V1):
+    """Disaggregated prefill/decode over tensorwire: the decode instance (``kv_consumer``) READs the prompt's KV
+    blocks from the prefill instance (``kv_producer``) that computed them, both members of a tensorwire fleet
+    (``kv_connector_extra_config={"directory": "tcp://HOST:PORT", "name": ...}``, see ``settings.py``). On one
+    host with GPU caches the READ is one Triton kernel over CUDA IPC, across hosts one NIXL request, on the CPU
+    one NIXL request: always one request for all layers of all blocks of a step's requests from one producer.
+
+    The client sends a prompt to the producer with ``kv_transfer_params={"do_remote_decode": True}`` and
+    ``max_tokens=1``, then to the consumer with the producer output's ``kv_transfer_params`` (``handoff.py``).
+
+    Scheduler side (EngineCore process):
+      - ``get_num_new_matched_tokens``: consumer: every prompt token not computed locally is loaded from the
+        producer, asynchronously.
+      - ``update_state_after_alloc``: consumer: plans that load into the blocks just allocated.
+      - ``build_connector_meta``: the step's loads and the producer's new holds, for the workers.
+      - ``request_finished``: producer: keeps the blocks (delay_free) and returns ``kv_transfer_params``
+        naming its member, block ids, request id and layout fingerprint; consumer: an unscheduled request still
+        releases the producer's blocks.
+    Worker side (Worker process, one per tensor-parallel rank):
+      - ``register_kv_caches``: joins the fleet, registers the KV cache once as a block pool (block i = block i of
+        every layer) and publishes it.
+      - ``start_load_kv``: hands the step's loads to the loader thread (one READ per producer, with a
+        notification naming the producer's requests) and starts the holds' clocks; never blocks.
+      - ``wait_for_layer_load`` / ``save_kv_layer`` / ``wait_for_save``: nothing: loads complete before their
+        request is scheduled, and the producer's blocks are read in place, not saved.
+      - ``get_finished``: loads that ended (failed ones too) and held requests whose consumer's READ
+        notification arrived, or whose ``hold_s`` passed.
+      - ``get_block_ids_with_load_errors``: blocks of failed loads (a producer gone or leaving, a layout
+        mismatch refused at first contact): vLLM then recomputes them or fails the request, per
+        ``kv_load_failure_policy``.
+      - ``get_kv_connector_stats``: bytes, blocks, transfer and first-contact time, failures, per load.
+      - ``shutdown``: finishes queued loads (bounded), leaves the fleet.
+    """
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer_config = vllm_config.kv_transfer_config
+        self._settings = Settings.from_extra_config(transfer_config.kv_connector_extra_config,
+                                                    transfer_config.engine_id, os.environ.get("TENSORWIRE_NAME"))
+        layout = fingerprint(vllm_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self._settings, layout)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_size = vllm_config.parallel_config.tensor_parallel_size
+            self._worker = WorkerSide(self._settings, transfer_config.kv_role, layout,
+                                      get_tensor_model_parallel_rank() if tp_size > 1 else 0, tp_size)
+
+    # --- worker side --------------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register(kv_caches, self._kv_cache_config.num_blocks)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        if isinstance(metadata, TensorwireConnectorMetadata):
+            self._worker.start(metadata.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = self._worker.finished()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors()
+
+    def get_kv_connector_stats(self) -> TensorwireKVConnectorStats | None:
+        data = self._worker.stats.take() if self._worker is not None else None
+        return None if data is None else TensorwireKVConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TensorwireKVConnectorStats:
+        return TensorwireKVConnectorStats(data=data or {})
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # --- scheduler side -----------------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> TensorwireConnectorMetadata:
+        return TensorwireConnectorMetadata(self._scheduler.build_plan())
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)

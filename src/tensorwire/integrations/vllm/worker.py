@@ -1,0 +1,152 @@
+"""The connector's worker side (vLLM's Worker process, one per tensor-parallel rank): the fleet member, the KV
+cache registered once as a block pool, the consumer's loads and the producer's held blocks."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+
+import torch
+
+import tensorwire as tw
+
+from .handoff import Load, Plan, parse_read_message
+from .layout import pool_views
+from .loader import POOL_KEY, Loader, LoadResult
+from .settings import Settings
+
+__all__ = ["WorkerSide", "StatsLog"]
+
+log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: printed with its lines
+
+
+class StatsLog:
+    """Observations since the last ``take``, one entry per load (lists, like NixlConnector's stats). Thread-safe."""
+
+    FIELDS = ("transfer_duration", "contact_duration", "bytes_transferred", "num_blocks", "num_requests",
+              "num_failed_transfers", "num_kv_expired_reqs")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, list] = {k: [] for k in self.FIELDS}
+
+    def record(self, result: LoadResult) -> None:
+        with self._lock:
+            if result.error is not None:
+                self._data["num_failed_transfers"].append(len(result.loads))
+                return
+            for key, value in (("transfer_duration", result.transfer_s), ("contact_duration", result.contact_s),
+                               ("bytes_transferred", result.num_bytes), ("num_blocks", result.num_blocks),
+                               ("num_requests", len(result.loads))):
+                self._data[key].append(value)
+
+    def record_expired(self, count: int) -> None:
+        with self._lock:
+            self._data["num_kv_expired_reqs"].append(count)
+
+    def take(self) -> dict[str, list] | None:
+        """The observations so far (None if there are none), and start afresh."""
+        with self._lock:
+            if not any(self._data.values()):
+                return None
+            data, self._data = self._data, {k: [] for k in self.FIELDS}
+            return data
+
+
+class WorkerSide:
+    """Hooks of ``KVConnectorBase_V1``'s worker role. ``role``: ``"kv_producer"``, ``"kv_consumer"`` or
+    ``"kv_both"``; ``layout``: ``layout.fingerprint(vllm_config)``."""
+
+    def __init__(self, settings: Settings, role: str, layout: str, tp_rank: int, tp_size: int) -> None:
+        self._settings, self._role, self._layout = settings, role, layout
+        self._tp_rank, self._tp_size = tp_rank, tp_size
+        self._comm: tw.Communicator | None = None
+        self._pool: tw.BlockPool | None = None
+        self._loader: Loader | None = None
+        self._holds: dict[str, float] = {}  # producer: request id -> monotonic deadline of its blocks
+        self._read_early: set[str] = set()  # read before this worker learnt of the hold (a step apart)
+        self._load_errors: set[int] = set()
+        self.stats = StatsLog()
+        self.transports: set[str] = set()  # what moved the loads' bytes so far ("" for a failed one)
+
+    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        """Join the fleet, register the KV cache as one block pool and publish it. Blocks (directory, pinning)."""
+        views = pool_views(kv_caches, num_blocks)
+        name = self._settings.member_name(self._tp_rank, self._tp_size)
+        self._comm = tw.init(directory=self._settings.directory, name=name, timeout=self._settings.timeout_s)
+        self._pool = self._comm.register_blocks(views)
+        self._comm.publish_blocks(POOL_KEY, self._pool)
+        if self._role != "kv_producer":
+            self._loader = Loader(self._comm, self._pool, self._layout, self._tp_rank, self._tp_size,
+                                  self._settings.timeout_s)
+        log.info("TensorwireConnector: %s is rank %d, %d views x %d blocks of %d bytes", name, self._comm.rank,
+                 len(views), self._pool.num_blocks, sum(self._pool.block_bytes))
+
+    def start(self, plan: Plan) -> None:
+        """Queue this step's loads (one job per producer) and note its holds. Never blocks."""
+        now = time.monotonic()
+        for request_id, hold_s in plan.holds.items():
+            if request_id in self._read_early:
+                self._read_early.discard(request_id)
+                self._holds[request_id] = 0.0  # reported as sent at the next get_finished
+            else:
+                self._holds[request_id] = now + hold_s
+        by_producer: dict[str, list[Load]] = defaultdict(list)
+        for load in plan.loads:
+            by_producer[load.handoff.member].append(load)
+        for producer, loads in by_producer.items():
+            if self._loader is None:
+                raise tw.InvalidArgumentError(f"TensorwireConnector: a {self._role} was asked to load from "
+                                              f"{producer!r}; start the decode instance with kv_role='kv_consumer'")
+            self._loader.submit(producer, loads)
+
+    def finished(self) -> tuple[set[str], set[str]]:
+        """(requests whose held blocks may be freed, requests whose load ended). A failed load's blocks go to
+        ``load_errors``. Never blocks."""
+        recving = set()
+        for result in self._loader.results() if self._loader is not None else ():
+            self.transports.add(result.transport)
+            self.stats.record(result)
+            # A load of no blocks only told the producer (vLLM is not waiting for it): not reported.
+            recving.update(load.request_id for load in result.loads if load.local_block_ids)
+            if result.error is not None:
+                self._load_errors.update(b for load in result.loads for b in load.local_block_ids)
+        return self._released(), recving
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _released(self) -> set[str]:
+        if self._comm is None or (not self._holds and self._role == "kv_consumer"):
+            return set()
+        for _, message in self._comm.poll_notifications():
+            for request_id in parse_read_message(message) or ():
+                if request_id in self._holds:
+                    self._holds[request_id] = 0.0
+                else:
+                    self._read_early.add(request_id)
+        now = time.monotonic()
+        released = {r for r, deadline in self._holds.items() if deadline <= now}
+        expired = sum(1 for r in released if self._holds[r] > 0.0)
+        if expired:
+            log.warning("TensorwireConnector: %d request(s) not read within hold_s=%.0fs; their blocks are freed",
+                        expired, self._settings.hold_s)
+            self.stats.record_expired(expired)
+        for request_id in released:
+            del self._holds[request_id]
+        return released
+
+    def close(self) -> None:
+        """Finish queued loads (bounded), then leave the fleet. Idempotent."""
+        if self._loader is not None:
+            self._loader.close(self._settings.timeout_s)
+            self._loader = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        if self._comm is not None:
+            self._comm.close()
+            self._comm = None

@@ -1,0 +1,97 @@
+"""The vLLM connector's plain parts, without vLLM: settings, the handoff between instances, the scheduler's
+plan, the KV cache as pool views, the refusal of a producer of another layout. The hooks themselves run under
+real vLLM in tests/vllm."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import tensorwire as tw
+from tensorwire.integrations.vllm.handoff import Handoff, Load, parse_read_message, read_message
+from tensorwire.integrations.vllm.layout import pool_views
+from tensorwire.integrations.vllm.loader import Loader
+from tensorwire.integrations.vllm.scheduler import SchedulerSide
+from tensorwire.integrations.vllm.settings import Settings
+from tensorwire.integrations.vllm.worker import StatsLog
+
+LAYOUT = "LlamaForCausalLM layers=2 kv_heads=2 head_dim=64 kv_dtype=float32 block_size=96 tp=1"
+
+
+def _settings(**extra) -> Settings:
+    return Settings.from_extra_config({"directory": "tcp://127.0.0.1:29700", **extra}, "engine-1", None)
+
+
+def test_settings_defaults_and_refusals():
+    s = _settings()
+    assert (s.name, s.timeout_s, s.hold_s) == ("vllm-engine-1", 30.0, 120.0)
+    assert _settings(name="prefill").member_name(1, 2) == "prefill-tp1"
+    for bad in ({"directory": "127.0.0.1:1"}, {"timeout_s": 0}, {"hold_s": "1"}, {"directory_": "x"}):
+        with pytest.raises(tw.InvalidArgumentError):
+            Settings.from_extra_config(bad, "e", None)
+
+
+def test_handoff_round_trip_and_bad_params():
+    handoff = Handoff("prefill-0", (4, 5, 6), "req-1", 250, LAYOUT)
+    assert Handoff.from_params(handoff.to_params()) == handoff
+    with pytest.raises(tw.InvalidArgumentError, match="remote_member"):
+        Handoff.from_params({"do_remote_prefill": True, "remote_block_ids": [1]})
+    assert parse_read_message(read_message(["a", "b,c"])) == ["a", "b,c"]
+    assert parse_read_message(b"something else") is None
+
+
+def _request(params, prompt_len=250, status="FINISHED_LENGTH_CAPPED"):
+    return SimpleNamespace(request_id="r1", kv_transfer_params=params, prompt_token_ids=list(range(prompt_len)),
+                           num_computed_tokens=prompt_len, status=SimpleNamespace(name=status))
+
+
+def test_producer_holds_the_blocks_and_hands_them_off():
+    side = SchedulerSide(_settings(name="prefill-0", hold_s=7), LAYOUT)
+    delay, params = side.request_finished(_request({"do_remote_decode": True}), [3, 4, 5])
+    assert delay and Handoff.from_params(params) == Handoff("prefill-0", (3, 4, 5), "r1", 250, LAYOUT)
+    assert side.build_plan().holds == {"r1": 7}
+    assert side.request_finished(_request({"do_remote_decode": True}, status="FINISHED_ABORTED"), [3]) == (False,
+                                                                                                           None)
+
+
+def test_consumer_plans_one_load_per_request_into_its_new_blocks():
+    side = SchedulerSide(_settings(name="decode"), LAYOUT)
+    params = Handoff("prefill-0", (3, 4, 5), "p-1", 250, LAYOUT).to_params()
+    request = _request(params)
+    assert side.num_new_matched_tokens(request, 96) == (154, True)
+    side.after_alloc(request, SimpleNamespace(get_unhashed_block_ids=lambda: [8, 9]), 154)
+    (load,) = side.build_plan().loads
+    assert load.local_block_ids == (8, 9) and load.remote_block_ids() == (4, 5)  # the first block was cached here
+    assert side.num_new_matched_tokens(request, 0) == (0, False)  # planned once
+    assert side.build_plan().loads == []
+
+
+def test_pool_views_of_both_cache_layouts():
+    blocks_first = {f"layer{i}": torch.zeros(10, 2, 32, 128) for i in range(2)}
+    assert [v.shape[0] for v in pool_views(blocks_first, 10)] == [10, 10]
+    kv_first = {"layer0": torch.zeros(2, 10, 32, 2, 64)}
+    views = pool_views(kv_first, 10)
+    assert len(views) == 2 and views[1].data_ptr() == kv_first["layer0"][1].data_ptr()
+    shared = torch.zeros(10, 4)
+    assert len(pool_views({"a": shared, "b": shared}, 10)) == 1
+    with pytest.raises(tw.InvalidArgumentError, match="layer0"):
+        pool_views({"layer0": torch.zeros(3, 7, 4)}, 10)
+
+
+def test_a_producer_of_another_layout_is_refused_naming_both():
+    loader = Loader(None, None, LAYOUT, 0, 1, timeout_s=5)  # refused before any communication
+    other = LAYOUT.replace("block_size=96", "block_size=128")
+    loader.submit("prefill-9", [Load("r1", (1,), Handoff("prefill-9", (2,), "p", 96, other))])
+    deadline, results = time.monotonic() + 10, []
+    while not results and time.monotonic() < deadline:
+        results = loader.results()
+        time.sleep(0.01)
+    loader.close(5)
+    (result,) = results
+    assert "block_size=128" in result.error and "block_size=96" in result.error and "prefill-9" in result.error
+    log = StatsLog()
+    log.record(result)
+    assert log.take()["num_failed_transfers"] == [1] and log.take() is None
