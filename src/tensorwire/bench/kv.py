@@ -55,7 +55,7 @@ from .command import (
 )
 from .kv_raw import raw_block_paths
 from .kv_report import COPY, format_report, plot_kv
-from .partial import PartialRecords, measure_until_interrupted
+from .partial import PartialRecords, measured_records
 from .raw_nixl import RawNixl, init_with_store, release_store
 from .record import Record, compare_with, records_to_json
 from .timing import Budget, CudaEventClock, HostClock, Timing, host_seconds, measure, quantile, steadiest, time_call
@@ -396,9 +396,7 @@ def main(args: argparse.Namespace) -> int:
     head = header(args.argv)
     head_lines = header_lines(TITLE, head, method_rows(config))
     announce(head_lines, config.quiet)
-    records, so_far = measure_until_interrupted(lambda partial: run(replace(config, partial=partial)), "kv")
-    interrupted = records is None
-    records = so_far if interrupted else records
+    records, interrupted = measured_records(lambda partial: run(replace(config, partial=partial)), "kv")
     print("\n".join([*head_lines, "", format_report(records)]), flush=True)
     if args.json is not None:
         write_json(args.json, {"header": {**head, "config": asdict(replace(config, partial=None))},

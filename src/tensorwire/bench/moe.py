@@ -48,7 +48,7 @@ from .command import (
     progress,
     write_json,
 )
-from .partial import PartialRecords, measure_until_interrupted
+from .partial import PartialRecords, measured_records
 from .record import STEADY_SPREAD, Record, records_to_json
 from .timing import CudaEventClock, HostClock, Timing, steadiest, summarize, time_call
 
@@ -431,9 +431,7 @@ def main(args: argparse.Namespace) -> int:
     title = f"tensorwire bench moe: dispatch and combine between {config.world_size} local ranks"
     head_lines = header_lines(title, head, method_rows(config))
     announce(head_lines, args.quiet)
-    records, so_far = measure_until_interrupted(lambda partial: run_moe_bench(replace(config, partial=partial)), "moe")
-    interrupted = records is None
-    records = so_far if interrupted else records
+    records, interrupted = measured_records(lambda partial: run_moe_bench(replace(config, partial=partial)), "moe")
     print("\n".join([*head_lines, "", format_moe_report(records)]), flush=True)
     if args.json is not None:
         write_json(args.json, {"header": head, "records": records_to_json(records), "interrupted": interrupted})

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from .record import Record
 
-__all__ = ["PartialRecords", "measure_until_interrupted"]
+__all__ = ["PartialRecords", "measure_until_interrupted", "measured_records"]
 
 T = TypeVar("T")
 
@@ -71,3 +71,10 @@ def measure_until_interrupted(run: Callable[[PartialRecords], T], benchmark: str
         return None, records
     finally:
         partial.remove()
+
+
+def measured_records(run: Callable[[PartialRecords], list[Record]], benchmark: str) -> tuple[list[Record], bool]:
+    """``(records, interrupted)``: ``run``'s records, or on Ctrl-C those measured so far
+    (``measure_until_interrupted``). Blocks while ``run`` does."""
+    records, so_far = measure_until_interrupted(run, benchmark)
+    return (so_far, True) if records is None else (records, False)
