@@ -73,8 +73,9 @@ def _finish(worker: WorkerSide, request_id: str) -> set[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_a_load_is_read_freed_and_a_dead_producer_becomes_load_errors(device):
+def test_a_load_is_read_freed_and_a_dead_producer_becomes_load_errors(device, monkeypatch):
     token = secrets.token_hex(16)
+    monkeypatch.setenv("TENSORWIRE_JOB_TOKEN", token)  # the consumer runs here: undone after the test
     directory, address = start_directory(token)
     context = mp.get_context("spawn")
     done = context.Queue()
@@ -83,7 +84,9 @@ def test_a_load_is_read_freed_and_a_dead_producer_becomes_load_errors(device):
     consumer = None
     try:
         assert done.get(timeout=120) == "ready"
-        consumer = _worker(address, "decode", "kv_consumer", token)
+        settings = Settings.from_extra_config({"directory": address, "name": "decode", "timeout_s": 5,
+                                               "hold_s": 60}, None, None)
+        consumer = WorkerSide(settings, "kv_consumer", LAYOUT, 0, 1)
         caches = _caches(device, producer=False)
         consumer.register(caches, NUM_BLOCKS)
         remote, local = [7, 3, 30, 12], [0, 1, 2, 39]

@@ -3,6 +3,8 @@ configuration: values read, bad ones refused with the variable named."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import tensorwire as tw
@@ -20,7 +22,7 @@ _LAUNCHER_VARS = [
 @pytest.fixture
 def clean_env(monkeypatch):
     """No launcher or TENSORWIRE_* variables from the host leak into a test."""
-    for name in _LAUNCHER_VARS:
+    for name in _LAUNCHER_VARS + [name for name in os.environ if name.startswith("TENSORWIRE_")]:
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
