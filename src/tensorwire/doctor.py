@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import re
 import socket
 import tempfile
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from pathlib import Path
 # cpu_model and ucx_version are only re-exported: they lived here before machine.py.
 from .config import job_token_status
 from .machine import cpu_model, cuda_summary, software_versions, ucx_version
+from .ucx_protocols import ProtoRow, parse_proto_info, transfer_rows, warnings_and_errors
 
 __all__ = [
     "ProtoRow", "parse_proto_info", "ProbeResult", "run_probe", "software_versions", "cpu_model",
@@ -43,73 +43,6 @@ _TCP_ONLY_FIX = {
             "(docker --ipc=host, same CUDA_VISIBLE_DEVICES), keep cuda_ipc in UCX_TLS if set, and install the "
             "nixl wheel of your CUDA major (nixl-cu12 or nixl-cu13)",
 }
-
-
-# --- UCX protocol tables -------------------------------------------------------------------------------
-_LOG_PREFIX = re.compile(r"^\[[\d.]+\]\s+\[[^\]]*\]\s?")
-_TITLE = re.compile(r"^(?P<endpoint>.*?)\s+(?P<scope>\S+)\s+cfg#\d+$")
-_TRANSPORT = re.compile(r"\b([a-z][a-z0-9_]*)/([A-Za-z0-9_:.\-]+)")
-
-
-@dataclass(frozen=True)
-class ProtoRow:
-    """One row of a UCX protocol table: for sizes ``size_range`` of ``operation``, use ``config``."""
-
-    endpoint: str
-    scope: str  # "self", "intra-node", "inter-node"
-    operation: str  # e.g. "remote memory write by ucp_put*(multi) from host memory to host"
-    size_range: str
-    description: str
-    config: str  # e.g. "cma/memory", "cuda_ipc/cuda", "50% on rc_mlx5/mlx5_0:1 and 50% on ..."
-
-    @property
-    def op(self) -> str | None:
-        if "ucp_put" in self.operation:
-            return "WRITE"
-        if "ucp_get" in self.operation:
-            return "READ"
-        return None
-
-    @property
-    def memories(self) -> tuple[str, ...]:
-        """Memory types UCX detected, e.g. ``("host", "host")`` or ``("cuda", "cuda")``."""
-        return tuple(re.findall(r"(?:from|to|into) (\w+)", self.operation))
-
-    @property
-    def transports(self) -> list[str]:
-        return ["/".join(t) for t in _TRANSPORT.findall(self.config)]
-
-
-def parse_proto_info(text: str) -> list[ProtoRow]:
-    """Every row of every protocol table in UCX log text (``UCX_PROTO_INFO=y``), in order."""
-    rows: list[ProtoRow] = []
-    title: re.Match | None = None
-    operation: str | None = None
-    for raw in text.splitlines():
-        line = _LOG_PREFIX.sub("", raw).strip()
-        if not line.startswith("|"):
-            continue
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 1:
-            match = _TITLE.match(cells[0])
-            if match:
-                title, operation = match, None
-            else:
-                operation = cells[0]
-        elif len(cells) == 3 and title is not None and operation and cells[0] != "Range":
-            rows.append(ProtoRow(title["endpoint"], title["scope"], operation, *cells))
-    return rows
-
-
-def transfer_rows(rows: list[ProtoRow]) -> list[ProtoRow]:
-    """The put/get rows between processes (not the loopback ``self`` tables), without duplicates."""
-    seen, out = set(), []
-    for row in rows:
-        key = (row.op, row.memories, row.size_range, row.description, row.config)
-        if row.op and row.scope != "self" and key not in seen:
-            seen.add(key)
-            out.append(row)
-    return out
 
 
 # --- the 2-process probe ----------------------------------------------------------------------------
@@ -295,8 +228,7 @@ def run_probe(memory: str, timeout_s: float = 15.0, quiet: bool = True) -> Probe
         for path in sorted(Path(workdir).glob("ucx.*.log")):
             text = path.read_text(errors="replace")
             result.rows += parse_proto_info(text)
-            result.ucx_messages += [_LOG_PREFIX.sub("", line).strip() for line in text.splitlines()
-                                    if re.search(r"\b(WARN|ERROR)\b", line)]
+            result.ucx_messages += warnings_and_errors(text)
     result.rows = transfer_rows(result.rows)
     return result
 

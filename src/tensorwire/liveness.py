@@ -49,9 +49,7 @@ import enum
 import errno
 import hashlib
 import hmac
-import math
 import os
-import resource
 import secrets
 import select
 import socket
@@ -63,6 +61,7 @@ from collections.abc import Callable
 from .environment import hostname
 from .errors import PeerLostError, TransferError
 from .listener_queries import HELLO, MAP_EPOCH, NONCE_BYTES, PROBE, answer
+from .peer_sockets import broken, from_peer, local_trouble, read_up_to, send_now, tune
 
 __all__ = ["Liveness", "tune"]
 
@@ -74,24 +73,6 @@ _ANSWER_LABEL = b"tensorwire liveness answer/"
 _ACCEPTED = b"K"  # the listener verified the answer: from now on end-of-file means it is gone
 _CHECK_PERIOD_S = 0.01  # a peer's socket is looked at no more often than this
 _MAX_PENDING = 64  # accepted connections whose handshake has not finished, per listener: beyond, the oldest goes
-# Errors that say something about the peer: only these on its connection make it gone. Any other failure to
-# open or use a socket is this process's (or host's) trouble and no verdict.
-_PEER_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT,
-                          errno.EHOSTUNREACH, errno.EHOSTDOWN, errno.ENETUNREACH})
-
-
-def tune(sock: socket.socket, liveness_s: float) -> None:
-    """Have the kernel fail ``sock`` with ``ETIMEDOUT`` when the other end stops answering for ~``liveness_s``:
-    keepalive probes every ``liveness_s / 4`` seconds on an idle connection, and unacknowledged data or probes
-    for longer than ``liveness_s`` abort it."""
-    period = max(1, int(liveness_s / 4))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", period), ("TCP_KEEPINTVL", period),
-                        ("TCP_KEEPCNT", max(1, math.ceil(liveness_s / period))),
-                        ("TCP_USER_TIMEOUT", int(liveness_s * 1000))):
-        option = getattr(socket, name, None)
-        if option is not None:  # Linux; elsewhere the OS defaults apply
-            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 def _answer(token: bytes, nonce: bytes, connecting: int, listening: int) -> bytes:
@@ -99,47 +80,6 @@ def _answer(token: bytes, nonce: bytes, connecting: int, listening: int) -> byte
     seen on one connection opens no other)."""
     message = _ANSWER_LABEL + nonce + struct.pack("<II", connecting, listening)
     return hmac.new(token, message, hashlib.sha256).digest()
-
-
-def _read_up_to(sock: socket.socket, buffer: bytes, size: int) -> bytes | None:
-    """``buffer`` with what has arrived on ``sock`` of its first ``size`` bytes, without blocking; None once the
-    other end closed (end-of-file). ``OSError`` other than "nothing yet" propagates."""
-    if len(buffer) >= size:
-        return buffer
-    try:
-        data = sock.recv(size - len(buffer))
-    except (BlockingIOError, InterruptedError):
-        return buffer
-    return None if data == b"" else buffer + data
-
-
-def _send_now(sock: socket.socket, data: bytes) -> None:
-    """Send a few bytes on a non-blocking socket that has sent nothing else yet (they fit in its empty buffer);
-    ``OSError`` if they do not go out at once."""
-    if sock.send(data) != len(data):
-        raise OSError(errno.EAGAIN, "a handshake message did not fit in the socket's buffer")
-
-
-def _from_peer(error: OSError) -> bool:
-    """Whether ``error`` on a connection is evidence from the peer's side (else it is local trouble)."""
-    return isinstance(error, TimeoutError) or error.errno in _PEER_ERRNOS
-
-
-def _local_trouble(error: OSError) -> str:
-    """What a local failure to open a socket means, and the fix."""
-    if error.errno == errno.EMFILE:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        wanted = hard if hard != resource.RLIM_INFINITY else max(soft * 4, 65536)
-        return (f"this process is out of file descriptors (EMFILE: soft limit RLIMIT_NOFILE={soft}, hard {hard}); "
-                f"raise it before starting (ulimit -n {wanted}) or close "
-                "descriptors it does not need")
-    if error.errno == errno.ENFILE:
-        return ("this host's file table is full (ENFILE); close descriptors elsewhere or raise the system limit "
-                "(sysctl fs.file-max)")
-    if error.errno in (errno.ENOMEM, errno.ENOBUFS):
-        return (f"this host is out of memory for sockets ({errno.errorcode[error.errno]}); free memory or lower "
-                "this process's use")
-    return f"{errno.errorcode.get(error.errno, error.errno)}: {error.strerror or error}"
 
 
 class _Handshake(enum.Enum):
@@ -236,7 +176,7 @@ class Liveness:
             for sock in sockets:
                 if sock in self._outgoing:
                     continue  # its handshake looks at it (end-of-file there means "reconnect", not "gone")
-                reason = _broken(sock)
+                reason = broken(sock)
                 if reason is not None:
                     self._lost[rank] = reason
                     return reason
@@ -316,11 +256,11 @@ class Liveness:
         except OSError as e:
             if sock is not None:
                 sock.close()
-            if _from_peer(e):
+            if from_peer(e):
                 # It published its address and no longer listens (ECONNREFUSED) or cannot be reached in time.
                 self._lost[rank] = f"its liveness socket at {address[0]}:{address[1]} refused or did not answer ({e})"
             else:
-                self._trouble[rank] = _local_trouble(e)
+                self._trouble[rank] = local_trouble(e)
             return
         self._trouble.pop(rank, None)
         self._sockets.setdefault(rank, []).append(sock)
@@ -370,7 +310,7 @@ class Liveness:
         return outcome is not _Handshake.PENDING
 
     def _take_hello(self, pending: _Incoming) -> _Handshake:
-        received = _read_up_to(pending.sock, pending.received, _HELLO.size)
+        received = read_up_to(pending.sock, pending.received, _HELLO.size)
         if received is None:
             return _Handshake.REFUSED
         pending.received = received
@@ -388,11 +328,11 @@ class Liveness:
             self._sockets.setdefault(rank, []).append(pending.sock)
             return _Handshake.COUNTED
         pending.nonce = secrets.token_bytes(_NONCE_BYTES)
-        _send_now(pending.sock, pending.nonce)
+        send_now(pending.sock, pending.nonce)
         return _Handshake.PENDING
 
     def _take_answer(self, pending: _Incoming) -> _Handshake:
-        received = _read_up_to(pending.sock, pending.received, _ANSWER_BYTES)
+        received = read_up_to(pending.sock, pending.received, _ANSWER_BYTES)
         if received is None:
             return _Handshake.REFUSED
         pending.received = received
@@ -400,21 +340,21 @@ class Liveness:
             return _Handshake.PENDING
         if not hmac.compare_digest(received, _answer(self._token, pending.nonce, pending.rank, self.rank)):
             return _Handshake.REFUSED  # replayed, or made without this job's token
-        _send_now(pending.sock, _ACCEPTED)
+        send_now(pending.sock, _ACCEPTED)
         self._sockets.setdefault(pending.rank, []).append(pending.sock)
         return _Handshake.COUNTED
 
     def _take_probe(self, pending: _Incoming) -> _Handshake:
         """Answer a question (``listener_queries``: who runs this listener, or its map epoch), bound to its nonce
         under the token."""
-        received = _read_up_to(pending.sock, pending.received, _NONCE_BYTES)
+        received = read_up_to(pending.sock, pending.received, _NONCE_BYTES)
         if received is None:
             return _Handshake.REFUSED
         pending.received = received
         if len(received) < _NONCE_BYTES:
             return _Handshake.PENDING
         payload = self._who if pending.probe == PROBE else struct.pack("<I", self.map_epoch())
-        _send_now(pending.sock, answer(pending.probe, self._token, received, self.rank, payload))
+        send_now(pending.sock, answer(pending.probe, self._token, received, self.rank, payload))
         return _Handshake.PROBED
 
     def _answer_challenge(self, sock: socket.socket, outgoing: _Outgoing) -> None:
@@ -426,12 +366,12 @@ class Liveness:
         rank = outgoing.rank
         try:
             if not outgoing.answered:
-                received = _read_up_to(sock, outgoing.received, _NONCE_BYTES)
+                received = read_up_to(sock, outgoing.received, _NONCE_BYTES)
                 if received is not None and len(received) == _NONCE_BYTES:
-                    _send_now(sock, _answer(self._token, received, self.rank, rank))
+                    send_now(sock, _answer(self._token, received, self.rank, rank))
                     outgoing.answered, received = True, b""
             else:
-                received = _read_up_to(sock, outgoing.received, len(_ACCEPTED))
+                received = read_up_to(sock, outgoing.received, len(_ACCEPTED))
                 if received == _ACCEPTED:
                     del self._outgoing[sock]  # verified: from now on watched like any connection
                     return
@@ -463,20 +403,3 @@ class Liveness:
             self._sockets.clear()
             self._incoming.clear()
             self._outgoing.clear()
-
-
-def _broken(sock: socket.socket) -> str | None:
-    """Why ``sock``'s peer is gone, or None: one non-blocking peek."""
-    try:
-        data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except (BlockingIOError, InterruptedError):
-        return None
-    except OSError as e:
-        if e.errno == errno.ETIMEDOUT:
-            return "its host stopped answering: TCP keepalive timed out"
-        if not _from_peer(e):
-            return None  # this host's trouble (ENOMEM, ENOBUFS): no verdict on the peer
-        return f"its connection failed: {errno.errorcode.get(e.errno, e.errno)}"
-    if data == b"":
-        return "its process closed the connection"
-    return None  # a peer never sends after the handshake; stray bytes do not mean it is gone

@@ -253,13 +253,19 @@ def _stranger_replays(port: int, path: str, mode: str) -> None:
     print(json.dumps({"done": mode}))
 
 
+def _published_target(comm, n: int):
+    """Rank 1's buffer of ``n`` floats (-7.0), registered and published under ``"target"``."""
+    target = torch.full((n,), -7.0)
+    reg = comm.register(target)
+    comm.publish("target", reg.descs)
+    return target, reg
+
+
 def _victim_of_a_replay(tmp: str):
     comm = tw.init(timeout=INIT_TIMEOUT)
     n = 4096
     if comm.rank == 1:
-        target = torch.full((n,), -7.0)
-        reg = comm.register(target)
-        comm.publish("target", reg.descs)
+        target, reg = _published_target(comm, n)
         comm.barrier(timeout=STRANGER_WAIT)  # rank 0 prepared a WRITE, the stranger saved this map
         reg.close()  # returns once rank 0 acknowledged: the memory may be reused at once
         again = comm.register(target)  # reused: the same bytes, a new registration
@@ -311,9 +317,7 @@ def _victim_of_a_first_contact_replay(tmp: str):
     comm = tw.init(timeout=INIT_TIMEOUT)
     n = 4096
     if comm.rank == 1:
-        target = torch.full((n,), -7.0)
-        reg = comm.register(target)
-        comm.publish("target", reg.descs)
+        target, reg = _published_target(comm, n)
         comm.barrier(timeout=STRANGER_WAIT)  # rank 2 looked the descriptor up, the stranger saved this map
         reg.close()
         again = comm.register(target)  # the same bytes reused under a new registration

@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("errors", ["tensorwire.errors"]),
     ("values and the environment", ["tensorwire.config", "tensorwire.lifetime", "tensorwire.descriptors",
                                     "tensorwire.cuda", "tensorwire.deadlines", "tensorwire.liveness",
-                                    "tensorwire.listener_queries",
+                                    "tensorwire.listener_queries", "tensorwire.peer_sockets",
                                     "tensorwire.environment", "tensorwire.sealing", "tensorwire.network",
                                     "tensorwire.store_sockets", "tensorwire.bootstrap", "tensorwire.sealed_store",
                                     "tensorwire.etcd_store", "tensorwire.directory_client", "tensorwire.membership",
@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("integrations", ["tensorwire.integrations", "tensorwire.integrations.*"]),
     ("tool support", ["tensorwire.machine", "tensorwire.testing.suite", "tensorwire.testing.scenarios",
                       "tensorwire.testing.moe_reference"]),
-    ("tools", ["tensorwire.doctor", "tensorwire.bench", "tensorwire.bench.*"]),
+    ("tools", ["tensorwire.doctor", "tensorwire.ucx_protocols", "tensorwire.bench", "tensorwire.bench.*"]),
     ("command", ["tensorwire.cli", "tensorwire.__main__"]),
 ]
 
