@@ -103,6 +103,11 @@ def _stats(party) -> dict:
     return party.ask({"op": "stats"})["stats"]
 
 
+def _connector_lines(party) -> str:
+    """What the party's connector logged (its warnings say why a load failed): for assertion messages."""
+    return "\n".join(line for line in party.tail(200_000).splitlines() if "TensorwireConnector" in line)
+
+
 @pytest.mark.parametrize("length", [200, 512, 990])
 def test_decode_reproduces_a_plain_run(fleet, length):
     prompts = [_prompt(length, seed=length)]
@@ -112,8 +117,9 @@ def test_decode_reproduces_a_plain_run(fleet, length):
     assert not _same(outputs, _plain(fleet, prompts))
     stats = _stats(fleet["decode"])
     blocks = len(params[0]["remote_block_ids"])
-    assert stats["num_blocks"] == [blocks] and sum(stats["bytes_transferred"]) > 0, stats
-    assert not stats["num_failed_transfers"], stats
+    assert stats["num_blocks"] == [blocks] and sum(stats["bytes_transferred"]) > 0, (
+        stats, _connector_lines(fleet["decode"]))
+    assert not stats["num_failed_transfers"], (stats, _connector_lines(fleet["decode"]))
 
 
 def test_four_concurrent_requests(fleet):
@@ -121,7 +127,8 @@ def test_four_concurrent_requests(fleet):
     params = _prefill(fleet["prefill-0"], prompts)
     outputs = _decode(fleet["decode"], prompts, params)
     assert not _same(outputs, _plain(fleet, prompts))
-    assert not _stats(fleet["decode"])["num_failed_transfers"]
+    stats = _stats(fleet["decode"])
+    assert not stats["num_failed_transfers"], (stats, _connector_lines(fleet["decode"]))
 
 
 def test_two_producers_one_consumer(fleet):
@@ -132,8 +139,9 @@ def test_two_producers_one_consumer(fleet):
     assert not _same(outputs, _plain(fleet, prompts))
     stats = _stats(fleet["decode"])
     # one READ per producer per engine step: the scheduler may plan the four over one or more steps
-    assert sum(stats["num_requests"]) == 4 and len(stats["num_requests"]) >= 2, stats
-    assert not stats["num_failed_transfers"], stats
+    assert sum(stats["num_requests"]) == 4 and len(stats["num_requests"]) >= 2, (
+        stats, _connector_lines(fleet["decode"]))
+    assert not stats["num_failed_transfers"], (stats, _connector_lines(fleet["decode"]))
 
 
 def test_producer_with_other_weights_changes_the_tokens(fleet):
@@ -141,7 +149,8 @@ def test_producer_with_other_weights_changes_the_tokens(fleet):
     outputs = _decode(fleet["decode"], prompts, _prefill(fleet["prefill-other"], prompts))
     reference = _plain(fleet, prompts)
     assert all(out["tokens"] != ref["tokens"] for out, ref in zip(outputs, reference)), (
-        "a producer with other weights gave the plain run's tokens: the consumer did not use the loaded KV")
+        "a producer with other weights gave the plain run's tokens: the consumer did not use the loaded KV",
+        _connector_lines(fleet["decode"]))
 
 
 def test_a_producer_killed_before_the_read(fleet):
@@ -153,7 +162,8 @@ def test_a_producer_killed_before_the_read(fleet):
     fleet["prefill-other"].kill()
     reference = _plain(fleet, prompts)
     assert not _same(_decode(fleet["decode"], prompts, params), reference)
-    assert sum(_stats(fleet["decode"])["num_failed_transfers"]) == 1
+    stats = _stats(fleet["decode"])
+    assert sum(stats["num_failed_transfers"]) == 1, (stats, _connector_lines(fleet["decode"]))
 
     failed = _decode(fleet["decode-fail"], prompts, params)
     assert failed[0]["finish_reason"] == "error", failed
