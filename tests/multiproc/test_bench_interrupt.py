@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from tensorwire.shared_memory import SHM_DIRECTORY, orphans
+from tensorwire.testing.cli_run import CommandRun
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.isdir(SHM_DIRECTORY), reason="no /dev/shm here: nothing to leave")]
@@ -27,45 +26,7 @@ KV_ARGS = ["bench", "kv", "--memory", "cpu", "--blocks", "2000", "--block-bytes"
 WAIT_S = 120.0  # bounds for a loaded machine; nothing is asserted about durations
 
 
-class _Bench:
-    """``tensorwire *args`` with SIGINT at its default (a shell's background job would ignore it), its stderr read
-    on a thread."""
-
-    def __init__(self, *args: str) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "tensorwire", *args], stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True,
-                                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.stderr: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.process.stderr:
-            self.lines.put(line)
-
-    def wait_for(self, text: str) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=1)
-            except queue.Empty:
-                assert self.process.poll() is None, f"the bench ended first: {''.join(self.stderr)[-3000:]}"
-                continue
-            self.stderr.append(line)
-            if text in line:
-                return
-        raise AssertionError(f"no {text!r} on stderr within {WAIT_S}s: {''.join(self.stderr)[-3000:]}")
-
-    def finish(self) -> tuple[str, str]:
-        """Its stdout and whole stderr, once it ended (bounded by ``WAIT_S``)."""
-        self.process.wait(timeout=WAIT_S)
-        stdout = self.process.stdout.read()
-        self._reader.join(timeout=WAIT_S)
-        while not self.lines.empty():
-            self.stderr.append(self.lines.get_nowait())
-        return stdout, "".join(self.stderr)
-
+class _Bench(CommandRun):
     def files_of_its_ranks(self) -> list[str]:
         """The ``/dev/shm`` files of this bench's ranks (processes whose parent is the bench)."""
         found = []
@@ -95,7 +56,7 @@ def _alive(pid: int) -> bool:
 
 def test_ctrl_c_stops_a_bench_which_reports_what_it_measured_and_leaves_nothing(tmp_path):
     out = tmp_path / "kv.json"
-    bench = _Bench(*KV_ARGS, "--json", str(out))
+    bench = _Bench(*KV_ARGS, "--json", str(out), wait_s=WAIT_S)
     bench.wait_for("bench kv: cpu READ contiguous")  # the first case is done, its pools are in /dev/shm
     files = bench.files_of_its_ranks()
     assert files, "the ranks' pools were expected in /dev/shm files"
@@ -110,7 +71,7 @@ def test_ctrl_c_stops_a_bench_which_reports_what_it_measured_and_leaves_nothing(
 
 
 def test_a_killed_bench_takes_its_ranks_along_and_the_next_process_removes_their_files():
-    bench = _Bench(*KV_ARGS)
+    bench = _Bench(*KV_ARGS, wait_s=WAIT_S)
     bench.wait_for("bench kv: cpu READ random")  # the pools are in /dev/shm
     files = bench.files_of_its_ranks()
     ranks = {int(os.path.basename(path).split("-")[2]) for path in files}

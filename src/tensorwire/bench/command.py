@@ -24,7 +24,7 @@ from typing import Any
 from ..machine import cpu_summary, gpu_names, hostname, software_versions
 
 __all__ = ["parse_size", "parse_sizes", "at_least", "positive", "list_of", "MEMORY_CHOICES", "add_common_arguments",
-           "memories", "write_json", "check_plot", "header", "header_lines", "announce", "progress", "publish"]
+           "memories", "write_json", "check_plot", "header", "header_lines", "announce", "progress", "finish"]
 
 MEMORY_CHOICES = ("cpu", "cuda", "all")  # --memory of every benchmark; 'all' is cpu plus cuda when torch sees a GPU
 
@@ -137,21 +137,23 @@ def write_json(path: Path, document: dict[str, Any]) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
-def publish(args: argparse.Namespace, config: Any, records: list, report: str,
-            plot: Callable[[list, Path, str], None]) -> None:
-    """Print ``report``; write ``args.json`` (header with ``config``, a dataclass, and the records) and
-    ``args.plot`` (``plot(records, path, title)``) where given."""
+def finish(args: argparse.Namespace, head: dict[str, Any], head_lines: list[str], records: list, report: str,
+           plot: Callable[[list, Path], None], interrupted: bool, config: Any = None) -> int:
+    """The end every benchmark shares: print the header and ``report`` on stdout; write ``args.json`` (``head`` with
+    ``config``, a dataclass, the records and whether Ctrl-C cut the run) and ``args.plot`` (``plot(records, path)``,
+    when there is something to plot). The exit code: 130 after Ctrl-C, else 0."""
     from dataclasses import asdict
 
     from .record import records_to_json
 
-    print(report, flush=True)
+    print("\n".join([*head_lines, "", report]), flush=True)
     if args.json is not None:
-        write_json(args.json, {"header": {**header(args.argv), "config": asdict(config)},
-                               "records": records_to_json(records)})
-    if args.plot is not None:
-        plot(records, args.plot, " ".join(["tensorwire", *args.argv]))
+        write_json(args.json, {"header": {**head, **({"config": asdict(config)} if config is not None else {})},
+                               "records": records_to_json(records), "interrupted": interrupted})
+    if args.plot is not None and records:
+        plot(records, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
+    return 130 if interrupted else 0
 
 
 def header(argv: list[str]) -> dict[str, Any]:

@@ -42,18 +42,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import WaitTimeoutError
 from ..shared_memory import remove_orphans
-from .command import announce, at_least, check_plot, header, header_lines, parse_size, positive, write_json
+from .command import announce, at_least, check_plot, finish, header, header_lines, parse_size, positive
 from .fleet_parties import FIRST_POOL_BLOCKS, FIRST_READ_BLOCKS, holder, reader, world_rank
 from .fleet_raw import raw_first_contacts
 from .fleet_report import FLEET, RAW_NIXL, WORLD, format_report, plot_fleet
-from .partial import PartialRecords, measure_until_interrupted
-from .record import Record, records_to_json
+from .partial import PartialRecords, measured_records
+from .record import Record
 from .timing import Budget, quantile, summarize
 
 __all__ = ["HELP", "FleetBenchConfig", "run", "add_arguments", "main", "format_report", "plot_fleet"]
@@ -374,17 +374,10 @@ def main(args: argparse.Namespace) -> int:
     head_lines = header_lines("tensorwire bench fleet: members launched apart, meeting in a directory", head,
                               method_rows(config))
     announce(head_lines, config.quiet)
-    records, so_far = measure_until_interrupted(lambda partial: run(replace(config, partial=partial)), "fleet")
-    interrupted = records is None
-    records = so_far if interrupted else records
-    print("\n".join([*head_lines, "", format_report(records)]), flush=True)
-    if args.json is not None:
-        write_json(args.json, {"header": {**head, "config": asdict(replace(config, partial=None))},
-                               "records": records_to_json(records), "interrupted": interrupted})
-    if args.plot is not None and records:
-        plot_fleet(records, args.plot, title=" ".join(["tensorwire", *args.argv]))
-        print(f"wrote {args.plot}", file=sys.stderr)
-    return 130 if interrupted else 0
+    records, interrupted = measured_records(lambda partial: run(replace(config, partial=partial)), "fleet")
+    return finish(args, head, head_lines, records, format_report(records),
+                  lambda records, path: plot_fleet(records, path, title=" ".join(["tensorwire", *args.argv])),
+                  interrupted, config=replace(config, partial=None))
 
 
 def method_rows(config: FleetBenchConfig) -> list[tuple[str, str]]:

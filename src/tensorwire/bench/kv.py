@@ -30,7 +30,6 @@ Non-goals: cross-host figures (run two ranks on two hosts with torchrun for thos
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from .command import (
     MEMORY_CHOICES,
     announce,
     check_plot,
+    finish,
     header,
     header_lines,
     list_of,
@@ -51,13 +51,12 @@ from .command import (
     parse_sizes,
     positive,
     progress,
-    write_json,
 )
 from .kv_raw import raw_block_paths
 from .kv_report import COPY, format_report, plot_kv
 from .partial import PartialRecords, measured_records
 from .raw_nixl import RawNixl, init_with_store, release_store
-from .record import Record, compare_with, records_to_json
+from .record import Record, compare_with
 from .timing import Budget, CudaEventClock, HostClock, Timing, host_seconds, measure, quantile, steadiest, time_call
 
 __all__ = ["HELP", "KvBenchConfig", "run", "add_arguments", "main"]
@@ -397,14 +396,8 @@ def main(args: argparse.Namespace) -> int:
     head_lines = header_lines(TITLE, head, method_rows(config))
     announce(head_lines, config.quiet)
     records, interrupted = measured_records(lambda partial: run(replace(config, partial=partial)), "kv")
-    print("\n".join([*head_lines, "", format_report(records)]), flush=True)
-    if args.json is not None:
-        write_json(args.json, {"header": {**head, "config": asdict(replace(config, partial=None))},
-                               "records": records_to_json(records), "interrupted": interrupted})
-    if args.plot is not None and records:
-        plot_kv(records, args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr)
-    return 130 if interrupted else 0
+    return finish(args, head, head_lines, records, format_report(records), plot_kv, interrupted,
+                  config=replace(config, partial=None))
 
 
 TITLE = "tensorwire bench kv: KV-cache blocks by id, rank 0 <-> rank 1, two local processes"

@@ -30,6 +30,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,14 +43,14 @@ from .command import (
     announce,
     at_least,
     check_plot,
+    finish,
     header,
     header_lines,
     memories,
     progress,
-    write_json,
 )
 from .partial import PartialRecords, measured_records
-from .record import STEADY_SPREAD, Record, records_to_json
+from .record import STEADY_SPREAD, Record
 from .timing import CudaEventClock, HostClock, Timing, steadiest, summarize, time_call
 
 __all__ = ["MoeBenchConfig", "format_moe_report", "run_moe_bench", "skip_reason", "HELP", "add_arguments", "main"]
@@ -432,12 +433,10 @@ def main(args: argparse.Namespace) -> int:
     head_lines = header_lines(title, head, method_rows(config))
     announce(head_lines, args.quiet)
     records, interrupted = measured_records(lambda partial: run_moe_bench(replace(config, partial=partial)), "moe")
-    print("\n".join([*head_lines, "", format_moe_report(records)]), flush=True)
-    if args.json is not None:
-        write_json(args.json, {"header": head, "records": records_to_json(records), "interrupted": interrupted})
-    if args.plot is not None and records:
+
+    def plot(records: list[Record], path: Path) -> None:
         from .plot import plot_moe
 
-        plot_moe(records, args.plot, title=" ".join(["tensorwire", *args.argv]))
-        print(f"wrote {args.plot}", file=sys.stderr)
-    return 130 if interrupted else 0
+        plot_moe(records, path, title=" ".join(["tensorwire", *args.argv]))
+
+    return finish(args, head, head_lines, records, format_moe_report(records), plot, interrupted)

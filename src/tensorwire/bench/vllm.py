@@ -21,9 +21,11 @@ Each connector reports its own transfer time: TensorwireConnector's is post to c
 NixlConnector's is NIXL's telemetry, post to the completion that its ``get_finished`` polls once per engine step,
 so it includes part of a step. The consumer's TTFT is the end-to-end figure that holds the same for both.
 
-Needs an interpreter
-with vLLM (``TENSORWIRE_VLLM_PYTHON``, default ``.venv-vllm/bin/python``): without one the command fails at once,
-saying so. The default run takes about 10 minutes on a 2-core machine.
+Like every benchmark: a header (machine, versions, method) and a progress line per rep on stderr; Ctrl-C kills the
+instances at once and reports the reps measured so far (exit 130); a NixlConnector row whose transfer times spread
+over 20% (p10 to p90 of the median) is flagged ``unsteady``, not divided by. Needs an interpreter with vLLM
+(``TENSORWIRE_VLLM_PYTHON``, default ``.venv-vllm/bin/python``): without one the command fails at once, saying so.
+The default run takes about 10 minutes on a 2-core machine (two vLLM instances start in about a minute a pair).
 """
 
 from __future__ import annotations
@@ -34,19 +36,20 @@ import secrets
 import statistics
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import BackendUnavailableError, TransferError
-from .command import at_least, check_plot, list_of, publish
+from .command import announce, at_least, check_plot, finish, header, header_lines, list_of, progress
 from .record import Record
 from .timing import quantile
 from .vllm_parties import Party, make_model, start_directory, start_instance, vllm_python, wait_ready
 
-__all__ = ["HELP", "VllmBenchConfig", "run", "add_arguments", "main", "format_report", "plot_vllm"]
+__all__ = ["HELP", "VllmBenchConfig", "run", "add_arguments", "main", "format_report", "plot_vllm", "method_rows"]
 
 HELP = "vLLM prefill -> decode: TensorwireConnector beside vLLM's NixlConnector (vLLM's CPU build)"
+TITLE = "tensorwire bench vllm: vLLM prefill -> decode, TensorwireConnector beside vLLM's NixlConnector"
 
 CONNECTORS = ("tensorwire", "nixl")
 REFERENCE = "nixl"
@@ -80,18 +83,22 @@ def _rows(config: VllmBenchConfig) -> list[tuple[int, int]]:
 
 
 class _Bench:
+    """One run. ``measured``: connector -> row -> observations per rep, filled as reps end (what Ctrl-C reports)."""
+
     def __init__(self, config: VllmBenchConfig, python: str, model: str) -> None:
         self.config, self.python, self.model = config, python, model
+        self.measured: dict[str, dict[tuple[int, int], dict[str, list]]] = {}
 
     def say(self, text: str) -> None:
-        if not self.config.quiet:
-            print(f"[bench vllm] {text}", file=sys.stderr, flush=True)
+        progress("vllm", text, self.config.quiet)
 
     def flags(self) -> tuple[str, ...]:
         return ("--block-size", str(self.config.block_size), "--kv-mb", "256")
 
-    def pair(self, connector: str) -> dict[tuple[int, int], dict[str, list]]:
-        """Every row of one connector's pair: observations per rep, and the first request's TTFT."""
+    def pair(self, connector: str) -> None:
+        """Every row of one connector's pair into ``measured[connector]``: observations per rep, and the first
+        request's TTFT. On Ctrl-C the instances are killed at once (they run in sessions of their own: the
+        terminal's SIGINT does not reach them)."""
         token = secrets.token_hex(16)
         directory, address = start_directory(token) if connector == "tensorwire" else (None, None)
         ports = [str(p) for p in random.Random().sample(range(20000, 30000), 2)]
@@ -103,27 +110,33 @@ class _Bench:
                     token=token, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": port}, flags=self.flags()))
             startup = wait_ready(parties, 2 * self.config.timeout_s)
             self.say(f"{connector}: producer and consumer up ({startup[0]:.0f} s, {startup[1]:.0f} s)")
-            return self._measure(connector, *parties)
+            self._measure(connector, *parties)
+        except KeyboardInterrupt:
+            for party in parties:
+                party.kill()
+            raise
         finally:
             for party in parties:
                 party.close()
             if directory is not None:
                 directory.close()
 
-    def _measure(self, connector: str, producer: Party, consumer: Party) -> dict[tuple[int, int], dict[str, list]]:
-        rows: dict[tuple[int, int], dict[str, list]] = {}
+    def _measure(self, connector: str, producer: Party, consumer: Party) -> None:
+        rows = self.measured.setdefault(connector, {})
         self._warm_up(producer)
         self._warm_up(consumer)
         first = _rows(self.config)[0]
-        rows[first] = {"first_ttft_s": [self._once(producer, consumer, *first, seed=-1)["ttft_s"]]}
+        first_ttft = self._once(producer, consumer, *first, seed=-1)["ttft_s"]
         for rep in range(self.config.reps):
-            for length, count in _rows(self.config):
-                seen = self._once(producer, consumer, length, count, seed=_seed(rep, length, count))
-                row = rows.setdefault((length, count), {})
-                for key, value in seen.items():
-                    row.setdefault(key, []).append(value)
-            self.say(f"{connector}: rep {rep + 1}/{self.config.reps} done")
-        return rows
+            seen = {(length, count): self._once(producer, consumer, length, count, seed=_seed(rep, length, count))
+                    for length, count in _rows(self.config)}
+            for key, observed in seen.items():  # a rep counts whole: rows stay comparable after Ctrl-C
+                row = rows.setdefault(key, {"first_ttft_s": [first_ttft]} if key == first else {})
+                for name, value in observed.items():
+                    row.setdefault(name, []).append(value)
+            self.say(f"{connector}: rep {rep + 1}/{self.config.reps}: "
+                     + ", ".join(f"{length}x{count} {seen[length, count]['transfer_s'] * 1e3:.2f} ms"
+                                 for length, count in seen))
 
     def _warm_up(self, instance: Party) -> None:
         """A local request (no transfer): the engine's first forward is slow, and would count as first contact."""
@@ -152,21 +165,25 @@ class _Bench:
                 "transfers": len(stats.get("transfer_duration", []))}
 
 
-def run(config: VllmBenchConfig) -> list[Record]:
-    """Measure every row for every connector; the records. Blocks for the whole run; every process it started
-    is gone when it returns. ``BackendUnavailableError`` at once where vLLM is not installed."""
+def run(config: VllmBenchConfig) -> tuple[list[Record], bool]:
+    """Measure every row for every connector: ``(records, interrupted)``, where Ctrl-C ends the run with the reps
+    measured so far. Blocks for the whole run; every process it started is gone when it returns.
+    ``BackendUnavailableError`` at once where vLLM is not installed."""
     python, why = vllm_python()
     if python is None:
         raise BackendUnavailableError(f"bench vllm: vLLM is not installed: {why}")
+    interrupted = False
     with tempfile.TemporaryDirectory(prefix="tw-bench-vllm-") as work:
-        model = f"{work}/llama"
-        make_model(python, model, seed=0)
-        bench = _Bench(config, python, model)
-        measured = {}
-        for connector in config.connectors:
-            bench.say(f"{connector}: starting a producer and a consumer")
-            measured[connector] = bench.pair(connector)
-    return _records(config, measured)
+        bench = _Bench(config, python, f"{work}/llama")
+        try:
+            make_model(python, bench.model, seed=0)
+            for connector in config.connectors:
+                bench.say(f"{connector}: starting a producer and a consumer")
+                bench.pair(connector)
+        except KeyboardInterrupt:
+            interrupted = True
+            print("bench vllm: interrupted; reporting the reps measured so far", file=sys.stderr, flush=True)
+    return _records(config, bench.measured), interrupted
 
 
 def _records(config: VllmBenchConfig, measured: dict) -> list[Record]:
@@ -192,7 +209,9 @@ def _records(config: VllmBenchConfig, measured: dict) -> list[Record]:
 
 
 def _against_reference(records: list[Record]) -> list[Record]:
-    """Each record with the NixlConnector record of its row as reference (ratio: its time over ours)."""
+    """Each record with the NixlConnector record of its row as reference: ``ratio`` its transfer time over ours
+    (None when its times spread over ``STEADY_SPREAD``: ``Record.against``), and the TTFT and first-contact
+    ratios in ``params``."""
     reference = {r.op: r for r in records if r.path == REFERENCE}
     out = []
     for r in records:
@@ -203,8 +222,9 @@ def _against_reference(records: list[Record]) -> list[Record]:
         params = dict(r.params, ttft_ratio=ref.params["ttft_ms"] / r.params["ttft_ms"])
         if "first_contact_ms" in r.params and "first_contact_ms" in ref.params:
             params["first_contact_ratio"] = ref.params["first_contact_ms"] / max(r.params["first_contact_ms"], 1e-3)
-        out.append(Record(**{**asdict(r), "reference": "NixlConnector", "params": params,
-                             "ratio": ref.median_us / r.median_us if r.median_us else float("nan")}))
+        held = r.against(ref)  # the same bytes per request on both sides: GB/s over GB/s is time over time
+        out.append(replace(held, reference="NixlConnector", params=params,
+                           ratio=None if held.ratio is None or not r.median_us else ref.median_us / r.median_us))
     return out
 
 
@@ -214,7 +234,7 @@ def format_report(records: list[Record]) -> str:
     for r in sorted(records, key=lambda r: (r.params["requests"], r.params["prompt_tokens"], r.path)):
         p = r.params
         first = f"{p['first_contact_ms']:9.0f} ms" if "first_contact_ms" in p else " " * 12
-        ratio = f"{r.ratio:6.2f}x" if r.ratio is not None else ""
+        ratio = f"{r.ratio_text():>7}"
         lines.append(f"{r.op:<19} {r.path:<11} {r.median_us / 1e3:13.3f} ms {r.nbytes / 2**20:11.2f} MiB "
                      f"{p['ttft_ms']:11.0f} ms {p['producer_overhead']:15.2f}x   {first}   {p['failed']:6d}   {ratio}")
     return "\n".join(lines)
@@ -262,11 +282,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
+def method_rows(config: VllmBenchConfig) -> list[tuple[str, str]]:
+    """How ``bench vllm`` measures (the header's method rows)."""
+    return [
+        ("cases", f"prompts of {','.join(map(str, config.lengths))} tokens x {','.join(map(str, config.concurrency))} "
+                  f"requests sent together, {config.reps} reps of fresh prompts; a tiny random-weights Llama, "
+                  f"float32, block size {config.block_size}"),
+        ("pairs", f"{' then '.join(config.connectors)}: one vLLM producer and one consumer instance (CPU build) per "
+                  "connector; TensorwireConnector's meet in a tensorwire directory, NixlConnector with num_threads 0"),
+        ("timing", "transfer time as each connector reports it (get_kv_connector_stats), consumer TTFT as the wall "
+                   "time of its generate; medians over the reps, held against NixlConnector's row, which is flagged "
+                   "'unsteady' and not divided by when its p10-p90 spread exceeds 20%"),
+    ]
+
+
 def main(args: argparse.Namespace) -> int:
-    """Run the benchmark, print the report, write ``--json`` / ``--plot``; exit code 0, or raises."""
+    """Run the benchmark, print the header and a line per rep on stderr, then the report; write ``--json`` /
+    ``--plot``. Ctrl-C kills the instances and reports the reps measured so far (exit 130)."""
     config = VllmBenchConfig(tuple(args.lengths), tuple(args.concurrency), args.reps, args.block_size,
                              tuple(args.connectors), args.timeout, args.quiet)
     check_plot(args)
-    records = run(config)
-    publish(args, config, records, format_report(records), plot_vllm)
-    return 0
+    head = header(args.argv)
+    head_lines = header_lines(TITLE, head, method_rows(config))
+    announce(head_lines, config.quiet)
+    records, interrupted = run(config)
+    return finish(args, head, head_lines, records, format_report(records),
+                  lambda records, path: plot_vllm(records, path, " ".join(["tensorwire", *args.argv])), interrupted,
+                  config=config)

@@ -50,8 +50,9 @@ def vllm_python() -> tuple[str | None, str]:
 class Party:
     """A child process that prints JSON lines; its stderr goes to a file (read back in errors)."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], files: tuple[str, ...] = ()) -> None:
         self.name = name
+        self._files = files  # removed with its log by ``close``
         self._log = tempfile.NamedTemporaryFile("w+", prefix=f"tw-{name}-", suffix=".log", delete=False)
         self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                         env=env, text=True, start_new_session=True)
@@ -118,7 +119,11 @@ class Party:
             pass
         self.process.wait(30)
         self._log.close()
-        os.unlink(self._log.name)
+        for path in (self._log.name, *self._files):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
 
 def _environment(extra: dict[str, str]) -> dict[str, str]:
@@ -149,7 +154,7 @@ def start_instance(python: str, name: str, model: str, role: str, *, connector: 
     stats = tempfile.NamedTemporaryFile(prefix=f"tw-{name}-stats-", delete=False)
     stats.close()
     return Party(name, argv, _environment({"TENSORWIRE_JOB_TOKEN": token, "TENSORWIRE_VLLM_STATS": stats.name,
-                                           **(env or {})}))
+                                           **(env or {})}), files=(stats.name,))
 
 
 def wait_ready(parties: list[Party], timeout_s: float = 300.0) -> list[float]:
