@@ -31,8 +31,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 LOGPROB_TOLERANCE = 1e-5
 MAX_TOKENS = 8
-FLEET_ENV = {"TENSORWIRE_LIVENESS_S": "2"}
-CONSUMER_FLAGS = ("--timeout", "10")
+# The connector's own bounds (timeout_s 30, TENSORWIRE_LIVENESS_S 5). With tighter ones (10 s, 2 s) a first contact
+# failed now and then on a loaded 2-core box (the load was recomputed: the tokens held, the stats told). A killed
+# producer is found at once whatever the bounds: the kernel closes its sockets.
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -55,14 +56,14 @@ def fleet():
     try:
         def instance(name, seed, role, *flags):
             parties[name] = start_instance(python, name, models[seed], role, directory=address, token=token,
-                                           env=FLEET_ENV, flags=flags)
+                                           flags=flags)
 
         instance("plain", 0, "plain")
         instance("prefill-0", 0, "producer")
         instance("prefill-1", 0, "producer")
         instance("prefill-other", 1, "producer")  # other weights: the negative control; killed at the end
-        instance("decode", 0, "consumer", "--policy", "recompute", *CONSUMER_FLAGS)
-        instance("decode-fail", 0, "consumer", "--policy", "fail", *CONSUMER_FLAGS)
+        instance("decode", 0, "consumer", "--policy", "recompute")
+        instance("decode-fail", 0, "consumer", "--policy", "fail")
         wait_ready(list(parties.values()), timeout_s=600)
         yield parties
     finally:

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["make_model", "main"]
+__all__ = ["make_model", "main", "take_stats", "transfer_config"]
 
 STATS_ENV = "TENSORWIRE_VLLM_STATS"  # where the recording connectors append their observations
 TINY_LLAMA = {  # hidden 256, 2 layers, 2 KV heads of 64: KV blocks of 16 KiB per layer per 32 tokens in float32
@@ -69,20 +69,25 @@ def __getattr__(name: str) -> Any:  # vLLM looks the recording connectors up by 
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def transfer_config(role: str, connector: str, policy: str, **extra: Any) -> dict[str, Any]:
+    """The ``KVTransferConfig`` fields of a recording connector: ``role`` ``producer`` or ``consumer``; ``extra``
+    TensorwireConnector's ``kv_connector_extra_config`` (directory, name, timeout_s, hold_s)."""
+    if connector == "nixl":
+        name, extra = "RecordingNixlConnector", {"num_threads": 0}  # vLLM's default of 4 saturates 2 cores
+    else:
+        name = "RecordingTensorwireConnector"
+    return {"kv_connector": name, "kv_connector_module_path": __name__, "kv_buffer_device": "cpu",
+            "kv_role": {"producer": "kv_producer", "consumer": "kv_consumer"}[role], "kv_connector_extra_config": extra,
+            "kv_load_failure_policy": policy}
+
+
 def _transfer_config(args: argparse.Namespace) -> Any:
     from vllm.config import KVTransferConfig
 
     if args.role == "plain":
         return None
-    role = {"producer": "kv_producer", "consumer": "kv_consumer"}[args.role]
-    if args.connector == "nixl":
-        name, extra = "RecordingNixlConnector", {"num_threads": 0}  # vLLM's default of 4 saturates 2 cores
-    else:
-        name, extra = "RecordingTensorwireConnector", {"directory": args.directory, "name": args.name,
-                                                         "timeout_s": args.timeout, "hold_s": args.hold}
-    return KVTransferConfig(kv_connector=name, kv_connector_module_path="tensorwire.bench.vllm_instance", kv_role=role,
-                            kv_buffer_device="cpu", kv_connector_extra_config=extra,
-                            kv_load_failure_policy=args.policy)
+    return KVTransferConfig(**transfer_config(args.role, args.connector, args.policy, directory=args.directory,
+                                              name=args.name, timeout_s=args.timeout, hold_s=args.hold))
 
 
 def _generate(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
@@ -106,8 +111,9 @@ def _generate(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
     return {"outputs": answers, "wall_s": wall_s}
 
 
-def _stats() -> dict[str, Any]:
-    path = os.environ.get(STATS_ENV)
+def take_stats(path: str | None) -> dict[str, list]:
+    """What the recording connector wrote to ``path`` since the last call, merged (key -> observations); the file
+    is emptied."""
     merged: dict[str, list] = {}
     if path and os.path.exists(path):
         with open(path) as f:
@@ -116,7 +122,11 @@ def _stats() -> dict[str, Any]:
         for line in lines:
             for key, values in json.loads(line).items():
                 merged.setdefault(key, []).extend(values if isinstance(values, list) else [values])
-    return {"stats": merged}
+    return merged
+
+
+def _stats() -> dict[str, Any]:
+    return {"stats": take_stats(os.environ.get(STATS_ENV))}
 
 
 def serve(args: argparse.Namespace) -> None:

