@@ -222,6 +222,9 @@ class Liveness:
         if rank != self.rank:
             with self._lock:
                 if not self.closed and rank not in self._opened:
+                    # Resolve now even if a check just found no address (rate-limited there): a rank that prepares a
+                    # transfer without connecting is missing from the owner's callers, and its revocations.
+                    self._next_resolve.pop(rank, None)
                     self._connect(rank, time.monotonic())
             self.lost(rank, fresh=True)
             self._raise_trouble(rank, "liveness")

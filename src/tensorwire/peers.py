@@ -232,6 +232,12 @@ class Peers:
             self._backends.require(requested, fn)  # a test transport is built when a test first asks for it
             usable = registry.reachable(self._backends, to_self, same_host, local_kind, remote_kind, peer,
                                         [r for _, r in pairs])
+        if requested is None:  # nothing reaches it: why not, transport by transport
+            reasons = {t.name: self._unusable_reason(t.name, peer, to_self, same_host, local_kind, remote_kind, remotes)
+                       for t in registry.TRANSPORTS if t.capabilities.memory_kinds}
+            why = "; ".join(f"{name}: {reason}" for name, reason in reasons.items())
+            raise InvalidArgumentError(f"{fn}: no transport reaches rank {peer} for {local_kind.name}->"
+                                       f"{remote_kind.name} memory here ({why})")
         if requested not in usable:
             usable = [name for name in usable if name in registry.NAMES]  # the tests' own transports unnamed
             why = self._unusable_reason(requested, peer, to_self, same_host, local_kind, remote_kind, remotes)

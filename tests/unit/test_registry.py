@@ -51,7 +51,7 @@ def test_a_transport_missing_here_is_skipped():
 
 def test_backends_lists_every_transport_in_preference_order_with_a_reason():
     found = tw.backends()
-    assert tuple(found) == registry.NAMES == ("local", "cuda_ipc", "shm", "nixl")
+    assert tuple(found) == registry.NAMES == ("local", "cuda_ipc", "shm", "nixl", "socket")
     for name, info in found.items():
         assert info.name == name and info.reason, info
         assert info.available or info.fix, f"{name} is unavailable without a fix: {info}"

@@ -43,7 +43,7 @@ from ..errors import AuthenticationError, BackendUnavailableError, PeerLostError
 from .base import BackendContext, Capabilities, Op, Poster, Segment, Status
 from .block_copy import BlockBindings, BlockLayout
 from .nixl_names import agent_name, member_rank
-from .nixl_setup import _error_classes, import_nixl, info, make_agent, quiet_nixl_logging
+from .nixl_setup import _error_classes, import_nixl, info, make_agent, nixl_installed, quiet_nixl_logging
 
 __all__ = ["NixlBackend", "info", "agent_name", "member_rank", "quiet_nixl_logging"]
 
@@ -60,9 +60,12 @@ class NixlBackend:
                                 stream_ordered=False, message_channel=True, first_touch=True)
 
     @classmethod
-    def create(cls, context: BackendContext) -> NixlBackend:
-        """Returns at once, the agent made in the background (``context.on_ready`` once it exists);
-        ``BackendUnavailableError`` when nixl is not installed."""
+    def create(cls, context: BackendContext) -> NixlBackend | None:
+        """Returns at once, the agent made in the background (``context.on_ready`` once it exists); None where
+        nixl is not installed (an extra: the ranks of one host then meet over ``shm``, ``cuda_ipc`` and the
+        ``socket`` message channel)."""
+        if not nixl_installed():
+            return None
         return cls(context.rank, progress_wakeup_ms=context.config.progress_wakeup_ms, token=context.config.job_token,
                    net_devices=context.net_devices, on_ready=context.on_ready,
                    ready_timeout_s=max(context.timeout_s, 60.0))

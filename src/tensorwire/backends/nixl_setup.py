@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import sys
 from typing import Any
@@ -13,7 +14,14 @@ from typing import Any
 from ..errors import BackendUnavailableError
 from .base import BackendInfo
 
-__all__ = ["info", "quiet_nixl_logging", "import_nixl", "make_agent"]
+__all__ = ["info", "quiet_nixl_logging", "import_nixl", "make_agent", "INSTALL_NIXL", "nixl_installed"]
+
+INSTALL_NIXL = "pip install 'tensorwire[nixl]'"
+
+
+def nixl_installed() -> bool:
+    """Whether a ``nixl`` package is there to import (not whether it works: ``info``)."""
+    return importlib.util.find_spec("nixl") is not None
 
 
 class _DemoteInfo(logging.Filter):
@@ -41,7 +49,8 @@ def import_nixl() -> tuple[Any, Any]:
     except ModuleNotFoundError as e:
         if e.name in ("nixl", "nixl._api", "nixl._bindings"):
             raise BackendUnavailableError(
-                "nixl: the 'nixl' package is not installed; pip install nixl (pulls nixl-cu12/nixl-cu13)"
+                f"nixl: the 'nixl' package is not installed; {INSTALL_NIXL} (pulls nixl-cu12/nixl-cu13). Without it "
+                "ranks reach each other on one host only (shm, cuda_ipc)"
             ) from e
         raise BackendUnavailableError(
             f"nixl: importing nixl failed because its dependency {e.name!r} is missing; install it"
@@ -62,7 +71,7 @@ def info() -> BackendInfo:
     try:
         api, _ = import_nixl()
     except BackendUnavailableError as e:
-        return BackendInfo("nixl", False, str(e), fix="pip install nixl")
+        return BackendInfo("nixl", False, str(e), fix=INSTALL_NIXL)
     version = _version()
     try:
         probe = api.nixl_agent("tensorwire-probe", api.nixl_agent_config(enable_prog_thread=False, backends=[]))

@@ -50,6 +50,7 @@ TRANSPORTS: tuple[Transport, ...] = (
     Transport("cuda_ipc", "cuda_ipc", "CudaIpcBackend"),  # GPU memory of a same-host peer, copy engines
     Transport("shm", "shm", "ShmBackend"),  # host memory a same-host peer keeps in a shared file: memcpy
     Transport("nixl", "nixl", "NixlBackend"),  # everything else, across hosts too (UCX)
+    Transport("socket", "socket_messages", "SocketMessages"),  # messages only, on one host: where nixl is not installed
 )
 NAMES: tuple[str, ...] = tuple(t.name for t in TRANSPORTS)
 # Transports for tests: never chosen by default, reported by neither ``tw.backends()`` nor the doctor;

@@ -24,7 +24,8 @@ from typing import Any
 from ..machine import cpu_summary, gpu_names, hostname, software_versions
 
 __all__ = ["parse_size", "parse_sizes", "at_least", "positive", "list_of", "MEMORY_CHOICES", "add_common_arguments",
-           "memories", "write_json", "check_plot", "header", "header_lines", "announce", "progress", "finish"]
+           "memories", "write_json", "check_plot", "header", "header_lines", "announce", "progress", "finish",
+           "require_nixl"]
 
 MEMORY_CHOICES = ("cpu", "cuda", "all")  # --memory of every benchmark; 'all' is cpu plus cuda when torch sees a GPU
 
@@ -115,6 +116,15 @@ def memories(args: argparse.Namespace) -> tuple[str, ...]:
     if args.memory == "all":
         return ("cpu", "cuda") if has_cuda else ("cpu",)
     return (args.memory,)
+
+
+def require_nixl(args: argparse.Namespace, needs: str) -> None:
+    """Refuse the run before anything starts where ``nixl`` is not installed (exit 2, naming the extra): ``needs``
+    says what of the benchmark needs it."""
+    from ..backends.nixl_setup import INSTALL_NIXL, nixl_installed
+
+    if not nixl_installed():
+        args.parser.error(f"{needs} needs NIXL, and the nixl package is not installed: {INSTALL_NIXL}")
 
 
 def check_plot(args: argparse.Namespace) -> None:

@@ -48,7 +48,7 @@ from typing import Any
 
 from ..errors import WaitTimeoutError
 from ..shared_memory import remove_orphans
-from .command import announce, at_least, check_plot, finish, header, header_lines, parse_size, positive
+from .command import announce, at_least, check_plot, finish, header, header_lines, parse_size, positive, require_nixl
 from .fleet_parties import FIRST_POOL_BLOCKS, FIRST_READ_BLOCKS, holder, reader, world_rank
 from .fleet_raw import raw_first_contacts
 from .fleet_report import FLEET, RAW_NIXL, WORLD, format_report, plot_fleet
@@ -369,6 +369,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the benchmark, print the header and progress on stderr, then the report; write ``--json`` /
     ``--plot``. Ctrl-C stops every party and reports the fleet sizes measured so far (exit 130)."""
     config = config_from(args)
+    require_nixl(args, "bench fleet (raw NIXL's first contact is its reference)")
     check_plot(args)
     head = header(args.argv)
     head_lines = header_lines("tensorwire bench fleet: members launched apart, meeting in a directory", head,

@@ -51,6 +51,7 @@ from .command import (
     parse_sizes,
     positive,
     progress,
+    require_nixl,
 )
 from .kv_raw import raw_block_paths
 from .kv_report import COPY, format_report, plot_kv
@@ -391,6 +392,8 @@ def main(args: argparse.Namespace) -> int:
     """Run the benchmark, print the header and a line per case on stderr, then the table; write ``--json`` /
     ``--plot``; blocks until both ranks are done. Ctrl-C stops both ranks and reports what was measured (exit 130)."""
     config = config_from(args)
+    if config.raw:
+        require_nixl(args, "bench kv's raw NIXL reference (--no-raw leaves it out)")
     check_plot(args)
     head = header(args.argv)
     head_lines = header_lines(TITLE, head, method_rows(config))

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..backends.nixl_setup import INSTALL_NIXL, nixl_installed
 from ..errors import InvalidArgumentError, TransferError
 from ..moe import collectives
 from ..moe.selection import ENGINES
@@ -127,6 +128,8 @@ def skip_reason(engine: str, memory: str, world_size: int, gpu_count: int) -> st
     ranks on one GPU. Local: no GPU work, no process group is made."""
     if engine == "cuda" and memory != "cuda":
         return "it moves GPU memory only; pass --memory cuda"
+    if engine == "nixl" and not nixl_installed():
+        return f"nixl is not installed ({INSTALL_NIXL})"
     if engine == "cuda" and importlib.util.find_spec("triton") is None:
         return "Triton is not installed (pip install triton, or tensorwire[cuda])"
     if engine == "torch":

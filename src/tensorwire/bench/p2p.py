@@ -62,6 +62,7 @@ from .command import (
     header_lines,
     memories,
     parse_sizes,
+    require_nixl,
     write_json,
 )
 from .p2p_records import (
@@ -186,6 +187,7 @@ def main(args: argparse.Namespace) -> int:
     for flag, value in (("--ranks", args.ranks), ("--engines", args.engines)):
         if value is not None:
             args.parser.error(f"{flag} applies to 'tensorwire bench moe'; the p2p bench runs rank 0 -> rank 1")
+    require_nixl(args, "bench p2p (tensorwire beside raw NIXL)")
     quiet_nixl_logging()
     check_plot(args)
     config = BenchConfig(
