@@ -28,7 +28,7 @@ import threading
 from typing import Any
 
 from ..errors import InvalidArgumentError, TransferError
-from .base import BackendContext, BackendInfo, Capabilities, Op, Segment, Status
+from .base import BackendContext, BackendInfo, Capabilities, Segment
 from .nixl_setup import INSTALL_NIXL, nixl_installed
 
 __all__ = ["SocketMessages", "info"]
@@ -100,15 +100,11 @@ class SocketMessages:
     def reaches(self, peer: int, remote: list[Segment]) -> bool:
         return False
 
-    def prepare(self, op: Op, local: list[Segment], remote: list[Segment], peer: int, notify: bytes | None) -> None:
+    def _carries_no_bytes(self, *args: Any, **kwargs: Any) -> Any:
+        # Never reached: no memory kind in its capabilities, so no transfer is ever routed here.
         raise InvalidArgumentError("socket: carries messages only, never a transfer's bytes")
 
-    prepare_blocks = bind_blocks = prepare
-
-    def post(self, request: Any, notify: bytes | None, stream: Any = None) -> Status:
-        raise InvalidArgumentError("socket: carries messages only, never a transfer's bytes")
-
-    status = release = post
+    prepare = prepare_blocks = bind_blocks = post = status = release = _carries_no_bytes
 
     # --- messages --------------------------------------------------------------------------------
     def loaded_peers(self) -> frozenset[int]:
