@@ -36,10 +36,11 @@ from __future__ import annotations
 import struct
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .errors import RevokedError, WaitTimeoutError
+from .errors import RevokedError, TensorwireWarning, WaitTimeoutError
 
 if TYPE_CHECKING:
     from .peers import Peers
@@ -207,8 +208,15 @@ class Revocations:
                 kind = _REVOKE if wait else _REVOKE_CLOSING
                 self._messenger.send_notification(target, _message(kind, [map_epoch, *key]))
                 pending.add(target)
-            except Exception:  # noqa: BLE001 - gone or unreachable: it posts nothing more
-                continue
+            except Exception as e:  # noqa: BLE001 - a rank that is gone posts nothing more; one alive may
+                if not wait or self._runtime.peer_lost(target, fresh=True) is not None:
+                    continue
+                # Alive and not told: its transfers may still write here, so the memory waits for it (an answer,
+                # its death, or the timeout's quarantine) instead of being released under it.
+                warnings.warn(f"tensorwire: close: could not tell rank {target} to stop its transfers to registration "
+                              f"epoch(s) {list(key)} ({type(e).__name__}: {e}); waiting for it", TensorwireWarning,
+                              stacklevel=3)
+                pending.add(target)
         if not wait or not pending:
             release()
             return
