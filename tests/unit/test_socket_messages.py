@@ -83,3 +83,20 @@ def test_it_never_carries_a_transfer_and_refuses_a_name_that_is_not_ours(pair):
     assert not a.capabilities.memory_kinds and a.capabilities.message_channel and a.capabilities.same_host_only
     with pytest.raises(InvalidArgumentError, match="not one of ours"):
         a.load_peer(3, b"/tmp/some-socket")
+
+
+def test_a_flood_of_connections_costs_a_bounded_number_of_descriptors(pair):
+    from tensorwire.backends.socket_messages import _MAX_UNPROVEN
+
+    a, b = pair
+    a.send_notification(1, b"first")  # a member's connection, proven by its first frame
+    assert _arrivals(b, 1) == [(0, b"first")]
+    flood = [_stranger_sends(b, b"") for _ in range(_MAX_UNPROVEN + 20)]
+    try:
+        b.notifications()
+        assert len(b._incoming) <= _MAX_UNPROVEN + 1
+        a.send_notification(1, b"still heard")
+        assert _arrivals(b, 1) == [(0, b"still heard")]
+    finally:
+        for sock in flood:
+            sock.close()

@@ -37,6 +37,7 @@ _HEADER = struct.Struct("<IIQI")  # sender, receiver, sequence, message length
 _LABEL = b"tensorwire socket message/"
 _NAME_PREFIX = b"\0tensorwire-msg-"
 _MAX_MESSAGE = 1 << 20  # a notification is bytes to a few KiB; a frame claiming more is not ours
+_MAX_UNPROVEN = 64  # accepted connections without a verified frame yet: beyond, the oldest is closed
 
 
 def info() -> BackendInfo:
@@ -160,6 +161,10 @@ class SocketMessages:
             return arrived
 
     def _accept(self) -> None:
+        """Accept what is pending, keeping at most ``_MAX_UNPROVEN`` connections that have not sent a verified
+        frame: whoever floods the socket costs this process a bounded number of descriptors. A member's connection
+        dropped so before its first frame was read loses that frame (its next send fails and reconnects): a flood
+        is a denial of service, as deleting store values is, never a forged message."""
         while True:
             try:
                 sock, _ = self._listener.accept()
@@ -167,6 +172,10 @@ class SocketMessages:
                 return
             sock.setblocking(False)
             self._incoming.append(_Incoming(sock))
+            unproven = [c for c in self._incoming if c.sender is None]
+            if len(unproven) > _MAX_UNPROVEN:
+                unproven[0].sock.close()
+                self._incoming.remove(unproven[0])
 
     def _read(self, connection: _Incoming, arrived: list[tuple[int, bytes]]) -> bool:
         """Take what ``connection`` has and parse its whole frames into ``arrived``; False once it must close
