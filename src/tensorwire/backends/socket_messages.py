@@ -37,6 +37,7 @@ _HEADER = struct.Struct("<IIQI")  # sender, receiver, sequence, message length
 _LABEL = b"tensorwire socket message/"
 _NAME_PREFIX = b"\0tensorwire-msg-"
 _MAX_MESSAGE = 1 << 20  # a notification is bytes to a few KiB; a frame claiming more is not ours
+_MAC_BYTES = hashlib.sha256().digest_size  # with a job token
 _MAX_UNPROVEN = 64  # accepted connections without a verified frame yet: beyond, the oldest is closed
 
 
@@ -189,7 +190,7 @@ class SocketMessages:
         if not data:
             return False
         connection.buffer += data
-        mac_bytes = 0 if self._token is None else hashlib.sha256().digest_size
+        mac_bytes = 0 if self._token is None else _MAC_BYTES
         while len(connection.buffer) >= _HEADER.size:
             header = connection.buffer[:_HEADER.size]
             sender, receiver, sequence, length = _HEADER.unpack(header)

@@ -152,10 +152,7 @@ def start_instance(python: str, name: str, model: str, role: str, *, connector: 
     """A vLLM instance (``vllm_instance serve``); call ``ready`` on it (or ``wait_ready`` on several) next."""
     argv = [python, "-m", "tensorwire.bench.vllm_instance", "serve", "--model", model, "--role", role,
             "--connector", connector, "--name", name, *(("--directory", directory) if directory else ()), *flags]
-    stats = tempfile.NamedTemporaryFile(prefix=f"tw-{name}-stats-", delete=False)
-    stats.close()
-    return Party(name, argv, _environment({"TENSORWIRE_JOB_TOKEN": token, "TENSORWIRE_VLLM_STATS": stats.name,
-                                           **(env or {})}), files=(stats.name,))
+    return _recording_party(name, argv, token, env or {})
 
 
 def start_server(python: str, name: str, model: str, role: str, *, port: int, directory: str, token: str,
@@ -166,14 +163,11 @@ def start_server(python: str, name: str, model: str, role: str, *, port: int, di
     distribution ``vllm`` and fails. Wait for it with ``ask_server(port, "/health", None, ...)``."""
     from .vllm_instance import transfer_config
 
-    stats = tempfile.NamedTemporaryFile(prefix=f"tw-{name}-stats-", delete=False)
-    stats.close()
     config = transfer_config(role, "tensorwire", policy, directory=directory, name=name)
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port",
             str(port), "--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "2048",
             "--kv-transfer-config", json.dumps(config), *flags]
-    return Party(name, argv, _environment({"TENSORWIRE_JOB_TOKEN": token, "TENSORWIRE_VLLM_STATS": stats.name}),
-                 files=(stats.name,))
+    return _recording_party(name, argv, token, {})
 
 
 def ask_server(port: int, path: str, body: dict[str, Any] | None, timeout_s: float) -> dict[str, Any]:
@@ -198,6 +192,15 @@ def ask_server(port: int, path: str, body: dict[str, Any] | None, timeout_s: flo
             if time.monotonic() >= deadline:
                 raise PartyError(f"{path} on port {port}: no answer within {timeout_s:.0f}s ({e})") from None
             time.sleep(1.0)
+
+
+def _recording_party(name: str, argv: list[str], token: str, env: dict[str, str]) -> Party:
+    """A vLLM party of the job ``token`` whose recording connector writes to a stats file of its own (removed with
+    the party)."""
+    stats = tempfile.NamedTemporaryFile(prefix=f"tw-{name}-stats-", delete=False)
+    stats.close()
+    return Party(name, argv, _environment({"TENSORWIRE_JOB_TOKEN": token, "TENSORWIRE_VLLM_STATS": stats.name, **env}),
+                 files=(stats.name,))
 
 
 def wait_ready(parties: list[Party], timeout_s: float = 300.0) -> list[float]:
