@@ -1,7 +1,8 @@
 """The few CUDA driver calls tensorwire makes itself, through cuda-python, imported lazily.
 
-PyTorch owns the CUDA context (the device's primary context); every call here runs inside
-``torch.cuda.device(index)`` so that context is current on the calling thread.
+PyTorch owns the CUDA context (the device's primary context); every call here runs inside ``use_device(index)``
+so that context is current on the calling thread, also on a thread that has made no CUDA call yet (a serving
+engine's loader thread): the driver API has no context there until the runtime's first call binds one.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Any
 
 from .errors import BackendUnavailableError, InvalidArgumentError, TransferError
 
-__all__ = ["driver", "check", "availability", "HostWords", "HostWordSlabs", "refuse_legacy_default_stream",
-           "COPY_PIECE_BYTES", "copy_pieces", "enqueue_copies", "StandInStream", "stream_wait_value",
-           "stream_write_value", "record_event"]
+__all__ = ["driver", "check", "availability", "use_device", "HostWords", "HostWordSlabs",
+           "refuse_legacy_default_stream", "COPY_PIECE_BYTES", "copy_pieces", "enqueue_copies", "enqueue_on",
+           "PostStream", "StreamCopies", "StandInStream", "stream_wait_value", "stream_write_value", "record_event"]
 
 # Copies are issued in pieces of at most this many bytes. Measured on an H200: a CUDA graph replays a single
 # 1 GiB memcpy node at 0.64x the speed of the same copy issued on a stream, while 256 MiB nodes replay at
@@ -49,6 +50,43 @@ def check(result: Any, what: str) -> Any:
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
+
+
+_THREAD = threading.local()  # ``has_context``: this thread has had a CUDA context current (it keeps one)
+_NO_SWITCH = contextlib.nullcontext()
+
+
+def use_device(device_index: int) -> contextlib.AbstractContextManager:
+    """A context manager under which ``device_index``'s primary context is current on the calling thread, for
+    driver calls. The usual case (the device current, a context bound) costs two lookups and no CUDA call.
+
+    A thread that has made no CUDA call yet has no context for the driver API (its calls fail with
+    ``CUDA_ERROR_INVALID_CONTEXT``), while ``torch.cuda.device(i)`` skips the switch that would bind one when ``i``
+    is already the runtime's current device: the first call on such a thread binds ``device_index``'s primary
+    context (the one PyTorch uses) itself, not the runtime's default device's, which would create a context on a
+    GPU this process may not use."""
+    import torch
+
+    if not getattr(_THREAD, "has_context", False):
+        _bind_primary_context(device_index)
+    if torch._C._cuda_getDevice() == device_index:
+        return _NO_SWITCH
+    return torch.cuda.device(device_index)
+
+
+def _bind_primary_context(device_index: int) -> None:
+    cu = driver()
+    if not int(check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")):
+        check(cu.cuCtxSetCurrent(_primary_context(device_index)), "cuCtxSetCurrent")
+    _THREAD.has_context = True
+
+
+@functools.cache
+def _primary_context(device_index: int) -> Any:
+    """The device's primary context, retained once for the life of the process (PyTorch holds it too)."""
+    cu = driver()
+    device = check(cu.cuDeviceGet(device_index), "cuDeviceGet")
+    return check(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
 
 
 def availability() -> tuple[bool, str]:
@@ -153,6 +191,7 @@ def stream_wait_value(stream: Any, addr: int, value: int) -> None:
     releases it must not be enqueued behind it in this process (see docs/architecture.md)."""
     if isinstance(stream, StandInStream):
         return stream.wait_value(addr, value)
+    _bind_on_first_use(stream)
     cu = driver()
     check(cu.cuStreamWaitValue32(cu.CUstream(stream.cuda_stream), addr, value,
                                  cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
@@ -166,23 +205,81 @@ def copy_pieces(destination: int, source: int, nbytes: int) -> list[tuple[int, i
 
 
 def enqueue_copies(copies: list[tuple[int, int, int]], stream: Any, device_index: int, what: str) -> None:
-    """Enqueue ``cuMemcpyAsync`` of each ``(destination, source, nbytes)`` on ``stream`` (a
-    ``torch.cuda.Stream`` of device ``device_index``). Unified addressing lets one call serve device, peer
-    (IPC-mapped) and pinned host pointers, on the copy engines. Returns at once; graph-capturable (each copy
-    becomes a memcpy node).
+    """Enqueue ``cuMemcpyAsync`` of each ``(destination, source, nbytes)`` on ``stream`` (a ``torch.cuda.Stream`` of
+    device ``device_index``), for one-off copies; a request posted again and again keeps a ``StreamCopies``.
+    Returns at once; graph-capturable."""
+    enqueue_on(copies, driver().CUstream(stream.cuda_stream), device_index, what)
 
-    Measured against a Triton copy kernel on an H200 (one process, per copy, CUDA events): equal as graph
-    nodes from 4 KiB to 64 MiB (4 KiB: 7.7 µs either way, the replay's own floor), and the eager launch
-    costs ~5 µs of CPU here against ~20 µs for the kernel; so the copy engines serve every size."""
+
+def enqueue_on(copies: list[tuple[int, int, int]], handle: Any, device_index: int, what: str) -> None:
+    """``enqueue_copies`` on a driver stream handle (``PostStream``)."""
+    memcpy = driver().cuMemcpyAsync
+    with use_device(device_index):
+        for destination, source, nbytes in copies:
+            result = memcpy(destination, source, nbytes, handle)
+            if result[0]:  # CUDA_SUCCESS is 0
+                check(result, f"{what}: cuMemcpyAsync")
+
+
+class PostStream:
+    """The stream a post enqueues on, as PyTorch's object and the driver's handle: the one given, else the device's
+    current stream. An eager post's device work is a few enqueues, so the stream last seen is kept: the current
+    stream is read as a raw handle (what Triton's launcher reads) and compared, instead of building a
+    ``torch.cuda.Stream`` and a driver handle each time."""
+
+    def __init__(self, device_index: int) -> None:
+        self.device_index = device_index
+        self._raw: int | None = None
+        self._stream: Any = None
+        self._handle: Any = None
+
+    def of(self, stream: Any = None) -> tuple[Any, Any]:
+        """``(torch stream, driver handle)`` for ``stream``, or for the current stream when None."""
+        raw = stream.cuda_stream if stream is not None else _current_raw_stream(self.device_index)
+        if raw != self._raw:
+            import torch
+
+            self._stream = stream if stream is not None else torch.cuda.current_stream(self.device_index)
+            self._handle, self._raw = driver().CUstream(raw), raw
+        return self._stream, self._handle
+
+
+class StreamCopies:
+    """Fixed ``(destination, source, nbytes)`` copies, enqueued as ``cuMemcpyAsync`` on a stream at each post (the
+    requests of ``cuda_ipc`` and ``local``). Unified addressing lets one call serve device, peer (IPC-mapped) and
+    pinned host pointers, on the copy engines.
+
+    Measured against a Triton copy kernel on an H200 (one process, per copy, CUDA events): equal as graph nodes
+    from 4 KiB to 64 MiB (4 KiB: 7.7 µs either way, the replay's own floor), and the eager launch costs ~5 µs of
+    CPU here against ~20 µs for the kernel; so the copy engines serve every size."""
+
+    def __init__(self, copies: list[tuple[int, int, int]], device_index: int, what: str) -> None:
+        self.copies = copies
+        self.device_index = device_index
+        self._what = what
+        self._streams = PostStream(device_index)
+
+    def enqueue(self, stream: Any = None) -> Any:
+        """Enqueue the copies on ``stream`` (default: the device's current stream); returns that stream. Never
+        waits; graph-capturable (each copy becomes a memcpy node)."""
+        stream, handle = self._streams.of(stream)
+        enqueue_on(self.copies, handle, self.device_index, self._what)
+        return stream
+
+
+def _current_raw_stream(device_index: int) -> int:
+    """The raw handle of ``device_index``'s current stream (``torch.cuda.current_stream(i).cuda_stream``
+    without the Python object)."""
     import torch
 
-    cu = driver()
-    handle = cu.CUstream(stream.cuda_stream)
-    # The usual case, the device already current, skips the switch there and back (~3 µs of a 4 KiB post).
-    current = torch.cuda.current_device() == device_index
-    with contextlib.nullcontext() if current else torch.cuda.device(device_index):
-        for destination, source, nbytes in copies:
-            check(cu.cuMemcpyAsync(destination, source, nbytes, handle), f"{what}: cuMemcpyAsync")
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
+
+
+def _bind_on_first_use(stream: Any) -> None:
+    """Bind the primary context of ``stream``'s device on a thread that has no context yet (see ``use_device``)."""
+    if not getattr(_THREAD, "has_context", False):
+        _bind_primary_context(stream.device_index)
 
 
 _LEGACY_DEFAULT_STREAM_HANDLES = (0, 1)  # the null stream, and CU_STREAM_LEGACY
@@ -209,6 +306,7 @@ def stream_write_value(stream: Any, addr: int, value: int) -> None:
     """Store ``value`` into the 32-bit word at ``addr`` when ``stream`` reaches this point. Graph-capturable."""
     if isinstance(stream, StandInStream):
         return stream.write_value(addr, value)
+    _bind_on_first_use(stream)
     cu = driver()
     check(cu.cuStreamWriteValue32(cu.CUstream(stream.cuda_stream), addr, value,
                                   cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["Transfer"]
 
 _DONE, _IN_PROGRESS = Status.DONE, Status.IN_PROGRESS
+_UNSET = object()
 
 
 class Transfer(Closeable):
@@ -79,6 +80,7 @@ class Transfer(Closeable):
         self._watches: list = []  # progress-thread watches on this transfer's request, drained on close
         self._streams_used: set = set()  # streams this transfer's GPU-side waits were enqueued on
         self._post_failure: Exception | None = None  # why the last CPU post failed (raised again by wait())
+        self._alive = _UNSET  # wait_until's liveness check of the peer (_peer_alive)
         self.closed = False
 
     @property
@@ -242,16 +244,31 @@ class Transfer(Closeable):
         if shared.state is Status.ERROR and self._post_failure is not None:
             failure = self._post_failure
             raise type(failure)(f"wait: the last post failed, nothing was transferred: {failure}")
-        def what() -> str:  # made only if needed: this is the path of every wait that is not done at once
-            return f"wait: {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport}"
-
-        wait_until(lambda: self.status() is not Status.IN_PROGRESS, self._runtime.timeout(timeout), what,
-                   self._runtime.config, self._runtime.alive(self.peer, what))
+        if self._stream_ordered:
+            # Copies on a stream complete when their event fires: poll it alone, not the backend's status through
+            # status() (an eager 4 KiB copy over cuda_ipc is done in a few µs, and each poll counts). Failures
+            # kept by other threads meanwhile (a revocation) are raised by the next call: these bytes landed.
+            wait_until(self._backend.completion_event(self._request).query, self._runtime.timeout(timeout),
+                       self._waiting, self._runtime.config, self._peer_alive())
+            shared.state = _DONE
+            return
+        wait_until(lambda: self.status() is not Status.IN_PROGRESS, self._runtime.timeout(timeout), self._waiting,
+                   self._runtime.config, self._peer_alive())
         if shared.state is Status.ERROR:
             raise self._peer_lost_or(TransferError(
                 f"wait: the {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport} failed; "
                 "the peer may have exited or deregistered the memory"
             ), "wait")
+
+    def _waiting(self) -> str:
+        """What a blocking wait waits for, in its timeout's message."""
+        return f"wait: {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport}"
+
+    def _peer_alive(self):
+        """``wait_until``'s check that the peer is still there (made once: a wait is on every eager post's path)."""
+        if self._alive is _UNSET:
+            self._alive = self._runtime.alive(self.peer, self._waiting)
+        return self._alive
 
     def _peer_lost_or(self, error: Exception, call: str) -> Exception:
         """``PeerLostError`` instead of a backend's generic failure when the peer is gone (NIXL reports a dead

@@ -7,12 +7,14 @@ synchronizing, so a stream that never gets released fails the test instead of ha
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 
 import tensorwire as tw
+from tensorwire.testing.data import assert_equal
 from tensorwire.testing.suite import GPU_ENV, INIT_TIMEOUT, WAIT, drain, launch
 
 pytestmark = pytest.mark.gpu
@@ -291,3 +293,54 @@ def test_peer_pointer_maps_a_same_host_peers_range():
     """peer_pointer gives a device pointer in this process to a peer's registered GPU bytes."""
     results = launch(_peer_pointer_reads_the_peers_bytes, 2, env=GPU_ENV)
     assert results == [(8, 8), (7, 7)], results
+
+
+def _transfers_from_a_fresh_thread():
+    """A thread that has made no CUDA call (a serving engine's loader thread) prepares and posts a READ and a block
+    READ of the peer's GPU memory; the driver has no context on such a thread until tensorwire binds one."""
+    with tw.init(timeout=INIT_TIMEOUT) as comm:
+        torch.cuda.set_device(comm.device)
+        peer = 1 - comm.rank
+        mine = torch.full((1 << 16,), comm.rank + 1, dtype=torch.uint8, device=comm.device)
+        got = torch.zeros_like(mine)
+        blocks = torch.full((8, 1024), comm.rank + 1, dtype=torch.int32, device=comm.device)
+        torch.cuda.synchronize()
+        with comm.register([mine, got]) as reg, comm.register_blocks(blocks) as pool:
+            comm.publish("mine", reg.descs[:1])
+            comm.publish_blocks("pool", pool)
+            remote = comm.lookup("mine", peer, timeout=WAIT)
+            remote_pool = comm.lookup_blocks("pool", peer, timeout=WAIT)
+            comm.barrier(timeout=WAIT)
+            outcome = {}
+
+            def worker():
+                try:
+                    with comm.prepare(tw.READ, got, remote[0]) as read:
+                        read.post()
+                        read.wait(timeout=WAIT)
+                        outcome["transport"] = read.transport
+                    with comm.prepare_blocks(tw.READ, pool, remote_pool) as block_read:
+                        block_read.post([0, 1], [6, 7])
+                        block_read.wait(timeout=WAIT)
+                except Exception as e:  # reported to the test, which names it
+                    outcome["error"] = f"{type(e).__name__}: {e}"
+
+            thread = threading.Thread(target=worker)
+            thread.start()
+            thread.join(timeout=60)
+            assert not thread.is_alive(), "the transfer thread did not finish"
+            assert "error" not in outcome, outcome["error"]
+            assert outcome["transport"] == "cuda_ipc", outcome
+            assert_equal(got, torch.full_like(got, peer + 1), "READ from a fresh thread")
+            assert_equal(blocks[:2], torch.full((2, 1024), peer + 1, dtype=torch.int32, device=comm.device),
+                         "block READ from a fresh thread")
+            assert_equal(blocks[2:], torch.full((6, 1024), comm.rank + 1, dtype=torch.int32, device=comm.device),
+                         "blocks not named by the READ")
+            comm.barrier(timeout=WAIT)
+    return True
+
+
+def test_a_thread_that_never_used_cuda_prepares_and_posts():
+    """vLLM's connector loads from a thread of its own: cuda_ipc's IPC mapping, copies and the block kernel work
+    there (they failed with CUDA_ERROR_INVALID_CONTEXT)."""
+    assert launch(_transfers_from_a_fresh_thread, 2, env=GPU_ENV) == [True, True]

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cuda import enqueue_copies
+from ..cuda import PostStream, enqueue_on, use_device
 from ..descriptors import MemoryKind
 from ..errors import BackendUnavailableError, InvalidArgumentError
 from .base import Segment, Status, StreamOrderedRequest
@@ -184,6 +184,7 @@ class DeviceBlockRequest(StreamOrderedRequest):
         self._chunks = -(-max(r[2] for r in regions) // _CHUNK_BYTES)
         self._num_regions, self._blocks = len(regions), blocks
         self._staging = _IdStaging(device)
+        self._streams = PostStream(device_index)
         self._compiled: dict[tuple, Any] = {}  # (id dtypes, id alignments) -> Triton's compiled kernel (_launch)
         if self._chunks > 65535 or self._num_regions > 65535:
             raise InvalidArgumentError(
@@ -205,12 +206,12 @@ class DeviceBlockRequest(StreamOrderedRequest):
     def post(self, stream: torch.cuda.Stream | None) -> Status:
         """Enqueue the kernel for the next binding on ``stream`` (default: the current stream); host ids travel
         first (one pinned copy on that stream)."""
-        stream = stream or torch.cuda.current_stream(self.device_index)
+        stream, handle = self._streams.of(stream)
         self.bindings.advance()
         local_ids, remote_ids = self.bindings.current
         slot = None
         if isinstance(local_ids, np.ndarray):
-            slot, local_ids, remote_ids = self._staging.stage(local_ids, remote_ids, stream)
+            slot, local_ids, remote_ids = self._staging.stage(local_ids, remote_ids, stream, handle)
         destination_ids, source_ids = ((local_ids, remote_ids) if self.local_is_destination
                                        else (remote_ids, local_ids))
         self._launch(destination_ids, source_ids, stream)
@@ -232,8 +233,9 @@ class DeviceBlockRequest(StreamOrderedRequest):
         key = (destination_ids.dtype, source_ids.dtype, destination_ids.data_ptr() % 16 == 0,
                source_ids.data_ptr() % 16 == 0)
         compiled = self._compiled.get(key)
-        if compiled is not None and torch.cuda.current_device() == self.device_index:
-            compiled[grid](*args, stream=stream.cuda_stream)
+        if compiled is not None and torch._C._cuda_getDevice() == self.device_index:
+            with use_device(self.device_index):  # a thread with no context yet gets the device's
+                compiled[grid](*args, stream=stream.cuda_stream)
             return
         with torch.cuda.device(self.device_index), torch.cuda.stream(stream):
             kernel = self._kernel[grid](*args[:7], CHUNK=self._chunk, TILE=self._chunk, ALIGN=self._align,
@@ -250,8 +252,10 @@ class _Slot:
         self.host = torch.empty(2 * capacity, dtype=torch.int32, pin_memory=True)
         self.host_array = self.host.numpy()  # the same pinned bytes, written by numpy without torch's dispatch
         self.device = torch.empty(2 * capacity, dtype=torch.int32, device=device)
+        self.host_addr, self.device_addr = self.host.data_ptr(), self.device.data_ptr()
         self.event = torch.cuda.Event()
         self.used = False
+        self.kept = False  # one of the staging's kept slots (else a one-off, freed by torch after its copy)
 
     def free(self) -> bool:
         return not self.used or self.event.query()
@@ -269,16 +273,17 @@ class _IdStaging:
         self._device = device
         self._slots: list[_Slot] = []
 
-    def stage(self, local_ids: np.ndarray, remote_ids: np.ndarray,
-              stream: torch.cuda.Stream) -> tuple[_Slot, torch.Tensor, torch.Tensor]:
-        """Copy the ids into a slot and enqueue its host-to-device copy on ``stream``; their device views."""
+    def stage(self, local_ids: np.ndarray, remote_ids: np.ndarray, stream: torch.cuda.Stream,
+              handle: Any) -> tuple[_Slot, torch.Tensor, torch.Tensor]:
+        """Copy the ids into a slot and enqueue its host-to-device copy on ``stream`` (``handle``: its driver
+        handle); their device views."""
         n = len(local_ids)
         slot = self._slot(n, stream)
         slot.host_array[:n], slot.host_array[n:2 * n] = local_ids, remote_ids
-        if any(slot is kept for kept in self._slots):
+        if slot.kept:
             # One cuMemcpyAsync: torch's copy_ under a stream context cost more than the kernel's launch.
-            enqueue_copies([(slot.device.data_ptr(), slot.host.data_ptr(), 8 * n)], stream, self._device.index,
-                           "post: copying block ids to the GPU")
+            enqueue_on([(slot.device_addr, slot.host_addr, 8 * n)], handle, self._device.index,
+                       "post: copying block ids to the GPU")
         else:  # a one-off slot: torch's copy keeps its pinned buffer alive until the copy has run
             with torch.cuda.stream(stream):
                 slot.device[:2 * n].copy_(slot.host[:2 * n], non_blocking=True)
@@ -286,16 +291,23 @@ class _IdStaging:
         return slot, slot.device[:n], slot.device[n:2 * n]
 
     def _slot(self, n: int, stream: torch.cuda.Stream) -> _Slot:
-        free = [i for i, s in enumerate(self._slots) if s.free()]
-        fitting = next((i for i in free if self._slots[i].host.numel() >= 2 * n), None)
-        if fitting is not None:
-            return self._slots[fitting]
+        # The first free slot that fits, querying no more events than it takes to find it: in the eager loop of
+        # post then wait, slot 0 is free again at every post.
+        free = []
+        for i, s in enumerate(self._slots):
+            if s.free():
+                if s.host.numel() >= 2 * n:
+                    return s
+                free.append(i)
         with torch.cuda.stream(stream):  # a new slot's device buffer belongs to the stream that reads it
             slot = _Slot(1 << max(10, (n - 1).bit_length()), self._device)
         if len(self._slots) < self._MAX_SLOTS:
             self._slots.append(slot)
+            slot.kept = True
         elif free:  # a free slot too small for these ids makes room (nothing reads it any more)
+            self._slots[free[0]].kept = False
             self._slots[free[0]] = slot
+            slot.kept = True
         return slot
 
 

@@ -3,7 +3,7 @@
 Each rank exports, for every registered CUDA range, an IPC handle of the allocation that contains it
 (``cuIpcGetMemHandle`` on the allocation base) in its metadata. A rank that addresses a peer's range
 opens the allocation once (``cuIpcOpenMemHandle``, cached per peer and base, closed on ``close``) and
-copies with ``cuMemcpyAsync`` on the caller's stream (``cuda.enqueue_copies``): stream-ordered, copy-engine
+copies with ``cuMemcpyAsync`` on the caller's stream (``cuda.StreamCopies``): stream-ordered, copy-engine
 speed, and CUDA-graph capturable (a captured copy becomes a memcpy node with fixed pointers).
 
 Non-goal: memory from PyTorch's ``expandable_segments`` (VMM) allocator cannot be exported by
@@ -58,8 +58,7 @@ class _Export:
 
 @dataclass
 class _Request(StreamOrderedRequest):
-    copies: list[tuple[int, int, int]]  # (destination pointer, source pointer, nbytes) in this process
-    device_index: int
+    copies: cuda.StreamCopies  # (destination pointer, source pointer, nbytes) in this process, enqueued per post
 
 
 class CudaIpcBackend(StreamOrderedCompletion):
@@ -87,7 +86,7 @@ class CudaIpcBackend(StreamOrderedCompletion):
         if segment.kind is not MemoryKind.CUDA:
             return None
         cu = self._cu
-        with torch.cuda.device(segment.device_index):
+        with cuda.use_device(segment.device_index):
             base, _ = cuda.check(cu.cuMemGetAddressRange(segment.addr), "cuMemGetAddressRange")
             result = cu.cuIpcGetMemHandle(base)
         if result[0] != cu.CUresult.CUDA_SUCCESS:
@@ -127,7 +126,7 @@ class CudaIpcBackend(StreamOrderedCompletion):
             pointer = self.pointer(peer, theirs, device_index)
             destination, source = (mine.addr, pointer) if op is Op.READ else (pointer, mine.addr)
             copies += cuda.copy_pieces(destination, source, mine.nbytes)
-        return _Request(copies, device_index)
+        return _Request(cuda.StreamCopies(copies, device_index, "cuda_ipc"))
 
     def prepare_blocks(self, op: Op, local: BlockLayout, remote: BlockLayout, peer: int) -> DeviceBlockRequest:
         """Blocks between this GPU and a same-host peer's pool, mapped here: one kernel per post."""
@@ -140,15 +139,13 @@ class CudaIpcBackend(StreamOrderedCompletion):
     def post(self, request: _Request, notify: bytes | None, stream: torch.cuda.Stream | None = None) -> Status:
         if isinstance(request, DeviceBlockRequest):
             return request.post(stream)
-        stream = stream or torch.cuda.current_stream(request.device_index)
-        cuda.enqueue_copies(request.copies, stream, request.device_index, "cuda_ipc")
-        request.record(stream)
+        request.record(request.copies.enqueue(stream))
         return Status.IN_PROGRESS
 
     def release(self, request: _Request) -> None:
         if isinstance(request, DeviceBlockRequest):
             return request.release()
-        request.copies = []
+        request.copies.copies = []
 
     def close(self) -> None:
         for key in list(self._mapped):
@@ -167,7 +164,7 @@ class CudaIpcBackend(StreamOrderedCompletion):
             handle = self._cu.CUipcMemHandle()
             handle.reserved = export.handle
             flags = self._cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-            with torch.cuda.device(device_index):
+            with cuda.use_device(device_index):
                 pointer = cuda.check(self._cu.cuIpcOpenMemHandle(handle, flags),
                                      f"cuda_ipc: opening rank {peer}'s memory")
             self._mapped[key] = int(pointer)

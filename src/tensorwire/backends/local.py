@@ -3,7 +3,7 @@
 NIXL between two ranges of one process falls back to UCX's TCP emulation (0.4 GB/s on an H200, against
 1.6 TB/s for a device copy), so transfers whose remote rank is this rank take this path instead.
 Copies that touch GPU memory are stream-ordered (``cuMemcpyAsync`` on the stream given to ``post``, else the
-current stream, as any PyTorch op; ``cuda.enqueue_copies``) and CUDA-graph capturable; host copies complete
+current stream, as any PyTorch op; ``cuda.StreamCopies``) and CUDA-graph capturable; host copies complete
 inside ``post``. Issuing the driver call directly rather than ``Tensor.copy_`` under a stream context costs
 less CPU per post, which a 64 MiB device copy (~35 µs) notices; without cuda-python it is ``copy_``. A request
 holds views of both ranges, so their memory outlives a registration closed while the transfer still exists.
@@ -42,7 +42,7 @@ def info() -> BackendInfo:
 class _Request(StreamOrderedRequest):
     pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (destination, source) uint8 views
     device_index: int | None  # the CUDA device the copies run on, None for host-only
-    copies: list[tuple[int, int, int]] | None = None  # the pairs as cuMemcpyAsync pieces, when cuda-python is there
+    copies: cuda.StreamCopies | None = None  # the pairs as cuMemcpyAsync pieces, when cuda-python is there
 
 
 class LocalBackend(SameProcessMemory, StreamOrderedCompletion):
@@ -67,8 +67,9 @@ class LocalBackend(SameProcessMemory, StreamOrderedCompletion):
             return _Request(pairs, None)
         request = _Request(pairs, devices[0])
         if cuda.availability()[0]:
-            request.copies = [piece for d, s in zip(destinations, sources)
-                              for piece in cuda.copy_pieces(d.addr, s.addr, d.nbytes)]
+            request.copies = cuda.StreamCopies([piece for d, s in zip(destinations, sources)
+                                                for piece in cuda.copy_pieces(d.addr, s.addr, d.nbytes)],
+                                               request.device_index, "local")
         return request
 
     def prepare_blocks(self, op: Op, local: BlockLayout, remote: BlockLayout, peer: int):
@@ -85,13 +86,13 @@ class LocalBackend(SameProcessMemory, StreamOrderedCompletion):
             for destination, source in request.pairs:
                 destination.copy_(source)
             return Status.DONE
-        stream = stream or torch.cuda.current_stream(request.device_index)
         if request.copies is not None:
-            cuda.enqueue_copies(request.copies, stream, request.device_index, "local")
-        else:
-            with torch.cuda.stream(stream):
-                for destination, source in request.pairs:
-                    destination.copy_(source, non_blocking=True)
+            request.record(request.copies.enqueue(stream))
+            return Status.IN_PROGRESS
+        stream = stream or torch.cuda.current_stream(request.device_index)
+        with torch.cuda.stream(stream):
+            for destination, source in request.pairs:
+                destination.copy_(source, non_blocking=True)
         request.record(stream)
         return Status.IN_PROGRESS
 

@@ -14,6 +14,7 @@ that is killed with SIGKILL (Linux: ``PR_SET_PDEATHSIG``). Once its ranks are go
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -58,6 +59,7 @@ def _die_with(parent_pid: int) -> None:
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, env: dict[str, str],
            args: tuple, conn: Any, parent_pid: int) -> None:
     _die_with(parent_pid)
+    faulthandler.enable()  # a rank killed by a signal (SIGSEGV in a native call) prints every thread's stack
     os.environ.update(env)
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
