@@ -74,3 +74,32 @@ def test_bench_summary_holds_4k_gpu_graph_latency_against_its_goal():
     over_nixl = lines_of([record("READ", p2p.TENSORWIRE, 40.0, "nixl")])[name("READ")]
     assert over_nixl["ok"] is None and "chose nixl, which is not stream-ordered" in over_nixl["text"]
     assert not any("cuda" in name for name in lines_of([]))
+
+
+def test_bench_summary_holds_gpu_eager_post_and_wait_against_the_copy_and_sync():
+    """GPU memory: the eager rows are held against the copy + sync measured beside them (not against the copy's
+    GPU time from CUDA events), 64 MiB ok from 0.9x, 4 KiB ok up to 8 µs; the comparison names that reference."""
+    from tensorwire.bench import p2p
+    from tensorwire.bench import p2p_report as report
+    from tensorwire.bench.p2p_records import COPY, COPY_SYNC, EAGER_PATHS, TENSORWIRE
+    from tensorwire.bench.record import compare_with
+
+    def record(op, path, size, median_us):
+        return p2p.Record("p2p", "cuda", op, path, "cuda_ipc", size, 20, median_us, median_us, median_us,
+                          size / median_us / 1e3)
+
+    big = compare_with([record("READ", TENSORWIRE, 64 << 20, 70.0), record("READ", COPY_SYNC, 64 << 20, 62.0),
+                        record("READ", COPY, 64 << 20, 45.0)], COPY_SYNC, paths=EAGER_PATHS)
+    small = compare_with([record("READ", TENSORWIRE, 4096, 9.5), record("READ", COPY_SYNC, 4096, 8.0)], COPY_SYNC,
+                         paths=EAGER_PATHS)
+    result = p2p.BenchResult(records=big + small, idle=[], raw_config="raw", progress_wakeup_ms=10, default_threads=1,
+                             ucx_version=None)
+    lines = {line["name"]: line for line in report.summary(result)}
+    eager_big = lines["64 MiB cuda READ eager post()+wait() vs copy + sync"]
+    assert eager_big["value"] == 62.0 / 70.0 and eager_big["ok"] is False  # 0.89x
+    assert "copy + sync (62.0 us)" in eager_big["text"]
+    eager_small = lines["4 KiB cuda READ eager post()+wait() wall time"]
+    assert eager_small["ok"] is False and "copy + sync 8.0 us" in eager_small["text"]
+    assert lines["64 MiB cuda WRITE eager post()+wait() vs copy + sync"]["ok"] is None  # not measured: says so
+    eager = [c for c in report.comparisons(big) if c["path"] == TENSORWIRE]
+    assert [(c["reference"], c["bw_vs_copy"]) for c in eager] == [(COPY_SYNC, 62.0 / 70.0)]

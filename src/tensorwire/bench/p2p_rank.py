@@ -23,6 +23,8 @@ from .p2p_inbox import InboxChecker, Side, check_inbox, check_path
 from .p2p_records import (
     COPY,
     COPY_MT,
+    COPY_SYNC,
+    EAGER_PATHS,
     IDLE_BYTES,
     RAW,
     STREAM_ORDERED,
@@ -177,16 +179,21 @@ def _bench_size(comm: Any, raw: RawNixl, side: Side, size: int, config: BenchCon
                 once()
                 check_path(side, size, op, name, checker)
             compared = {name: once for name, (once, _) in paths.items()}
-            if side.memory == "cpu":  # the host copy is the yardstick: time it alongside, on one thread
-                compared[COPY] = functools.partial(side.copy_dst[:size].copy_, side.outbox[:size])
-                paths[COPY] = (compared[COPY], "torch")
+            # The yardstick is timed alongside on the same clock: on the host the copy on one thread, on the GPU
+            # the copy and a sync of its stream (an eager post() + wait() is a copy the CPU waits for).
+            yardstick = COPY if side.memory == "cpu" else COPY_SYNC
+            compared[yardstick] = _copy_call(side, size)
+            paths[yardstick] = (compared[yardstick], "torch")
+            if side.memory == "cpu":
                 stack.enter_context(_torch_threads(1))
             timings = steadiest(lambda: measure_interleaved(compared, HostClock(), config.budget),  # noqa: B023
-                                spread_of=lambda t: t[COPY].spread if COPY in t else 0.0)
-            check_path(side, size, op, " + ".join(p for p in paths if p != COPY), checker)
+                                spread_of=lambda t: t[yardstick].spread)  # noqa: B023
+            check_path(side, size, op, " + ".join(p for p in paths if p != yardstick), checker)
         case = [_record(side.memory, op.value, size, name, timings[name], transport,
                         **({"threads": 1} if name == COPY else {}))
                 for name, (_, transport) in paths.items()]
+        if side.memory == "cuda":
+            case = compare_with(case, COPY_SYNC, paths=EAGER_PATHS)
         case += _bench_other_copies(side, size, op.value, config.budget)
         if paths[TENSORWIRE][1] in STREAM_ORDERED:
             case.append(_bench_on_stream(comm, side, size, op, local, remote, config.budget, checker))
@@ -194,7 +201,8 @@ def _bench_size(comm: Any, raw: RawNixl, side: Side, size: int, config: BenchCon
                 case.append(_bench_graph(comm, side, size, op, local, remote, config.budget, checker))
         if op is Op.WRITE:
             case.append(_bench_in_process(comm, side, size, config.budget))
-        records += compare_with(case, COPY, paths=TENSORWIRE_PATHS)
+        held_against_copy = [p for p in TENSORWIRE_PATHS if side.memory == "cpu" or p not in EAGER_PATHS]
+        records += compare_with(case, COPY, paths=held_against_copy)
         if config.partial is not None:
             config.partial.add(records[-len(case):])
     return records
@@ -325,6 +333,21 @@ def _transfer_paths(comm: Any, raw: RawNixl, op: Op, local: torch.Tensor, remote
     stack.callback(handle.release)
     paths[RAW] = (functools.partial(raw.post_and_wait, handle), "nixl")
     return paths
+
+
+def _copy_call(side: Side, size: int) -> Callable[[], None]:
+    """One repetition of the yardstick: ``size`` bytes of the outbox copied; on the GPU the copy and a sync of the
+    current stream (the CPU waits for it, as ``wait()`` does)."""
+    copy = functools.partial(side.copy_dst[:size].copy_, side.outbox[:size])
+    if side.memory == "cpu":
+        return copy
+    stream = torch.cuda.current_stream()
+
+    def copy_and_sync() -> None:
+        copy()
+        stream.synchronize()
+
+    return copy_and_sync
 
 
 def _post_and_wait(transfer: Any) -> Callable[[], None]:

@@ -13,7 +13,8 @@ from .record import Record
 from .timing import Budget
 
 __all__ = [
-    "HOST_SIZES", "CUDA_SIZES", "TENSORWIRE", "TENSORWIRE_NIXL", "RAW", "COPY", "COPY_MT", "TENSORWIRE_STREAM",
+    "HOST_SIZES", "CUDA_SIZES", "TENSORWIRE", "TENSORWIRE_NIXL", "RAW", "COPY", "COPY_MT", "COPY_SYNC",
+    "EAGER_PATHS", "TENSORWIRE_STREAM",
     "TENSORWIRE_IN_PROCESS", "TENSORWIRE_GRAPH", "TENSORWIRE_PATHS", "STREAM_ORDERED", "RAW_CONFIGS", "IDLE_BYTES",
     "WAIT_RETURN_REPS", "BenchConfig", "Record", "BenchResult", "format_size",
 ]
@@ -24,6 +25,9 @@ TENSORWIRE, TENSORWIRE_NIXL, RAW, COPY, COPY_MT = "tensorwire", "tensorwire (nix
 TENSORWIRE_STREAM = "tensorwire (stream)"  # stream-ordered transports timed with CUDA events, like the copy
 TENSORWIRE_IN_PROCESS = "tensorwire (in-process)"  # between two ranges of rank 0: the local transport
 TENSORWIRE_GRAPH = "tensorwire (graph)"  # post(stream=) + wait(stream=) captured in a CUDA graph, replayed
+# GPU memory: the copy then a sync of its stream, on the wall clock: what an eager post() + wait() is held against
+COPY_SYNC = "copy + sync"
+EAGER_PATHS = (TENSORWIRE, TENSORWIRE_NIXL)  # post() + wait() on the CPU's wall clock
 STREAM_ORDERED = stream_ordered_names()
 TENSORWIRE_PATHS = (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_GRAPH, TENSORWIRE_IN_PROCESS, TENSORWIRE_NIXL)
 RAW_CONFIGS = {

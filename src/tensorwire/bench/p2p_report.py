@@ -10,6 +10,7 @@ from typing import Any
 from .command import header, header_lines
 from .p2p_records import (
     COPY,
+    COPY_SYNC,
     IDLE_BYTES,
     RAW,
     STREAM_ORDERED,
@@ -30,7 +31,8 @@ __all__ = ["TITLE", "header", "method_rows", "comparisons", "summary", "format_r
 
 TITLE = "tensorwire bench p2p: rank 0 -> rank 1, two local processes"
 
-_ROW_ORDER = (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_GRAPH, TENSORWIRE_IN_PROCESS, TENSORWIRE_NIXL, RAW, COPY)
+_ROW_ORDER = (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_GRAPH, TENSORWIRE_IN_PROCESS, TENSORWIRE_NIXL, RAW, COPY,
+              COPY_SYNC)
 
 
 # --- reporting ---------------------------------------------------------------------------------------
@@ -53,7 +55,8 @@ def comparisons(records: list[Record]) -> list[dict[str, Any]]:
                 continue
             out.append({
                 "memory": memory, "op": op, "size": size, "path": name, "transport": tw.transport,
-                "bw_vs_copy": tw.ratio if tw.reference == COPY else None,
+                "bw_vs_copy": tw.ratio if tw.reference in (COPY, COPY_SYNC) else None,
+                "reference": tw.reference,
                 "time_vs_raw": tw.median_us / raw.median_us if raw and raw.spread <= STEADY_SPREAD else None,
             })
     return out
@@ -74,7 +77,7 @@ def summary(result: BenchResult) -> list[dict[str, Any]]:
                               f"with a {format_size(w['size'])} {w['op']} in flight ({w['in_flight']}/{w['reps']} "
                               "still moving at return); goal < 20 us"})
     if any(r.memory == "cuda" for r in result.records):
-        lines += _gpu_latency_lines(cases)
+        lines += _gpu_latency_lines(cases) + _gpu_eager_lines(cases)
     if result.idle:
         cores = max(i["cores"] for i in result.idle)
         lines.append({"name": "idle communicator CPU", "value": cores, "goal": "< 0.05 cores", "ok": cores < 0.05,
@@ -146,6 +149,37 @@ def _gpu_latency_lines(cases: dict[tuple[str, str, int], dict[str, Record]]) -> 
     return lines
 
 
+def _gpu_eager_lines(cases: dict[tuple[str, str, int], dict[str, Record]]) -> list[dict[str, Any]]:
+    """Eager ``post()`` + ``wait()`` on GPU memory, the CPU's wall clock, against the copy and a sync of its stream
+    measured alongside: 64 MiB at >= 0.9x its bandwidth, 4 KiB in <= 8 us."""
+    lines = []
+    for op in ("READ", "WRITE"):
+        big, small = cases.get(("cuda", op, 64 << 20), {}), cases.get(("cuda", op, 4 << 10), {})
+        name = f"64 MiB cuda {op} eager post()+wait() vs copy + sync"
+        line = {"name": name, "value": None, "goal": ">= 0.9x", "ok": None}
+        if TENSORWIRE not in big or COPY_SYNC not in big:
+            lines.append({**line, "text": f"64 MiB cuda {op} eager: not measured (add 64M to --sizes)"})
+        elif big[TENSORWIRE].ratio is None:
+            lines.append({**line, "text": f"64 MiB cuda {op} eager: {_unsteady(big[COPY_SYNC])}"})
+        else:
+            tw, reference = big[TENSORWIRE], big[COPY_SYNC]
+            lines.append({**line, "value": tw.ratio, "ok": tw.ratio >= 0.9,
+                          "text": f"64 MiB cuda {op} eager post()+wait() over {tw.transport}: {tw.median_us:.1f} us = "
+                                  f"{tw.ratio:.2f}x the copy + sync ({reference.median_us:.1f} us); goal >= 0.9x"})
+        name = f"4 KiB cuda {op} eager post()+wait() wall time"
+        if TENSORWIRE not in small:
+            lines.append({"name": name, "value": None, "goal": "<= 8 us", "ok": None,
+                          "text": f"4 KiB cuda {op} eager: not measured (add 4K to --sizes)"})
+            continue
+        tw = small[TENSORWIRE]
+        reference = small.get(COPY_SYNC)
+        beside = f"; copy + sync {reference.median_us:.1f} us" if reference is not None else ""
+        lines.append({"name": name, "value": tw.median_us, "goal": "<= 8 us", "ok": tw.median_us <= 8,
+                      "text": f"4 KiB cuda {op} eager post()+wait() over {tw.transport}: {tw.median_us:.1f} us median "
+                              f"(p90 {tw.p90_us:.1f}){beside}; goal <= 8 us"})
+    return lines
+
+
 def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig) -> str:
     """The aligned table, the idle line and, last, the summary lines."""
     out = _setup_lines(result, head, config) + [""] + _table_lines(result.records)
@@ -180,6 +214,8 @@ def method_rows(config: BenchConfig, raw_config: str, wakeup_ms: float, threads:
         ("raw nixl", f"{raw_config}; initialize_xfer once, then transfer() + tight check_xfer_state loop"),
         ("copy", f"dst.copy_(src) inside rank 0; host: 1 thread (torch's default {threads} threads in the JSON as "
                  "copy-mt); GPU: CUDA events, each chunk of calls queued before the GPU starts it"),
+        ("copy + sync", "GPU: dst.copy_(src) then a sync of its stream, on the wall clock, timed alongside the eager "
+                        "post() + wait() rows, which are held against it"),
         ("timing", f"{budget.warmup_s:g} s warm-up, then {timing}; each call timed alone; median, p10, p90; a copy "
                    f"spread over {STEADY_SPREAD:.0%} is measured again (3 tries), then flagged 'unsteady'"),
     ]
@@ -200,7 +236,8 @@ def _table_lines(records: list[Record]) -> list[str]:
             rows.append([
                 memory if first else "", op if first else "", format_size(size) if first else "", path, r.transport,
                 f"{r.median_us:.2f}", f"{r.p10_us:.2f}", f"{r.p90_us:.2f}", f"{r.gbps:.2f}",
-                r.ratio_text() if r.reference == COPY else "",
+                r.ratio_text() + ("" if r.reference == COPY or not r.reference else f" ({r.reference})")
+                if r.reference in (COPY, COPY_SYNC) else "",
                 _time_vs_raw(c, paths.get(RAW)),
             ])
             first = False

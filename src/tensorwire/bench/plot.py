@@ -14,6 +14,7 @@ from ..errors import InvalidArgumentError
 from .p2p_records import (
     COPY,
     COPY_MT,
+    COPY_SYNC,
     RAW,
     TENSORWIRE,
     TENSORWIRE_GRAPH,
@@ -36,6 +37,7 @@ _STYLE = {
     RAW: {"color": "#ff7f0e", "marker": "s", "linestyle": "--"},
     COPY: {"color": "#2ca02c", "marker": "^", "linestyle": ":"},
     COPY_MT: {"color": "#7f7f7f", "marker": "v", "linestyle": ":"},
+    COPY_SYNC: {"color": "#bcbd22", "marker": "<", "linestyle": ":"},
 }
 
 
