@@ -62,11 +62,8 @@ def timed_out(owner: Described, call: str, timeout_s: float, fix: str = "") -> W
 class DoneSeq:
     """The CPU posts of one transfer, completed on streams through ``done_seq``.
 
-    Inactive until the first ``wait_on``. A post that completes inside ``post()`` is published there (one store);
-    one still in flight is published by the progress thread once a stream waits for it: ``wait_on`` enqueues the
-    stream's wait first and wakes the thread last, so the woken thread does not take the GIL from the caller while
-    it is still inside the call (measured on an H200: a watch per post, woken at the post, made ``wait(stream=)``
-    over ``nixl`` return after 26 us)."""
+    Inactive until the first ``wait_on``; from then on every CPU post publishes its own completion (at once,
+    or from the progress thread), so a later ``wait(stream=)`` only enqueues the wait."""
 
     def __init__(self, owner: Described, shared: TransferState, words: cuda.HostWords, runtime: Runtime,
                  status: Callable[[], Status], watch: Callable[[Callable[[], bool]], None],
@@ -79,7 +76,6 @@ class DoneSeq:
         self._watch = watch  # has the progress thread poll a function; its failure is kept in ``shared``
         self._peer_lost_or = peer_lost_or  # PeerLostError instead of a failure when the peer is gone
         self.active = False
-        self._publishing: int | None = None  # the last post a stream waited for, not published then
 
     def wait_on(self, stream: Any, timeout_s: float) -> None:
         """Make ``stream`` wait for the owner's last CPU post; released by the deadline thread after
@@ -87,20 +83,19 @@ class DoneSeq:
         sequence = self._shared.posts & _MASK  # the GPU compares cyclically: (int32)(word - value) >= 0
         self._arm_deadline(sequence, timeout_s)
         cuda.stream_wait_value(stream, self._words.addr(DONE_SEQ), sequence)
-        self.active = True
-        if self._publishing != sequence and not self.published(sequence):
-            self._publishing = sequence  # one publisher per post, however many streams wait for it
+        if not self.active:
+            # The first stream wait of this handle: publish this post's completion (the wait is enqueued
+            # first, so the call does not compete with the woken thread); later posts publish their own.
+            self.active = True
             self._watch(self._publisher(sequence))
 
-    def stream_waiting(self) -> bool:
-        """A stream waits for a post not published yet (a post no stream waited for is not published)."""
-        return self._publishing is not None and not self.published(self._publishing)
-
     def after_post(self) -> None:
-        """A CPU post was made: publish its completion now if it completed inside the post (a post in flight is
-        published once a stream waits for it, ``wait_on``)."""
-        if self._shared.state is not Status.IN_PROGRESS:
-            self.advance(self._shared.posts & _MASK)
+        """A CPU post was made: publish its completion now if it is complete, else from the progress thread."""
+        sequence = self._shared.posts & _MASK
+        if self._shared.state is Status.IN_PROGRESS:
+            self._watch(self._publisher(sequence))
+        else:
+            self.advance(sequence)
 
     def advance(self, sequence: int) -> None:
         """``done_seq = sequence`` unless it is already there or past it (cyclically). The publisher of post k

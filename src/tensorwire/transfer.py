@@ -324,7 +324,7 @@ class Transfer(Closeable):
         if words is None:
             return 0
         sequence = self.shared.posts & 0xFFFFFFFF
-        pending = self._done_seq.stream_waiting() or words.values[DOORBELL] != 0
+        pending = words.values[DONE_SEQ] != sequence or words.values[DOORBELL] != 0
         words.values[DOORBELL] = 0
         words.values[DONE_SEQ] = sequence
         words.values[DONE_FLAG] = 1
