@@ -415,7 +415,8 @@ def method_rows(config: KvBenchConfig) -> list[tuple[str, str]]:
                                  if config.llama else "")),
         ("tensorwire", "prepare_blocks once, then post(ids) + wait() per request; post alone timed too (host ids)"),
         ("raw nixl", "a bare agent: Nx3 descriptors + initialize_xfer per request ('descs'), or per-block lists "
-                     "prepped once + make_prepped_xfer ('prepped')" if config.raw else "skipped (--no-raw)"),
+                     "prepped once + make_prepped_xfer ('prepped'); its post is timed as tensorwire's: building the "
+                     "request and NIXL's post (transfer)" if config.raw else "skipped (--no-raw)"),
         ("copy", "the same bytes copied contiguously inside rank 0: the reference, measured again while its p10-p90 "
                  "spread exceeds 20% (3 tries), then flagged 'unsteady' and not divided by"),
         ("timing", f"{config.time_s:g} s of timed requests per path (at least 5); median, p10, p90"),

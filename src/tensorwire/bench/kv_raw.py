@@ -34,7 +34,7 @@ def _rows(bases: list[tuple[int, int]], ids: np.ndarray, block_bytes: int, devic
 def raw_block_paths(raw: RawNixl, op: str, tensors: tuple[list[torch.Tensor], list[tuple[int, int]]], views: int,
                     block_bytes: int, ids: tuple[np.ndarray, np.ndarray],
                     budget: Budget) -> Iterator[tuple[str, Timing, list[float]]]:
-    """``(path, timing of one request, host us to build one request)`` for each raw path, moving blocks
+    """``(path, timing of one request, host us to start one request: build and post)`` for each raw path, moving blocks
     ``ids[1]`` of the peer's views (``tensors[1]``: address and stride of each) to or from blocks ``ids[0]`` of
     ``tensors[0]`` (``[blocks, block_bytes / 4]`` int32 views, registered with ``raw``'s agent). ``op``: "READ" or
     "WRITE". Blocks while measuring."""
@@ -62,22 +62,31 @@ def raw_block_paths(raw: RawNixl, op: str, tensors: tuple[list[torch.Tensor], li
 
     try:
         for name, build in (("raw nixl descs", per_request), ("raw nixl prepped", prepped)):
-            build_us = [_build_us(build) for _ in range(7)]  # as post is timed for tensorwire
+            post_us = [_post_us(build, raw) for _ in range(7)]  # as post is timed for tensorwire
 
             def request(build=build) -> None:
                 handle = build()
                 raw.post_and_wait(handle)
                 handle.release()
 
-            yield name, measure(request, HostClock(), budget), build_us[2:]
+            yield name, measure(request, HostClock(), budget), post_us[2:]
     finally:
         agent.release_dlist_handle(local_list)
         agent.release_dlist_handle(remote_list)
 
 
-def _build_us(build: Callable[[], Any]) -> float:
-    """Host us ``build`` takes to make one raw NIXL request, which is then released untimed."""
-    built: list[Any] = []
-    took = time_call(lambda: built.append(build()))
-    built[0].release()
+def _post_us(build: Callable[[], Any], raw: RawNixl) -> float:
+    """Host us to start one raw NIXL request: building it and NIXL's post (``transfer``), as tensorwire's ``post``
+    is timed (NIXL may move the bytes inside its post: UCX copies host memory of a same-host peer there). The
+    wait and the release are not timed."""
+    started: list[tuple[Any, str]] = []
+
+    def start() -> None:
+        handle = build()
+        started.append((handle, raw.post(handle)))
+
+    took = time_call(start)
+    handle, state = started[0]
+    raw.wait(handle, state)
+    handle.release()
     return took * 1e6

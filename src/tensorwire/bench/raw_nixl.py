@@ -93,8 +93,15 @@ class RawNixl:
 
     def post_and_wait(self, handle: Any) -> None:
         """Post ``handle`` and poll it to the end in a tight loop, as a raw NIXL user would (spins one core)."""
+        self.wait(handle, self.agent.transfer(handle))
+
+    def post(self, handle: Any) -> str:
+        """Post ``handle`` (NIXL's ``transfer``); its state: ``"PROC"`` while in flight."""
+        return self.agent.transfer(handle)
+
+    def wait(self, handle: Any, state: str) -> None:
+        """Poll a posted ``handle`` (last seen in ``state``) to the end in a tight loop."""
         agent = self.agent
-        state = agent.transfer(handle)
         while state == "PROC":
             state = agent.check_xfer_state(handle)
         if state != "DONE":
