@@ -20,6 +20,8 @@ when ``s`` reaches that point. How depends on the transport:
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -39,6 +41,15 @@ __all__ = ["Transfer"]
 
 _DONE, _IN_PROGRESS = Status.DONE, Status.IN_PROGRESS
 _UNSET = object()
+
+
+def _describe_wait(transfer: weakref.ref) -> Callable[[], str]:
+    """What a blocking wait of ``transfer`` waits for, without keeping it alive."""
+    def what() -> str:
+        alive = transfer()
+        return alive._waiting() if alive is not None else "wait: a transfer that was garbage-collected"
+
+    return what
 
 
 class Transfer(Closeable):
@@ -246,10 +257,11 @@ class Transfer(Closeable):
             raise type(failure)(f"wait: the last post failed, nothing was transferred: {failure}")
         if self._stream_ordered:
             # Copies on a stream complete when their event fires: poll it alone, not the backend's status through
-            # status() (an eager 4 KiB copy over cuda_ipc is done in a few µs, and each poll counts). Failures
-            # kept by other threads meanwhile (a revocation) are raised by the next call: these bytes landed.
+            # status() (an eager 4 KiB copy over cuda_ipc is done in a few µs, and each poll counts). What other
+            # threads did meanwhile (a revocation, a close, a kept failure) is raised once the copies are done.
             wait_until(self._backend.completion_event(self._request).query, self._runtime.timeout(timeout),
                        self._waiting, self._runtime.config, self._peer_alive())
+            self.check_open("wait")
             shared.state = _DONE
             return
         wait_until(lambda: self.status() is not Status.IN_PROGRESS, self._runtime.timeout(timeout), self._waiting,
@@ -265,9 +277,11 @@ class Transfer(Closeable):
         return f"wait: {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport}"
 
     def _peer_alive(self):
-        """``wait_until``'s check that the peer is still there (made once: a wait is on every eager post's path)."""
+        """``wait_until``'s check that the peer is still there (made once: a wait is on every eager post's path).
+        It names this transfer through a weak reference: kept on the transfer, a strong one would be a cycle, and a
+        transfer dropped without ``close()`` would hold its request until the garbage collector ran."""
         if self._alive is _UNSET:
-            self._alive = self._runtime.alive(self.peer, self._waiting)
+            self._alive = self._runtime.alive(self.peer, _describe_wait(weakref.ref(self)))
         return self._alive
 
     def _peer_lost_or(self, error: Exception, call: str) -> Exception:
