@@ -223,25 +223,30 @@ def enqueue_on(copies: list[tuple[int, int, int]], handle: Any, device_index: in
 
 class PostStream:
     """The stream a post enqueues on, as PyTorch's object and the driver's handle: the one given, else the device's
-    current stream. An eager post's device work is a few enqueues, so the stream last seen is kept: the current
-    stream is read as a raw handle (what Triton's launcher reads) and compared, instead of building a
-    ``torch.cuda.Stream`` and a driver handle each time."""
+    current stream. An eager post's device work is a few enqueues, so what was built for the stream last seen is
+    kept: the current stream is read as a raw handle (what Triton's launcher reads) and compared, instead of
+    building a ``torch.cuda.Stream`` and a driver handle each time. A stream given is returned as given."""
 
     def __init__(self, device_index: int) -> None:
         self.device_index = device_index
-        self._raw: int | None = None
-        self._stream: Any = None
+        self._current_raw: int | None = None  # the device's current stream when last read, and its torch object
+        self._current: Any = None
+        self._raw: int | None = None  # the stream last posted on, and its driver handle
         self._handle: Any = None
 
     def of(self, stream: Any = None) -> tuple[Any, Any]:
-        """``(torch stream, driver handle)`` for ``stream``, or for the current stream when None."""
-        raw = stream.cuda_stream if stream is not None else _current_raw_stream(self.device_index)
-        if raw != self._raw:
-            import torch
+        """``(torch stream, driver handle)`` for ``stream``, or for the device's current stream when None."""
+        if stream is None:
+            raw = _current_raw_stream(self.device_index)
+            if raw != self._current_raw:
+                import torch
 
-            self._stream = stream if stream is not None else torch.cuda.current_stream(self.device_index)
+                self._current, self._current_raw = torch.cuda.current_stream(self.device_index), raw
+            stream = self._current
+        raw = stream.cuda_stream
+        if raw != self._raw:
             self._handle, self._raw = driver().CUstream(raw), raw
-        return self._stream, self._handle
+        return stream, self._handle
 
 
 class StreamCopies:
