@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .runtime import Runtime
     from .transfer_state import TransferState
 
-__all__ = ["DoneSeq", "Doorbell", "DOORBELL", "DONE_FLAG", "DONE_SEQ"]
+__all__ = ["StreamSide", "DoneSeq", "Doorbell", "DOORBELL", "DONE_FLAG", "DONE_SEQ"]
 
 DOORBELL, DONE_FLAG, DONE_SEQ = 0, 1, 2  # word indices in a transfer's words
 _MASK = 0xFFFFFFFF  # counters wrap at 2**32, as the GPU compares
@@ -57,6 +57,30 @@ def timed_out(owner: Described, call: str, timeout_s: float, fix: str = "") -> W
         f"{call}: the {owner.op.value} of {owner.nbytes} bytes with rank {owner.peer} over {owner.transport} was "
         f"not done after {timeout_s:.3g}s; the stream was released and what it read since is not valid. "
         f"Check the peer, or pass a larger timeout= to wait(stream=){fix}")
+
+
+class StreamSide:
+    """Where streams meet one transfer of a CPU-driven transport: its pinned words (taken once from the runtime's
+    slabs), the ``DoneSeq`` of its CPU posts and the ``Doorbell`` of its stream posts. Registered with the runtime,
+    which releases every stream still waiting when the communicator closes (``release_stream_waits``)."""
+
+    def __init__(self, owner: Described, shared: TransferState, runtime: Runtime, backend: Backend, request: Any,
+                 notify: bytes | None, watch: Callable[[Callable[[], bool]], None],
+                 peer_lost_or: Callable[[Exception, str], Exception]) -> None:
+        self._shared = shared
+        self.words = runtime.transfer_words.take()
+        self.done_seq = DoneSeq(owner, shared, self.words, runtime, functools.partial(backend.status, request),
+                                watch, peer_lost_or)
+        self.doorbell = Doorbell(owner, shared, self.words, runtime, backend, request, notify, watch)
+        runtime.stream_waiters.add(self)  # a weak set: it lives as long as its transfer
+
+    def release_stream_waits(self) -> int:
+        """Store the values every GPU wait on this transfer is waiting for (the communicator closes); 1 if one was
+        still pending, else 0."""
+        values, sequence = self.words.values, self._shared.posts & _MASK
+        pending = values[DONE_SEQ] != sequence or values[DOORBELL] != 0
+        values[DOORBELL], values[DONE_SEQ], values[DONE_FLAG] = 0, sequence, 1
+        return int(pending)
 
 
 class DoneSeq:

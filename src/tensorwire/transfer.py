@@ -20,8 +20,6 @@ when ``s`` reaches that point. How depends on the transport:
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -31,7 +29,7 @@ from .backends.base import Backend, Op, Poster, Status
 from .errors import ClosedError, InvalidArgumentError, PeerLostError, TransferError, WaitTimeoutError
 from .lifetime import Closeable
 from .progress import wait_until, warn_from_progress_thread
-from .stream_completion import DONE_FLAG, DONE_SEQ, DOORBELL, DoneSeq, Doorbell
+from .stream_completion import DoneSeq, StreamSide
 from .transfer_state import TransferState
 
 if TYPE_CHECKING:
@@ -40,16 +38,6 @@ if TYPE_CHECKING:
 __all__ = ["Transfer"]
 
 _DONE, _IN_PROGRESS = Status.DONE, Status.IN_PROGRESS
-_UNSET = object()
-
-
-def _describe_wait(transfer: weakref.ref) -> Callable[[], str]:
-    """What a blocking wait of ``transfer`` waits for, without keeping it alive."""
-    def what() -> str:
-        alive = transfer()
-        return alive._waiting() if alive is not None else "wait: a transfer that was garbage-collected"
-
-    return what
 
 
 class Transfer(Closeable):
@@ -79,19 +67,17 @@ class Transfer(Closeable):
             post_call, self._post_done, self._post_finish, self._post_error = Poster.of(backend, request, notify)
         self.shared = TransferState(post_call)  # state, posts, post call, errors: what other threads touch
         self._posted_on_stream = False
-        # Pinned words for stream completion of CPU-driven transports; allocated here, not inside a CUDA
-        # graph capture (where allocating pinned memory is not allowed), when a GPU is involved.
-        self._words = None
-        self._done_seq: DoneSeq | None = None  # CPU posts completed on streams (with the words)
-        self._doorbell: Doorbell | None = None  # stream posts (with the words)
+        # Where streams meet a CPU-driven transport's transfer; made here, not inside a CUDA graph capture (where
+        # allocating its pinned words is not allowed), when a GPU is involved.
+        self._stream_side: StreamSide | None = None
+        self._done_seq: DoneSeq | None = None  # its CPU posts completed on streams (the hot path tests it)
         if uses_cuda and self._request is not None and not self._stream_ordered:
-            self._stream_words()
+            self._streams()
             runtime.start_threads()  # wait(stream=) hands completion to the progress thread and arms its
             # timeout on the deadline thread: have them running before the first
         self._watches: list = []  # progress-thread watches on this transfer's request, drained on close
         self._streams_used: set = set()  # streams this transfer's GPU-side waits were enqueued on
         self._post_failure: Exception | None = None  # why the last CPU post failed (raised again by wait())
-        self._alive = _UNSET  # wait_until's liveness check of the peer (_peer_alive)
         self.closed = False
 
     @property
@@ -201,8 +187,7 @@ class Transfer(Closeable):
     def _post_on_stream(self, stream: torch.cuda.Stream) -> None:
         if self._request is not None and not self._stream_ordered:
             cuda.refuse_legacy_default_stream(stream, f"post(stream=) of the {self.op.value} over {self.transport}")
-            self._stream_words()
-            self._doorbell.ring(stream)
+            self._streams().doorbell.ring(stream)
         self._posted_on_stream = True
         self._streams_used.add(stream)
         self.shared.state = Status.IN_PROGRESS
@@ -260,12 +245,12 @@ class Transfer(Closeable):
             # status() (an eager 4 KiB copy over cuda_ipc is done in a few µs, and each poll counts). What other
             # threads did meanwhile (a revocation, a close, a kept failure) is raised once the copies are done.
             wait_until(self._backend.completion_event(self._request).query, self._runtime.timeout(timeout),
-                       self._waiting, self._runtime.config, self._peer_alive())
+                       self._waiting, self._runtime.config, self._runtime.alive(self.peer, self._waiting))
             self.check_open("wait")
             shared.state = _DONE
             return
         wait_until(lambda: self.status() is not Status.IN_PROGRESS, self._runtime.timeout(timeout), self._waiting,
-                   self._runtime.config, self._peer_alive())
+                   self._runtime.config, self._runtime.alive(self.peer, self._waiting))
         if shared.state is Status.ERROR:
             raise self._peer_lost_or(TransferError(
                 f"wait: the {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport} failed; "
@@ -275,14 +260,6 @@ class Transfer(Closeable):
     def _waiting(self) -> str:
         """What a blocking wait waits for, in its timeout's message."""
         return f"wait: {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport}"
-
-    def _peer_alive(self):
-        """``wait_until``'s check that the peer is still there (made once: a wait is on every eager post's path).
-        It names this transfer through a weak reference: kept on the transfer, a strong one would be a cycle, and a
-        transfer dropped without ``close()`` would hold its request until the garbage collector ran."""
-        if self._alive is _UNSET:
-            self._alive = self._runtime.alive(self.peer, _describe_wait(weakref.ref(self)))
-        return self._alive
 
     def _peer_lost_or(self, error: Exception, call: str) -> Exception:
         """``PeerLostError`` instead of a backend's generic failure when the peer is gone (NIXL reports a dead
@@ -306,11 +283,8 @@ class Transfer(Closeable):
                 stream.wait_event(event)
             return
         cuda.refuse_legacy_default_stream(stream, f"wait(stream=) of the {self.op.value} over {self.transport}")
-        self._stream_words()
-        if self._posted_on_stream:
-            self._doorbell.wait_on(stream, stream_timeout_s)
-        else:
-            self._done_seq.wait_on(stream, stream_timeout_s)
+        side = self._streams()
+        (side.doorbell if self._posted_on_stream else side.done_seq).wait_on(stream, stream_timeout_s)
         self._streams_used.add(stream)
 
     def _watch(self, poll) -> None:
@@ -319,30 +293,14 @@ class Transfer(Closeable):
         self._watches = engine.still_watched(self._watches) + [poll]  # forget finished ones
         engine.watch(poll, on_error=self.shared.fail)  # raised by the next post/status/wait
 
-    def _stream_words(self):
-        """The pinned words streams wait on (allocated once, outside any graph capture where a GPU is
-        involved: see ``__init__``), with the objects that store them."""
-        if self._words is None:
-            self._words = self._runtime.transfer_words.take()
-            self._done_seq = DoneSeq(self, self.shared, self._words, self._runtime, self._status_of_request(),
-                                     self._watch, self._peer_lost_or)
-            self._doorbell = Doorbell(self, self.shared, self._words, self._runtime, self._backend, self._request,
-                                      self._notify, self._watch)
-            self._runtime.stream_waiters.add(self)
-        return self._words
-
-    def release_stream_waits(self) -> int:
-        """Write the values every GPU wait on this transfer is waiting for (the communicator closes); 1 if one
-        was still pending, else 0."""
-        words = self._words
-        if words is None:
-            return 0
-        sequence = self.shared.posts & 0xFFFFFFFF
-        pending = words.values[DONE_SEQ] != sequence or words.values[DOORBELL] != 0
-        words.values[DOORBELL] = 0
-        words.values[DONE_SEQ] = sequence
-        words.values[DONE_FLAG] = 1
-        return int(pending)
+    def _streams(self) -> StreamSide:
+        """Where streams meet this transfer (made once, outside any graph capture where a GPU is involved: see
+        ``__init__``)."""
+        if self._stream_side is None:
+            self._stream_side = StreamSide(self, self.shared, self._runtime, self._backend, self._request,
+                                           self._notify, self._watch, self._peer_lost_or)
+            self._done_seq = self._stream_side.done_seq
+        return self._stream_side
 
     def _notify_after_copy(self) -> None:
         """A transport with a message channel sends ``notify`` itself once a status check sees the copy complete
@@ -385,8 +343,8 @@ class Transfer(Closeable):
         engine = self._runtime.engine
         watches = engine.still_watched(self._watches)
         if not watches:
-            if self._doorbell is not None:
-                self._doorbell.disarm()  # nothing in flight, no ring to serve
+            if self._stream_side is not None:
+                self._stream_side.doorbell.disarm()  # nothing in flight, no ring to serve
             self._backend.release(request)
             return
         # A stream may still be waiting on this transfer (wait(stream=), a doorbell a graph rings): let the
@@ -438,10 +396,6 @@ class Transfer(Closeable):
         except Exception:  # noqa: BLE001 - failed: nothing more lands
             return False
 
-    def _status_of_request(self):
-        backend, request = self._backend, self._request
-        return lambda: backend.status(request)
-
     def check_open(self, fn: str) -> None:
         """Raise what makes a call on this transfer fail: closed, failed for good, or the oldest failure another
         thread kept (raised once). User thread."""
@@ -465,7 +419,7 @@ class Transfer(Closeable):
         shared.post_call = None
         request, self._request = self._request, None
         in_flight = shared.state is Status.IN_PROGRESS or shared.posting
-        if request is not None and not in_flight and self._words is None and not self._watches:
+        if request is not None and not in_flight and self._stream_side is None and not self._watches:
             self._backend.release(request)
 
     def _leak_message(self) -> str:

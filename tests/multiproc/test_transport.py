@@ -219,7 +219,7 @@ def _stream_completions_published_per_post(rounds: int):
                         x.post()
                         x.wait(stream=stream)
                         stream.launch(lambda: seen.append(int(buffer[n:].sum(dtype=torch.int64))))
-                        stream.launch(lambda: published.append(int(x._words.values[DONE_SEQ])))
+                        stream.launch(lambda: published.append(int(x._streams().words.values[DONE_SEQ])))
                         stream.synchronize(WAIT)
             comm.barrier(timeout=WAIT)
     return seen, published
@@ -266,7 +266,7 @@ def _stream_waits_are_bounded():
                     return int(local.sum(dtype=torch.int64)) == expected
 
                 with comm.prepare(tw.READ, local, remote, transport="nixl") as x:
-                    words = x._stream_words()
+                    words = x._streams().words
                     x.post()
                     with pytest.raises(tw.InvalidArgumentError, match="legacy default stream") as refused:
                         x.wait(stream=_LegacyDefaultStream())
@@ -316,7 +316,7 @@ def _stream_waits_are_bounded():
                     seen["one_wait_per_stream_post"] = landed()
 
                 with comm.prepare(tw.READ, local, remote, transport="nixl") as y:
-                    words = y._stream_words()
+                    words = y._streams().words
                     local.zero_()
                     y.post(stream=side)
                     _until(lambda: words.values[DONE_FLAG] == 1, "the first ring was never served")
@@ -386,7 +386,7 @@ def _stream_waits_released_while_progress_is_stuck():
 
                 try:
                     with comm.prepare(tw.READ, local, remote, transport="nixl") as y, HostStream() as side:
-                        words = y._stream_words()  # a doorbell: served, then stuck
+                        words = y._streams().words  # a doorbell: served, then stuck
                         y.post(stream=side)
                         _until(lambda: words.values[DONE_FLAG] == 1, "the first ring was never served")
                         y.wait(stream=side, timeout=0.2)  # bounds the next ring; consumes the flag
