@@ -67,14 +67,17 @@ def use_device(device_index: int) -> contextlib.AbstractContextManager:
     GPU this process may not use."""
     import torch
 
-    if not getattr(_THREAD, "has_context", False):
-        _bind_primary_context(device_index)
+    _bind_context(device_index)
     if torch._C._cuda_getDevice() == device_index:
         return _NO_SWITCH
     return torch.cuda.device(device_index)
 
 
-def _bind_primary_context(device_index: int) -> None:
+def _bind_context(device_index: int) -> None:
+    """Bind ``device_index``'s primary context on this thread if it has had no context yet (``use_device``); the
+    usual case is one thread-local lookup."""
+    if getattr(_THREAD, "has_context", False):
+        return
     cu = driver()
     if not int(check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")):
         check(cu.cuCtxSetCurrent(_primary_context(device_index)), "cuCtxSetCurrent")
@@ -191,7 +194,7 @@ def stream_wait_value(stream: Any, addr: int, value: int) -> None:
     releases it must not be enqueued behind it in this process (see docs/architecture.md)."""
     if isinstance(stream, StandInStream):
         return stream.wait_value(addr, value)
-    _bind_on_first_use(stream)
+    _bind_context(stream.device_index)
     cu = driver()
     check(cu.cuStreamWaitValue32(cu.CUstream(stream.cuda_stream), addr, value,
                                  cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
@@ -281,12 +284,6 @@ def _current_raw_stream(device_index: int) -> int:
     return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
 
 
-def _bind_on_first_use(stream: Any) -> None:
-    """Bind the primary context of ``stream``'s device on a thread that has no context yet (see ``use_device``)."""
-    if not getattr(_THREAD, "has_context", False):
-        _bind_primary_context(stream.device_index)
-
-
 _LEGACY_DEFAULT_STREAM_HANDLES = (0, 1)  # the null stream, and CU_STREAM_LEGACY
 
 
@@ -311,7 +308,7 @@ def stream_write_value(stream: Any, addr: int, value: int) -> None:
     """Store ``value`` into the 32-bit word at ``addr`` when ``stream`` reaches this point. Graph-capturable."""
     if isinstance(stream, StandInStream):
         return stream.write_value(addr, value)
-    _bind_on_first_use(stream)
+    _bind_context(stream.device_index)
     cu = driver()
     check(cu.cuStreamWriteValue32(cu.CUstream(stream.cuda_stream), addr, value,
                                   cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
