@@ -14,16 +14,12 @@ Skipped, saying why, where no interpreter with vLLM exists (``TENSORWIRE_VLLM_PY
 from __future__ import annotations
 
 import random
-import secrets
-import tempfile
 
 import pytest
 
 from tensorwire.bench.vllm_parties import (
     make_model,
-    start_directory,
     start_instance,
-    vllm_python,
     wait_ready,
 )
 
@@ -42,21 +38,15 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def fleet():
-    python, why = vllm_python()
-    if python is None:
-        pytest.skip(f"vLLM is not installed: {why}")
-    work = tempfile.TemporaryDirectory(prefix="tw-vllm-")
-    models = {seed: f"{work.name}/llama-seed{seed}" for seed in (0, 1)}
+def fleet(vllm_job):
+    models = {seed: f"{vllm_job.work}/llama-seed{seed}" for seed in (0, 1)}
     for seed, path in models.items():
-        make_model(python, path, seed)
-    token = secrets.token_hex(16)
-    directory, address = start_directory(token)
+        make_model(vllm_job.python, path, seed)
     parties = {}
     try:
         def instance(name, seed, role, *flags):
-            parties[name] = start_instance(python, name, models[seed], role, directory=address, token=token,
-                                           flags=flags)
+            parties[name] = start_instance(vllm_job.python, name, models[seed], role, directory=vllm_job.directory,
+                                           token=vllm_job.token, flags=flags)
 
         instance("plain", 0, "plain")
         instance("prefill-0", 0, "producer")
@@ -69,8 +59,6 @@ def fleet():
     finally:
         for party in parties.values():
             party.close()
-        directory.close()
-        work.cleanup()
 
 
 def _prefill(producer, prompts: list[list[int]]) -> list[dict]:

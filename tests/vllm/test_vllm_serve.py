@@ -13,14 +13,12 @@ Skipped, saying why, where no interpreter with vLLM exists (as ``test_vllm_conne
 from __future__ import annotations
 
 import random
-import secrets
-import tempfile
 import time
 
 import pytest
 
 from tensorwire.bench.vllm_instance import take_stats
-from tensorwire.bench.vllm_parties import PartyError, ask_server, make_model, start_directory, start_server, vllm_python
+from tensorwire.bench.vllm_parties import PartyError, ask_server, make_model, start_server
 from tensorwire.testing import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -44,20 +42,15 @@ def _wait_serving(party, port: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def servers():
-    python, why = vllm_python()
-    if python is None:
-        pytest.skip(f"vLLM is not installed: {why}")
-    work = tempfile.TemporaryDirectory(prefix="tw-vllm-serve-")
-    model = f"{work.name}/llama"
-    make_model(python, model, seed=0)
-    token = secrets.token_hex(16)
-    directory, address = start_directory(token)
+def servers(vllm_job):
+    model = f"{vllm_job.work}/llama"
+    make_model(vllm_job.python, model, seed=0)
     started = {}
     try:
         for name, role in (("prefill-0", "producer"), ("decode-0", "consumer")):
             port = free_port()
-            started[name] = (start_server(python, name, model, role, port=port, directory=address, token=token,
+            started[name] = (start_server(vllm_job.python, name, model, role, port=port, directory=vllm_job.directory,
+                                          token=vllm_job.token,
                                           flags=("--block-size", "96", "--no-enable-prefix-caching")), port)
         for party, port in started.values():
             _wait_serving(party, port)
@@ -66,8 +59,6 @@ def servers():
         for party, _ in started.values():
             party.kill()
             party.close()
-        directory.close()
-        work.cleanup()
 
 
 def _complete(server, prompt: list[int], **fields) -> dict:
