@@ -249,9 +249,9 @@ class Rendezvous:
         self._claim_rank()
         return self.env
 
-    def _reconnected(self) -> bool:
-        """Whether a lost store is back: a launcher's store that is lost stays lost (a fleet's directory does
-        not: ``directory_client.py``)."""
+    def _reconnected(self, waiting: bool = True) -> bool:
+        """Whether a lost store is back (``waiting``: for a store call, which may take up to its bound to find
+        out): a launcher's store that is lost stays lost (a fleet's directory does not: ``directory_client.py``)."""
         return False
 
     def _claim_rank(self) -> None:

@@ -149,7 +149,7 @@ class DirectoryRendezvous(Rendezvous):
         while not self._stopping.wait(self.liveness_s / 2):
             try:
                 if self._lost is not None:
-                    self._reconnected()
+                    self._reconnected(waiting=False)
                 elif not self._lease_kept() or not self.check(f"member/{self.env.rank}"):
                     self._restore()
             except Exception:  # noqa: BLE001 - down: found down again next time; nothing here may end the thread
@@ -162,15 +162,27 @@ class DirectoryRendezvous(Rendezvous):
             return True
         return bool(self._call(self._etcd.keep_alive, "keeping this member's etcd lease alive"))
 
-    def _reconnected(self) -> bool:
-        """A fleet member whose directory was lost: connect again (at most once per half ``liveness_s``) and
-        put its values back; True once connected. A launcher's store that is lost stays lost."""
+    def _reconnected(self, waiting: bool = True) -> bool:
+        """A fleet member whose directory was lost: connect again and put its values back; True once connected. A
+        launcher's store that is lost stays lost.
+
+        The heartbeat tries at most once per half ``liveness_s`` and never waits (``waiting=False``). A store call
+        (``waiting``) takes the outcome of an attempt under way, or makes one itself however recent the last one
+        was: a call right after the directory came back must not fail on the memory of a failed attempt made
+        while it was coming back (an etcd cluster electing its leader). Either way within one ``liveness_s``, the
+        bound of the call."""
         if not self._owns_store and self._etcd is None:
             return False
         now = time.monotonic()
-        if now < self._next_reconnect or not self._reconnecting.acquire(blocking=False):
-            return False
+        if not self._reconnecting.acquire(blocking=False):
+            if waiting and self._reconnecting.acquire(timeout=self.liveness_s):  # an attempt was under way
+                self._reconnecting.release()
+            return self._lost is None
         try:
+            if self._lost is None:  # another thread connected meanwhile
+                return True
+            if not waiting and now < self._next_reconnect:
+                return False
             return self._connect_again(now)
         finally:
             self._reconnecting.release()
