@@ -31,7 +31,14 @@ import torch.distributed as dist
 
 from .deadlines import CallThread, Deadlines
 from .environment import Environment, hostname
-from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, TensorwireWarning, WaitTimeoutError
+from .errors import (
+    AuthenticationError,
+    InvalidArgumentError,
+    PeerLostError,
+    TensorwireError,
+    TensorwireWarning,
+    WaitTimeoutError,
+)
 from .listener_queries import who_runs
 from .liveness import Liveness
 from .sealing import seal, unseal
@@ -82,7 +89,7 @@ class Rendezvous:
         if store is None:
             before = socket_fds()
             store = self._connect()
-            self._store_sockets = store_client_sockets(before, store.port)
+            self._store_sockets = self._sockets_of(store, before)
         if not self._store_sockets:  # a store passed to init, or no /proc here
             self._calls = CallThread("tensorwire-store-calls")
         self._raw = store
@@ -106,6 +113,10 @@ class Rendezvous:
             return None
         host, port = self._open(key, self._call(lambda: self.store.get(key), f"reading {key!r}")).decode().split()
         return host, int(port)
+
+    def _sockets_of(self, store: dist.Store, before: set[int]) -> list[socket.socket]:
+        """Our connection(s) to our own ``store``, which the watchdog shuts down to end a call past its bound."""
+        return store_client_sockets(before, store.port)
 
     def _connect(self) -> dist.Store:
         env, timeout_s = self.env, self.timeout_s
@@ -406,6 +417,8 @@ class Rendezvous:
         text = str(e)
         if self._lost is not None:
             raise PeerLostError(f"{what}: {self._lost}") from e
+        if isinstance(e, TensorwireError) and not isinstance(e, PeerLostError):
+            raise e  # typed at its source (the directory's client): its own words
         if isinstance(e, (getattr(dist, "DistNetworkError", ()), PeerLostError)) or "Connection" in text \
                 or "Broken pipe" in text or "connection" in text:
             self._lost = f"lost {self._store_name()} ({text.splitlines()[0] if text else type(e).__name__})"

@@ -1,50 +1,363 @@
-"""The embedded directory: torch's ``TCPStore`` server in a process of its own (``tensorwire directory``).
+"""The embedded directory: a small key-value server in a process of its own (``tensorwire directory``).
 
 A fleet's members meet here (``tw.init(directory="tcp://HOST:PORT", name=...)``): it holds their sealed records
 (ranks, names, memory maps, liveness addresses) and nothing else. It is the control plane only: transfers go peer
-to peer and do not touch it. It listens on ``HOST``'s interface only (``store_sockets.listen_socket``), knows no
-token (the values it holds are sealed by the members: it can neither read nor forge them), and keeps nothing on
-disk. Non-goals: replication (use etcd where one process is not enough) and surviving its own restart with its
-contents.
+to peer and do not touch it. It listens on ``HOST``'s interface only and keeps nothing on disk.
+
+Trust. Started with the job token (``TENSORWIRE_JOB_TOKEN``), it serves only a process that proves it holds the
+token on that connection (``directory_wire``'s handshake): a stranger cannot read, write, delete, list or count
+anything, and learns nothing, not even member names. Without a token it is open (one warning at start), as an
+unauthenticated job is.
+
+Presence is a lease. Every key a member writes belongs to its connection: when the connection ends (the process
+died: its kernel closes it at once) or stays silent past the lease the member asked for (its host went: two
+liveness periods), the member's keys go. So what the directory lists is what live members wrote; a name is free
+the moment its holder is gone. Counters (``add``) belong to nobody and start at the directory's *epoch* (seconds
+since 2026-01-01 when it started), so a restarted directory never hands out a number a live member still holds
+(unless more than one rank a second was issued over the earlier directory's whole life), and the members'
+heartbeats put their keys back within the liveness bound.
+
+Bounds (``Limits``): connections, handshakes pending (in all and per host), the time a handshake may take, value
+and key sizes, keys and bytes held. Each refusal answers the caller with the reason where it can and is logged (at
+most once a second per kind, with a count). Non-goals: replication (use etcd where one process is not enough) and
+keeping its contents across its own restart.
 """
 
 from __future__ import annotations
 
-import datetime
+import asyncio
+import calendar
+import hmac
+import logging
+import secrets
 import signal
 import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
 
-import torch.distributed as dist
-
+from . import config as config_module
+from . import directory_wire as wire
 from .errors import InvalidArgumentError
 from .store_sockets import listen_socket
 
-__all__ = ["Directory"]
+__all__ = ["Directory", "Limits", "serve"]
+
+log = logging.getLogger("tensorwire.directory")
+_EPOCH = calendar.timegm((2026, 1, 1, 0, 0, 0))
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one directory holds and serves at most."""
+
+    connections: int = 1024
+    pending_handshakes: int = 64
+    pending_per_host: int = 16
+    handshake_s: float = 5.0
+    keys: int = 200_000
+    bytes_held: int = 1 << 30
+    value_bytes: int = wire.MAX_VALUE
+    lease_s: tuple[float, float] = (1.0, 600.0)  # a member's lease is clamped to this range
+
+
+@dataclass(eq=False)
+class _Session:
+    """One authenticated connection and the keys it wrote."""
+
+    peer: str
+    lease_s: float
+    keys: set[str] = field(default_factory=set)
+
+
+class _Refusals:
+    """Logs each kind of refusal at most once a second, with how many there were."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+        self._last: dict[str, float] = {}
+
+    def __call__(self, kind: str, detail: str) -> None:
+        self._counts[kind] += 1
+        now = time.monotonic()
+        if now - self._last.get(kind, 0.0) >= 1.0:
+            self._last[kind] = now
+            log.warning("tensorwire directory refused %s (%d so far): %s", kind, self._counts[kind], detail)
+
+
+class _Keys:
+    """The values, who owns each (a session; counters: nobody) and the totals the limits bound."""
+
+    def __init__(self, limits: Limits, epoch: int) -> None:
+        self.values: dict[str, bytes] = {}
+        self.owner: dict[str, _Session] = {}
+        self.bytes_held = 0
+        self._limits, self._epoch = limits, epoch
+
+    def refusal(self, key: str, value: bytes) -> str | None:
+        """Why ``key`` may not take ``value``, or None."""
+        limits = self._limits
+        if len(value) > limits.value_bytes:
+            return f"a value of {len(value)} bytes for {key!r} is over the directory's {limits.value_bytes}"
+        if key not in self.values and len(self.values) >= limits.keys:
+            return f"the directory holds {len(self.values)} keys, its limit"
+        if self.bytes_held + len(value) - len(self.values.get(key, b"")) > limits.bytes_held:
+            return f"the directory holds {self.bytes_held} bytes, its limit is {limits.bytes_held}"
+        return None
+
+    def put(self, key: str, value: bytes, session: _Session | None) -> None:
+        self.bytes_held += len(key) + len(value) - (len(key) + len(self.values[key]) if key in self.values else 0)
+        self.values[key] = value
+        before = self.owner.pop(key, None)
+        if before is not None:
+            before.keys.discard(key)
+        if session is not None:
+            self.owner[key] = session
+            session.keys.add(key)
+
+    def delete(self, key: str) -> bool:
+        value = self.values.pop(key, None)
+        if value is None:
+            return False
+        self.bytes_held -= len(key) + len(value)
+        owner = self.owner.pop(key, None)
+        if owner is not None:
+            owner.keys.discard(key)
+        return True
+
+    def end(self, session: _Session) -> None:
+        """The session is over: its keys go."""
+        for key in list(session.keys):
+            if self.owner.get(key) is session:
+                self.delete(key)
+        session.keys.clear()
+
+    def counter(self, key: str) -> int:
+        raw = self.values.get(key)
+        return self._epoch if raw is None else int(raw)
+
+
+class _Server:
+    """The asyncio side: handshakes, sessions and the operations, on one event loop (one thread)."""
+
+    def __init__(self, token: bytes | None, limits: Limits) -> None:
+        self.token, self.limits = token, limits
+        self.keys = _Keys(limits, int(time.time()) - _EPOCH)
+        self.refused = _Refusals()
+        self.connections = 0
+        self.pending: Counter[str] = Counter()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        host = str((writer.get_extra_info("peername") or ("?",))[0])
+        self.connections += 1
+        try:
+            if self.connections > self.limits.connections:
+                self.refused("a connection", f"from {host}: {self.limits.connections} connections are open")
+                return
+            session = await self._admit(reader, writer, host)
+            if session is not None:
+                try:
+                    await self._serve(reader, writer, session)
+                finally:
+                    self.keys.end(session)
+        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, asyncio.CancelledError):
+            pass  # gone, silent past its lease, or the directory stops: the session ends
+        finally:
+            self.connections -= 1
+            writer.close()
+
+    async def _admit(self, reader, writer, host: str) -> _Session | None:
+        """The handshake, bounded in time and in how many may be pending: a session, or None (refused)."""
+        if sum(self.pending.values()) >= self.limits.pending_handshakes or \
+                self.pending[host] >= self.limits.pending_per_host:
+            self.refused("a handshake", f"from {host}: too many handshakes pending")
+            return None
+        self.pending[host] += 1
+        try:
+            return await asyncio.wait_for(self._handshake(reader, writer, host), self.limits.handshake_s)
+        except asyncio.TimeoutError:
+            self.refused("a handshake", f"from {host}: not done within {self.limits.handshake_s:g}s")
+            return None
+        finally:
+            self.pending[host] -= 1
+            if not self.pending[host]:
+                del self.pending[host]
+
+    async def _handshake(self, reader, writer, host: str) -> _Session | None:
+        nonce_d = secrets.token_bytes(wire.NONCE_BYTES)
+        writer.write(wire.MAGIC + bytes([self.token is not None]) + nonce_d)
+        await writer.drain()
+        mac_bytes = wire.MAC_BYTES if self.token is not None else 0
+        hello = await reader.readexactly(wire.NONCE_BYTES + wire.LEASE.size + mac_bytes)
+        nonce_m = hello[:wire.NONCE_BYTES]
+        (lease_ms,) = wire.LEASE.unpack_from(hello, wire.NONCE_BYTES)
+        if self.token is not None:
+            if not hmac.compare_digest(hello[-mac_bytes:], wire.member_mac(self.token, nonce_d, nonce_m, lease_ms)):
+                self.refused("a member", f"from {host}: its job token differs from the directory's")
+                writer.write(b"\x00the job token differs from the fleet directory's")
+                await writer.drain()
+                return None
+            writer.write(b"\x01" + wire.directory_mac(self.token, nonce_d, nonce_m))
+        else:
+            writer.write(b"\x01")
+        await writer.drain()
+        low, high = self.limits.lease_s
+        return _Session(host, min(max(lease_ms / 1000.0, low), high))
+
+    async def _serve(self, reader, writer, session: _Session) -> None:
+        while True:
+            # A member's heartbeat speaks every half liveness period: silence past its lease means it is gone.
+            (size,) = wire.LENGTH.unpack(await asyncio.wait_for(reader.readexactly(wire.LENGTH.size), session.lease_s))
+            if size > wire.MAX_FRAME:
+                self.refused("a request", f"from {session.peer}: a frame of {size} bytes")
+                writer.write(wire.encode(wire.Status.REFUSED, f"a request of {size} bytes is over the directory's "
+                                                              f"{wire.MAX_FRAME}".encode()))
+                await writer.drain()
+                return
+            request = wire.decode(await reader.readexactly(size))
+            answer = self._answer(request, session) if request is not None else None
+            if answer is None:
+                self.refused("a request", f"from {session.peer}: malformed")
+                return
+            writer.write(answer)
+            await writer.drain()
+
+    def _answer(self, request: tuple[int, list[bytes]], session: _Session) -> bytes | None:
+        """The answer frame to one request; None for a request no member sends (the session ends)."""
+        op, fields = request
+        try:
+            keys = [f.decode() for f in fields] if op in (wire.Op.CHECK, wire.Op.LIST) else None
+            key = fields[0].decode() if fields and keys is None else ""
+        except UnicodeDecodeError:
+            return None
+        if any(len(f) > wire.MAX_KEY for f in (keys or [key])):
+            return wire.encode(wire.Status.REFUSED, f"a key is over {wire.MAX_KEY} bytes".encode())
+        handler = _HANDLERS.get((op, len(fields)))
+        if handler is None:
+            return None
+        return handler(self, session, key, keys or [], fields)
+
+    # --- the operations (each: (server, session, key, keys, fields) -> frame) -------------------------------------
+    def _set(self, session, key, _keys, fields) -> bytes:
+        refusal = self.keys.refusal(key, fields[1])
+        if refusal is not None:
+            self.refused("a value", f"from {session.peer}: {refusal}")
+            return wire.encode(wire.Status.REFUSED, refusal.encode())
+        self.keys.put(key, fields[1], session)
+        return wire.encode(wire.Status.OK)
+
+    def _get(self, _session, key, _keys, _fields) -> bytes:
+        value = self.keys.values.get(key)
+        return wire.encode(wire.Status.MISSING) if value is None else wire.encode(wire.Status.OK, value)
+
+    def _check(self, _session, _key, keys, _fields) -> bytes:
+        return wire.encode(wire.Status.OK, b"1" if all(k in self.keys.values for k in keys) else b"0")
+
+    def _add(self, session, key, _keys, fields) -> bytes:
+        try:
+            amount = int(fields[1])
+            value = self.keys.counter(key) + amount
+        except ValueError:
+            return wire.encode(wire.Status.REFUSED, f"{key!r} is not a counter or the amount is no integer".encode())
+        if amount:
+            refusal = self.keys.refusal(key, str(value).encode())
+            if refusal is not None:
+                self.refused("a counter", f"from {session.peer}: {refusal}")
+                return wire.encode(wire.Status.REFUSED, refusal.encode())
+            self.keys.put(key, str(value).encode(), None)  # a counter outlives its writers
+        return wire.encode(wire.Status.OK, str(value).encode())
+
+    def _compare_set(self, session, key, _keys, fields) -> bytes:
+        """As ``TCPStore``'s: ``desired`` stored (and returned) where ``key`` holds ``expected`` (or is missing and
+        ``expected`` is empty), else what it holds (``expected`` when it is missing)."""
+        expected, desired = fields[1], fields[2]
+        current = self.keys.values.get(key)
+        if (current is None and expected) or (current is not None and current != expected):
+            return wire.encode(wire.Status.OK, expected if current is None else current)
+        if desired or current is not None:
+            refused = self._set(session, key, [], [fields[0], desired])
+            if refused != wire.encode(wire.Status.OK):
+                return refused
+        return wire.encode(wire.Status.OK, desired)
+
+    def _delete(self, _session, key, _keys, _fields) -> bytes:
+        return wire.encode(wire.Status.OK, b"1" if self.keys.delete(key) else b"0")
+
+    def _list(self, _session, _key, keys, _fields) -> bytes:
+        """Every key under the prefix with its value, in one answer (members() costs one round trip)."""
+        prefix = keys[0]
+        found = [part for k, v in self.keys.values.items() if k.startswith(prefix) for part in (k.encode(), v)]
+        if sum(len(part) + 4 for part in found) > wire.MAX_FRAME:
+            return wire.encode(wire.Status.REFUSED, f"the keys under {prefix!r} exceed one answer".encode())
+        return wire.encode(wire.Status.OK, *found)
+
+    def _ping(self, _session, _key, _keys, _fields) -> bytes:
+        return wire.encode(wire.Status.OK)
+
+
+_HANDLERS = {
+    (wire.Op.SET, 2): _Server._set, (wire.Op.GET, 1): _Server._get, (wire.Op.ADD, 2): _Server._add,
+    (wire.Op.COMPARE_SET, 3): _Server._compare_set, (wire.Op.DELETE, 1): _Server._delete,
+    (wire.Op.LIST, 1): _Server._list, (wire.Op.PING, 0): _Server._ping,
+    **{(wire.Op.CHECK, n): _Server._check for n in range(1, 257)},
+}
 
 
 class Directory:
-    """A running directory: ``address`` is ``tcp://HOST:PORT``; ``close()`` stops it. Context manager."""
+    """A running directory: ``address`` is ``tcp://HOST:PORT``; ``close()`` stops it. Context manager.
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    ``token``: the job token members must prove (default: ``TENSORWIRE_JOB_TOKEN``; None: an open directory).
+    Serves on a thread of its own; construction returns once it listens."""
+
+    _DEFAULT = object()
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: bytes | None | object = _DEFAULT,
+                 limits: Limits = Limits()) -> None:
         listener, why_not = listen_socket(host, port)
         if listener is None:
             raise InvalidArgumentError(f"directory: cannot listen on {host}:{port} ({why_not}); choose another "
                                        "--host (an address of this machine) or --port")
         self.host, self.port = host, listener.getsockname()[1]
+        self.token = config_module.load().job_token if token is Directory._DEFAULT else token
+        if self.token is None:
+            log.warning("tensorwire directory at %s is open: TENSORWIRE_JOB_TOKEN is not set, so any process that "
+                        "reaches its port can read and change the fleet's records; start it with the fleet's token",
+                        self.address)
+        self._server = _Server(self.token, limits)
+        self._loop = asyncio.new_event_loop()
+        self._stopped = asyncio.Event()
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(listener, started), name="tensorwire-directory",
+                                        daemon=True)
+        self._thread.start()
+        started.wait(30)
+
+    def _run(self, listener, started: threading.Event) -> None:
+        async def main() -> None:
+            server = await asyncio.start_server(self._server.handle, sock=listener, limit=wire.MAX_FRAME + 16)
+            started.set()
+            async with server:
+                await self._stopped.wait()
+            sessions = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in sessions:
+                task.cancel()
+            await asyncio.gather(*sessions, return_exceptions=True)
+
         try:
-            self._store = dist.TCPStore(host, self.port, None, is_master=True, wait_for_workers=False,
-                                        timeout=datetime.timedelta(seconds=30), master_listen_fd=listener.fileno())
-        except Exception:
-            listener.close()
-            raise
-        listener.detach()  # the store owns the socket now
+            self._loop.run_until_complete(main())
+        finally:
+            started.set()
+            self._loop.close()
 
     @property
     def address(self) -> str:
         return f"tcp://{self.host}:{self.port}"
 
     def close(self) -> None:
-        self._store = None  # the server thread ends with the store object
+        """Stop serving (idempotent; members see the directory lost). Blocks until its thread ended."""
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stopped.set)
+            self._thread.join(timeout=10)
 
     def __enter__(self) -> Directory:
         return self
@@ -55,11 +368,13 @@ class Directory:
 
 def serve(host: str, port: int, announce=print) -> None:
     """Run a directory until SIGINT/SIGTERM. Blocks."""
+    logging.basicConfig(format="%(message)s")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with Directory(host, port) as directory:
+        trust = "members prove the job token" if directory.token is not None else "OPEN: no job token"
         announce(f"tensorwire directory at {directory.address} (members join with "
-                 f"TENSORWIRE_DIRECTORY={directory.address})")
+                 f"TENSORWIRE_DIRECTORY={directory.address}; {trust})")
         while not stop.wait(3600):
             pass

@@ -8,27 +8,29 @@ not use it), the next call reconnects once it is back, and the heartbeat thread 
 ``liveness_s``) puts back what this member wrote when the directory came back empty (restarted): its claims, its
 values, a rank counter past its own rank. Everything written goes through ``Rendezvous``'s sealing.
 
-The directory is the embedded one (``tcp://``: torch's ``TCPStore`` client, ``directory.py``) or an etcd cluster
-(``etcd://``: ``etcd_store.py``, which fails over between its endpoints by itself). In etcd this member's keys
-live under its lease, which the heartbeat keeps alive: a member that died leaves etcd within twice
-``liveness_s``, and one whose lease expired while it could not reach etcd (no quorum for longer than the TTL)
-writes its keys again under a new lease, as into an embedded directory that came back empty.
+The directory is the embedded one (``tcp://``: ``directory_store.py``'s authenticated connection to ``directory.py``)
+or an etcd cluster (``etcd://``: ``etcd_store.py``, which fails over between its endpoints by itself). Either way
+this member's keys live under its lease, which the heartbeat keeps alive: the embedded directory keeps them while
+the connection lives and speaks at least every twice ``liveness_s``; etcd's lease has that TTL. A member that died
+leaves the directory at once (embedded) or within twice ``liveness_s`` (etcd), and one whose lease ended while it
+could not reach the directory writes its keys again under a new lease, as into a directory that came back empty.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import socket
 import threading
 import time
 
 import torch.distributed as dist
 
-from .bootstrap import Rendezvous, _delta
+from .bootstrap import Rendezvous
+from .directory_store import DirectoryStore
 from .environment import Environment
 from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, TensorwireError
 from .etcd_store import EtcdStore
 from .sealing import seal
-from .store_sockets import socket_fds, store_client_sockets
 
 __all__ = ["DirectoryRendezvous"]
 
@@ -50,7 +52,33 @@ class DirectoryRendezvous(Rendezvous):
         super().__init__(env, timeout_s, self._etcd, token=token, liveness_s=liveness_s)
 
     def _namespaced(self, store: dist.Store) -> dist.Store:
-        return store if store is self._etcd else super()._namespaced(store)  # etcd's keys carry the prefix already
+        return store  # the directory holds one fleet's keys (etcd's carry the prefix already)
+
+    def _connect(self, timeout_s: float | None = None) -> DirectoryStore:
+        """An authenticated connection to the embedded directory (``AuthenticationError`` for another token),
+        trying for ``timeout_s`` (init's timeout) while it does not take connections."""
+        return DirectoryStore(self.env.master_addr, self.env.master_port, token=self._token,
+                              lease_s=2 * self.liveness_s, connect_s=self.timeout_s if timeout_s is None else timeout_s,
+                              request_s=self.liveness_s)
+
+    def _sockets_of(self, store: dist.Store, before: set[int]) -> list[socket.socket]:
+        return [store.socket] if isinstance(store, DirectoryStore) else []
+
+    @property
+    def token(self) -> bytes | None:
+        """The job token (the probes of ``membership.py`` verify answers with it)."""
+        return self._token
+
+    def listed(self, prefix: str) -> dict[str, bytes]:
+        """Every key under ``prefix`` whose value opens, with its opened value: one round trip."""
+        found = self._call(lambda: self.store.list_prefix(prefix), f"listing {prefix!r}")
+        opened = {}
+        for key, blob in found.items():
+            try:
+                opened[key] = self._open(key, blob)
+            except AuthenticationError:
+                continue
+        return opened
 
     @property
     def where(self) -> str:
@@ -196,14 +224,14 @@ class DirectoryRendezvous(Rendezvous):
             except Exception:  # noqa: BLE001 - still no quorum: the caller raises with the reason kept
                 return False
         else:
-            before = socket_fds()
             try:
-                store = dist.TCPStore(self.env.master_addr, self.env.master_port, None, is_master=False,
-                                      timeout=_delta(self.liveness_s), wait_for_workers=False)
-            except Exception:  # noqa: BLE001 - still down: the caller raises with the reason kept
+                store = self._connect(self.liveness_s)
+            except TensorwireError:  # still down (or restarted with another token): the caller raises the reason
                 return False
-            self._raw, self.store = store, dist.PrefixStore("tensorwire/", store)
-            self._store_sockets = store_client_sockets(before, store.port)
+            old, self._raw, self.store = self._raw, store, store
+            self._store_sockets = [store.socket]
+            if isinstance(old, DirectoryStore):
+                old.close()
         self._lost = None
         try:
             if self._etcd_lease_lost or not self.check(f"member/{self.env.rank}"):

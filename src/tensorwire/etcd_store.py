@@ -286,6 +286,14 @@ class EtcdStore(dist.Store):
             if time.monotonic() >= deadline:
                 raise PeerLostError(f"add: the counter {key!r} in etcd kept changing for {self._request_s:.3g}s")
 
+    def list_prefix(self, prefix: str) -> dict[str, bytes]:
+        """Every key under ``prefix`` (without this store's own prefix) with its value: one linearizable range."""
+        start = (PREFIX + prefix).encode()
+        end = start[:-1] + bytes([start[-1] + 1])
+        answer = self._post("/kv/range", {"key": _b64(start), "range_end": _b64(end)}, self._deadline())
+        return {base64.b64decode(kv["key"]).decode()[len(PREFIX):]: base64.b64decode(kv.get("value", ""))
+                for kv in answer.get("kvs") or []}
+
     def num_keys(self) -> int:
         prefix = PREFIX.encode()
         end = prefix[:-1] + bytes([prefix[-1] + 1])

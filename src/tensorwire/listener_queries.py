@@ -21,8 +21,9 @@ import secrets
 import socket
 import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["PROBE", "MAP_EPOCH", "HELLO", "NONCE_BYTES", "answer", "ask", "who_runs"]
+__all__ = ["PROBE", "MAP_EPOCH", "HELLO", "NONCE_BYTES", "answer", "answering", "ask", "who_runs"]
 
 HELLO = struct.Struct("<3sI")  # kind (or a rank's connection, liveness.py), the listener's rank
 PROBE, MAP_EPOCH = b"TWP", b"TWF"
@@ -92,3 +93,21 @@ def who_runs(address: tuple[str, int], rank: int, token: bytes | None, timeout_s
         return None
     verified = "authenticated with the job token" if token is not None else "unauthenticated job"
     return f"{who.decode(errors='replace')}, whose liveness socket at {where} answered ({verified})"
+
+
+def answering(addresses: dict[int, tuple[str, int]], token: bytes | None, timeout_s: float) -> set[int]:
+    """The ranks whose listener at their address answers ``PROBE`` as that rank of this job (verified under
+    ``token``), asked all at once; a listener that accepts but is too busy to answer within ``timeout_s`` counts.
+    A process that merely took a dead member's port cannot answer: it is not that member. Blocks at most about
+    ``timeout_s``."""
+    if not addresses:
+        return set()
+
+    def answers(rank: int) -> bool:
+        try:
+            return ask(addresses[rank], PROBE, rank, token, timeout_s) is not None
+        except TimeoutError:
+            return True  # it took the connection and holds the socket: alive, busy
+
+    with ThreadPoolExecutor(max_workers=min(32, len(addresses)), thread_name_prefix="tensorwire-probe") as pool:
+        return {rank for rank, ok in zip(addresses, pool.map(answers, addresses)) if ok}

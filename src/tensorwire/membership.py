@@ -9,11 +9,12 @@ never reused) and then, here, claims its name and publishes its record. Keys (se
 * ``member/<rank>`` -> ``name``, the member's host identity and pid: what ``members()`` lists. Deleted when the
   member leaves (``close``); a member that died leaves its record behind, and is not *present*.
 
-Present: the member's liveness listener (``alive/<rank>``) takes a connection (``network.listening``): a dead
-process's port refuses it at once, a gone host's does not answer within the bound. So ``members()`` drops a
-dead member within ``liveness_s`` without any connection kept open: a member holds connections only to the peers
-it uses. Every lookup costs directory round trips (one per key) and one connect per listed member, made
-concurrently; nothing here runs on the transfer path.
+Present: the member's keys are in the directory (they live as long as its lease: its connection to the embedded
+directory, its etcd lease; a member that died loses them at once, one whose host went within two liveness periods)
+AND its liveness listener (``alive/<rank>``) answers a probe as that rank of this job (``listener_queries``:
+bound to a fresh nonce, MACed with the job token), so a process that took a dead member's port is not that member.
+``members()`` costs one directory round trip (the ``member/`` records listed at once) and one concurrent probe per
+listed member: O(members present), whatever the directory's history. Nothing here runs on the transfer path.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 from .directory_client import DirectoryRendezvous
 from .errors import InvalidArgumentError, WaitTimeoutError
-from .network import listening
+from .listener_queries import answering
 
 __all__ = ["Member", "Membership"]
 
@@ -73,23 +74,22 @@ class Membership:
         return rank == self.rank or self.present([rank])[rank]
 
     def present(self, ranks: list[int]) -> dict[int, bool]:
-        """For each rank, whether its liveness listener takes a connection now (at most ``liveness_s``)."""
+        """For each rank, whether it answers as that rank of this job now (at most ``liveness_s``)."""
         addresses = {rank: self._rendezvous.address_of(rank) for rank in ranks}
-        reachable = listening([a for a in addresses.values() if a is not None], self._rendezvous.liveness_s)
-        return {rank: address is not None and address in reachable for rank, address in addresses.items()}
+        known = {rank: address for rank, address in addresses.items() if address is not None}
+        answered = answering(known, self._rendezvous.token, self._rendezvous.liveness_s)
+        return {rank: rank in answered for rank in ranks}
 
     def members(self) -> dict[int, Member]:
-        """The members present now, by rank (this one included). Blocks for directory round trips and one
-        concurrent connect per listed member (at most ``liveness_s``)."""
+        """The members present now, by rank (this one included). Blocks for one directory round trip and one
+        concurrent probe per listed member (at most ``liveness_s``)."""
         listed: dict[int, Member] = {}
-        for rank in range(self._rendezvous.add("fleet/next_rank", 0)):
-            record = self._rendezvous.get_now(f"member/{rank}")
-            if record is None:
-                continue
+        for key, record in self._rendezvous.listed("member/").items():
             try:
+                rank = int(key.rsplit("/", 1)[1])
                 name, host, pid = record.decode().split("\n")
                 listed[rank] = Member(rank, name, host, int(pid))
-            except ValueError:
+            except (ValueError, UnicodeDecodeError):
                 continue  # not a record a member wrote (an unauthenticated fleet)
         others = [rank for rank in listed if rank != self.rank]
         present = self.present(others) if others else {}

@@ -235,7 +235,7 @@ class _Fleet:
 
     def directory(self, port: int = 0) -> str:
         process = subprocess.Popen([sys.executable, "-m", "tensorwire", "directory", "--port", str(port)],
-                                   env=self.env(None), stdout=subprocess.PIPE, text=True)
+                                   env=self.env(), stdout=subprocess.PIPE, text=True)
         self.processes.append(process)
         self.directory_process = process
         line = process.stdout.readline()

@@ -121,8 +121,9 @@ class _Run:
         self.config = config
         self.deadline = time.monotonic() + config.timeout_s
         self.context = mp.get_context("spawn")
-        self.env = {"TENSORWIRE_JOB_TOKEN": secrets.token_hex(16)}  # the fleet's; the world gets its own
-        self.directory = Directory()
+        token = secrets.token_hex(16)
+        self.env = {"TENSORWIRE_JOB_TOKEN": token}  # the fleet's; the world gets its own
+        self.directory = Directory(token=token.encode())
         self.processes: list[Any] = []
         self._world_conns: list[Any] = []
 
