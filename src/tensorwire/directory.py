@@ -145,7 +145,8 @@ class _Server:
         self.keys = _Keys(limits, int(time.time()) - _EPOCH)
         self.refused = _Refusals()
         self.connections = 0
-        self.pending: Counter[str] = Counter()
+        self.pending: dict[asyncio.Task, str] = {}  # handshakes under way, oldest first -> the caller's host
+        self.pending_per_host: Counter[str] = Counter()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         host = str((writer.get_extra_info("peername") or ("?",))[0])
@@ -167,21 +168,40 @@ class _Server:
             writer.close()
 
     async def _admit(self, reader, writer, host: str) -> _Session | None:
-        """The handshake, bounded in time and in how many may be pending: a session, or None (refused)."""
-        if sum(self.pending.values()) >= self.limits.pending_handshakes or \
-                self.pending[host] >= self.limits.pending_per_host:
-            self.refused("a handshake", f"from {host}: too many handshakes pending")
-            return None
-        self.pending[host] += 1
+        """The handshake, bounded in time and in how many may be pending: a session, or None (refused).
+
+        Over a bound, the oldest pending handshake (of that host, or of all) is dropped, not the new one: a
+        member completes its handshake in a round trip, so a flood of idle connections drops its own, never
+        the members that keep arriving."""
+        me = asyncio.current_task()
+        if self.pending_per_host[host] >= self.limits.pending_per_host:
+            self._drop_oldest(lambda other: other == host, f"from {host}: too many handshakes pending from there")
+        if len(self.pending) >= self.limits.pending_handshakes:
+            self._drop_oldest(lambda other: True, f"from {host}: too many handshakes pending")
+        self.pending[me] = host
+        self.pending_per_host[host] += 1
         try:
             return await asyncio.wait_for(self._handshake(reader, writer, host), self.limits.handshake_s)
         except asyncio.TimeoutError:
             self.refused("a handshake", f"from {host}: not done within {self.limits.handshake_s:g}s")
             return None
         finally:
-            self.pending[host] -= 1
-            if not self.pending[host]:
-                del self.pending[host]
+            self._forget(me)
+
+    def _forget(self, task: asyncio.Task) -> None:
+        host = self.pending.pop(task, None)
+        if host is not None:
+            self.pending_per_host[host] -= 1
+            if not self.pending_per_host[host]:
+                del self.pending_per_host[host]
+
+    def _drop_oldest(self, matches, why: str) -> None:
+        for task, host in self.pending.items():  # oldest first
+            if matches(host):
+                self.refused("a handshake", why)
+                self._forget(task)
+                task.cancel()
+                return
 
     async def _handshake(self, reader, writer, host: str) -> _Session | None:
         nonce_d = secrets.token_bytes(wire.NONCE_BYTES)

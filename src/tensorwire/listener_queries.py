@@ -95,11 +95,13 @@ def who_runs(address: tuple[str, int], rank: int, token: bytes | None, timeout_s
     return f"{who.decode(errors='replace')}, whose liveness socket at {where} answered ({verified})"
 
 
-def answering(addresses: dict[int, tuple[str, int]], token: bytes | None, timeout_s: float) -> set[int]:
+def answering(addresses: dict[int, tuple[str, int]], token: bytes | None, timeout_s: float, *,
+              busy_counts: bool = False) -> set[int]:
     """The ranks whose listener at their address answers ``PROBE`` as that rank of this job (verified under
-    ``token``), asked all at once; a listener that accepts but is too busy to answer within ``timeout_s`` counts.
-    A process that merely took a dead member's port cannot answer: it is not that member. Blocks at most about
-    ``timeout_s``."""
+    ``token``), asked all at once. A process that merely took a dead member's port cannot answer: it is not that
+    member. One that accepts the connection but says nothing within ``timeout_s`` counts only with
+    ``busy_counts`` (a live member too busy to answer, where taking it for gone would do harm: its name taken
+    over). Blocks at most about ``timeout_s``."""
     if not addresses:
         return set()
 
@@ -107,7 +109,7 @@ def answering(addresses: dict[int, tuple[str, int]], token: bytes | None, timeou
         try:
             return ask(addresses[rank], PROBE, rank, token, timeout_s) is not None
         except TimeoutError:
-            return True  # it took the connection and holds the socket: alive, busy
+            return busy_counts
 
     with ThreadPoolExecutor(max_workers=min(32, len(addresses)), thread_name_prefix="tensorwire-probe") as pool:
         return {rank for rank, ok in zip(addresses, pool.map(answers, addresses)) if ok}

@@ -71,13 +71,15 @@ class Membership:
         raise InvalidArgumentError(f"init: could not claim the name {self.name!r}: other members keep taking it")
 
     def _present(self, rank: int) -> bool:
-        return rank == self.rank or self.present([rank])[rank]
+        """Whether ``rank`` runs: one too busy to answer counts (its name is not taken from it)."""
+        return rank == self.rank or self.present([rank], busy_counts=True)[rank]
 
-    def present(self, ranks: list[int]) -> dict[int, bool]:
-        """For each rank, whether it answers as that rank of this job now (at most ``liveness_s``)."""
+    def present(self, ranks: list[int], busy_counts: bool = False) -> dict[int, bool]:
+        """For each rank, whether it answers as that rank of this job now (at most ``liveness_s``; a listener that
+        accepts but does not answer counts only with ``busy_counts``: see ``listener_queries.answering``)."""
         addresses = {rank: self._rendezvous.address_of(rank) for rank in ranks}
         known = {rank: address for rank, address in addresses.items() if address is not None}
-        answered = answering(known, self._rendezvous.token, self._rendezvous.liveness_s)
+        answered = answering(known, self._rendezvous.token, self._rendezvous.liveness_s, busy_counts=busy_counts)
         return {rank: rank in answered for rank in ranks}
 
     def members(self) -> dict[int, Member]:
