@@ -23,10 +23,11 @@ import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["PROBE", "MAP_EPOCH", "HELLO", "NONCE_BYTES", "answer", "answering", "ask", "who_runs"]
+__all__ = ["PROBE", "MAP_EPOCH", "WAKE", "HELLO", "NONCE_BYTES", "answer", "answering", "ask", "who_runs"]
 
 HELLO = struct.Struct("<3sI")  # kind (or a rank's connection, liveness.py), the listener's rank
 PROBE, MAP_EPOCH = b"TWP", b"TWF"
+WAKE = b"TWW"  # no question: wakes the listener's serving thread (``Liveness.poke``); closed unanswered
 _LABELS = {PROBE: b"tensorwire liveness probe/", MAP_EPOCH: b"tensorwire map epoch/"}
 NONCE_BYTES = 16
 _MAC_BYTES = 32

@@ -60,7 +60,7 @@ from collections.abc import Callable
 
 from .environment import hostname
 from .errors import PeerLostError, TransferError
-from .listener_queries import HELLO, MAP_EPOCH, NONCE_BYTES, PROBE, answer
+from .listener_queries import HELLO, MAP_EPOCH, NONCE_BYTES, PROBE, WAKE, answer
 from .peer_sockets import broken, from_peer, local_trouble, read_up_to, send_now, tune
 
 __all__ = ["Liveness", "tune"]
@@ -126,7 +126,7 @@ class Liveness:
         self._sockets: dict[int, list[socket.socket]] = {}  # accepted ones once verified; opened ones at once
         self._incoming: list[_Incoming] = []  # accepted, not verified yet
         self._outgoing: dict[socket.socket, _Outgoing] = {}  # opened, not accepted by the listener yet (token)
-        self._offered: set[int] = set()  # ranks that opened a connection to this one, verified or not
+        self._offered: set[int] = set()  # ranks whose connection to this one verified (every hello, unauthenticated)
         self._opened: set[int] = set()  # ranks this one opened a connection to (it is among their callers)
         self._lost: dict[int, str] = {}
         self._trouble: dict[int, str] = {}  # why the last try to connect to a rank failed here (no verdict)
@@ -135,6 +135,8 @@ class Liveness:
         self._next_resolve: dict[int, float] = {}
         self._addresses: dict[int, tuple[str, int]] = {}  # rank -> its listener, as last resolved
         self._lock = threading.Lock()
+        self._wake_reader, self._wake_writer = socket.socketpair()  # ends serve()'s wait from this process
+        self._wake_reader.setblocking(False)
         self.closed = False
         # This rank's last published memory map epoch, for the MAP_EPOCH question (set by the communicator).
         self.map_epoch: Callable[[], int] = lambda: 0
@@ -182,29 +184,66 @@ class Liveness:
                     return reason
             return self._lost.get(rank)
 
-    def callers(self) -> list[int]:
-        """The ranks that opened a liveness connection to this one, verified or not: every rank that may hold a
-        transfer to this rank's memory (a rank connects to a peer before it prepares a transfer to it); what a
-        revocation must reach. A rank this one only watches itself is not among them."""
-        with self._lock:
-            if not self.closed:
+    def callers(self, settle_s: float = 0.0) -> list[int]:
+        """The ranks that opened a verified liveness connection to this one: every rank that may hold a transfer
+        to this rank's memory (a rank connects to a peer before it prepares a transfer to it); what a revocation
+        must reach. A rank this one only watches itself is not among them. Handshakes still under way (a rank
+        that connected just now) are given up to ``settle_s`` to verify or fail first: a claim that never
+        verifies (a stranger's hello) is no caller."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            with self._lock:
+                if self.closed:
+                    return sorted(self._offered)
                 self._handshake()
-            return sorted(self._offered)
+                unsettled = [p.sock for p in self._incoming if p.rank is not None and not p.probe]
+                if not unsettled or time.monotonic() >= deadline:
+                    return sorted(self._offered)
+            try:
+                select.select(unsettled, [], [], min(0.01, max(deadline - time.monotonic(), 0.0)))
+            except (OSError, ValueError):  # settled and closed meanwhile
+                continue
 
-    def serve(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for a connection or a handshake message on this rank's listener, then move every
-        handshake on and answer every question that arrived. For the thread that keeps this rank answering."""
+    def serve(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a connection or a handshake message on this rank's listener (or ``wake()``),
+        then move every handshake on and answer every question that arrived. For the thread that keeps this rank
+        answering. True when something arrived (it did not merely time out)."""
         with self._lock:
             if self.closed:
-                return
-            sockets = [self._listener] + [pending.sock for pending in self._incoming]
+                return False
+            # Its own handshakes too (a challenge to answer): a listener counts this rank only once it answered.
+            sockets = [self._listener, self._wake_reader] + [pending.sock for pending in self._incoming] + \
+                list(self._outgoing)
         try:
-            select.select(sockets, [], [], timeout_s)
+            readable = select.select(sockets, [], [], timeout_s)[0]
         except (OSError, ValueError):  # a socket closed meanwhile (a handshake settled, or close())
-            time.sleep(timeout_s)
+            return True
         with self._lock:
             if not self.closed:
+                if self._wake_reader in readable:
+                    read_up_to(self._wake_reader, b"", 4096)  # drained: the next wait sleeps again
                 self._handshake()
+        return bool(readable)
+
+    def wake(self) -> None:
+        """End ``serve``'s wait now (from any thread of this process)."""
+        try:
+            self._wake_writer.send(b"w")
+        except OSError:  # closed, or its buffer full of earlier wakes: woken either way
+            pass
+
+    def poke(self, rank: int) -> None:
+        """Wake ``rank``'s serving thread (a connection to its listener that it closes at once, no answer read):
+        what this rank just sent it through a transport's message channel is handled now, not at its next idle
+        wake-up. Blocks at most ``liveness_s`` for the TCP handshake; a rank gone or unknown is skipped."""
+        address = self.address_of(rank)
+        if address is None:
+            return
+        try:
+            with socket.create_connection(address, timeout=self.liveness_s) as sock:
+                sock.sendall(_HELLO.pack(WAKE, rank))
+        except OSError:
+            pass  # gone: nothing to wake; its liveness connection tells the waiters
 
     def address_of(self, rank: int) -> tuple[str, int] | None:
         """``rank``'s listener (the store's record, read once), or None while it has published none."""
@@ -320,14 +359,16 @@ class Liveness:
         if len(received) < _HELLO.size:
             return _Handshake.PENDING
         magic, rank = _HELLO.unpack(received)
+        if magic == WAKE:
+            return _Handshake.PROBED  # served already: the wait that saw it ended
         if magic in (PROBE, MAP_EPOCH) and rank == self.rank:
             pending.rank, pending.received, pending.probe = rank, b"", magic
             return _Handshake.PENDING  # its nonce follows
         if magic != _MAGIC or not 0 <= rank < self.world_size or rank == self.rank:
             return _Handshake.REFUSED  # not a rank of this job
         pending.rank, pending.received = rank, b""
-        self._offered.add(rank)
-        if self._token is None:
+        if self._token is None:  # an unauthenticated job: the hello is all there is to believe
+            self._offered.add(rank)
             self._sockets.setdefault(rank, []).append(pending.sock)
             return _Handshake.COUNTED
         pending.nonce = secrets.token_bytes(_NONCE_BYTES)
@@ -344,6 +385,7 @@ class Liveness:
         if not hmac.compare_digest(received, _answer(self._token, pending.nonce, pending.rank, self.rank)):
             return _Handshake.REFUSED  # replayed, or made without this job's token
         send_now(pending.sock, _ACCEPTED)
+        self._offered.add(pending.rank)  # only now: a stranger's hello claiming a rank makes no caller to wait for
         self._sockets.setdefault(pending.rank, []).append(pending.sock)
         return _Handshake.COUNTED
 
@@ -397,7 +439,9 @@ class Liveness:
         """Close every socket: peers that watch this rank learn at once that it is gone."""
         with self._lock:
             self.closed = True
-            for sock in [self._listener] + [s for group in self._sockets.values() for s in group] + \
+            self.wake()
+            own = [self._listener, self._wake_reader, self._wake_writer]
+            for sock in own + [s for group in self._sockets.values() for s in group] + \
                     [pending.sock for pending in self._incoming]:
                 try:
                     sock.close()

@@ -23,11 +23,13 @@ Protocol (notifications on the channel ``b"twrev"``; the owner is the rank that 
 
 The revocation thread. A holder must answer while its user threads are busy outside tensorwire, or spin in a
 tight loop of transfers that never sleeps, and every rank must answer (the owner cannot tell which of the ranks
-it has met hold transfers to it). One daemon thread per communicator with peers, started at ``init``, pumps the
-notification inbox every ``_LISTEN_PERIOD_S`` (one ``get_new_notifs`` call: ~100 cheap wake-ups a second, ~0
-CPU) and handles ``twrev`` messages as they arrive; it waits in ``Liveness.serve``, so handshakes and questions to
-this rank's liveness listener are answered as they arrive; user notifications it pumps are only queued
-(``wait_notification`` reads them as before). The hot path costs nothing: a revoked transfer's bound post call is
+it has met hold transfers to it). One daemon thread per communicator with peers, started at ``init``, waits in
+``Liveness.serve``, so handshakes and questions to this rank's liveness listener are answered as they arrive, and
+pumps the notification inbox when it wakes. An idle rank's thread sleeps: it wakes once per ``liveness_s`` (the
+safety net), not 100 times a second. An owner that sends a revocation pokes the holder's listener (``poke``), which
+wakes the thread at once; after any wake it pumps every ``_LISTEN_PERIOD_S`` for ``_BUSY_S`` (the notification may
+arrive after the poke, over another path). User notifications it pumps are only queued (``wait_notification``
+reads them as before). The hot path costs nothing: a revoked transfer's bound post call is
 cleared, so its next post takes the slow path, which raises.
 """
 
@@ -52,7 +54,11 @@ CHANNEL = b"twrev"
 _REVOKE, _ACK = b"R", b"A"
 _REVOKE_CLOSING = b"r"  # the owner's communicator closes: revoke, but answer nothing (its agent may be gone)
 _LEAVING = b"C"  # the sender's communicator closes and holds no transfer any more: no answer to wait for from it
-_LISTEN_PERIOD_S = 0.01  # how often the revocation thread looks for notifications
+_LISTEN_PERIOD_S = 0.01  # how often the revocation thread looks for notifications after a wake
+_BUSY_S = 1.0  # for how long after a wake: a revocation's notification may arrive after its poke
+
+
+_SENDING = -1  # in a revocation's waiters while its messages are being sent: not released before they are out
 
 
 def _message(kind: bytes, numbers: list[int]) -> bytes:
@@ -124,7 +130,7 @@ class Revocations:
         released = []
         with self._lock:
             for key, left in list(self._awaiting.items()):
-                left -= {rank for rank in left if done(rank)}
+                left -= {rank for rank in left if rank != _SENDING and done(rank)}
                 if not left:
                     del self._awaiting[key]
                     released.append(self._quarantine.pop(key, None))
@@ -142,12 +148,15 @@ class Revocations:
         self._listener.start()
 
     def _listen(self) -> None:
-        liveness = self._runtime.liveness
+        liveness, idle_s = self._runtime.liveness, self._runtime.config.liveness_s
+        busy_until = time.monotonic() + _BUSY_S
         while not self._stop.is_set():
             try:
-                # Waits up to the period, waking at once for a connection or a question to this rank's liveness
-                # listener (a peer's handshake, a map epoch asked by freshness.py), which it answers.
-                liveness.serve(_LISTEN_PERIOD_S)
+                # Waits, waking at once for a connection, a poke or a question to this rank's liveness listener (a
+                # peer's handshake, a map epoch asked by freshness.py), which it answers.
+                now = time.monotonic()
+                if liveness.serve(_LISTEN_PERIOD_S if now < busy_until else idle_s):
+                    busy_until = time.monotonic() + _BUSY_S
                 if not self._stop.is_set():
                     self.pump(force=True)
             except Exception:  # noqa: BLE001 - a failed pump (a peer gone mid-answer) is retried next period
@@ -196,8 +205,14 @@ class Revocations:
         self._sweep()
         with self._lock:
             gone = set(self._gone_ranks)
-        targets = set(self._runtime.liveness.callers()) - {rank} - gone
-        pending = set()
+        targets = set(self._runtime.liveness.callers(settle_s=self._runtime.config.liveness_s)) - {rank} - gone
+        # The waiters are registered before the first message goes: an answer may arrive (on the revocation
+        # thread) before the last one is sent. _SENDING keeps the entry from being released meanwhile.
+        pending = {_SENDING}
+        if wait:
+            with self._lock:
+                self._awaiting[key] = pending
+                self._quarantine[key] = release
         for target in sorted(targets):
             try:
                 if not wait and target not in self._messenger.loaded_peers():
@@ -206,23 +221,27 @@ class Revocations:
                     continue  # gone: it posts nothing more (and NIXL would log a failed send)
                 self._reach(target)
                 kind = _REVOKE if wait else _REVOKE_CLOSING
+                with self._lock:
+                    pending.add(target)
                 self._messenger.send_notification(target, _message(kind, [map_epoch, *key]))
-                pending.add(target)
+                if wait:
+                    self._runtime.liveness.poke(target)  # its revocation thread may sleep: it answers now
             except Exception as e:  # noqa: BLE001 - a rank that is gone posts nothing more; one alive may
                 if not wait or self._runtime.peer_lost(target, fresh=True) is not None:
+                    with self._lock:
+                        pending.discard(target)
                     continue
                 # Alive and not told: its transfers may still write here, so the memory waits for it (an answer,
                 # its death, or the timeout's quarantine) instead of being released under it.
                 warnings.warn(f"tensorwire: close: could not tell rank {target} to stop its transfers to registration "
                               f"epoch(s) {list(key)} ({type(e).__name__}: {e}); waiting for it", TensorwireWarning,
                               stacklevel=3)
-                pending.add(target)
-        if not wait or not pending:
+                with self._lock:
+                    pending.add(target)
+        if not wait:
             release()
             return
-        with self._lock:
-            self._awaiting[key] = pending
-            self._quarantine[key] = release
+        self._answered(_SENDING, key)  # every message is out: released here if every rank answered already
         self._await_answers(key)
 
     def _await_answers(self, key: tuple[int, ...]) -> None:
@@ -288,6 +307,7 @@ class Revocations:
     def stop(self) -> None:
         """Stop the revocation thread (the communicator closes; before its backends go)."""
         self._stop.set()
+        self._runtime.liveness.wake()
         if self._listener is not None and self._listener is not threading.current_thread():
             self._listener.join(timeout=self._runtime.config.liveness_s + 1.0)
 

@@ -22,7 +22,8 @@ class _Unreachable:
 
 
 def _revocations(peer_alive: bool) -> Revocations:
-    liveness = types.SimpleNamespace(callers=lambda: [1], lost=lambda rank, fresh=False: None if peer_alive else "gone")
+    liveness = types.SimpleNamespace(callers=lambda settle_s=0.0: [1], poke=lambda rank: None,
+                                     lost=lambda rank, fresh=False: None if peer_alive else "gone")
     runtime = types.SimpleNamespace(
         rank=0, closed=False, inbox=types.SimpleNamespace(pump=lambda: None), liveness=liveness,
         transports=types.SimpleNamespace(messenger=_Unreachable()), config=types.SimpleNamespace(liveness_s=0.1),
