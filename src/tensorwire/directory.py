@@ -29,6 +29,7 @@ import asyncio
 import calendar
 import hmac
 import logging
+import resource
 import secrets
 import signal
 import threading
@@ -389,6 +390,9 @@ class Directory:
 def serve(host: str, port: int, announce=print) -> None:
     """Run a directory until SIGINT/SIGTERM. Blocks."""
     logging.basicConfig(format="%(message)s")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:  # one descriptor per member: take what the system allows, the bounds do the rest
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

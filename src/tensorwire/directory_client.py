@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .bootstrap import Rendezvous
 from .directory_store import DirectoryStore
-from .environment import Environment
+from .environment import OPEN_WORLD, Environment
 from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, TensorwireError
 from .etcd_store import EtcdStore
 from .sealing import seal
@@ -93,8 +93,9 @@ class DirectoryRendezvous(Rendezvous):
         back) is skipped, so ranks are unique for the directory's life and never reused."""
         for _ in range(64):
             proposed = self.add("fleet/next_rank", 1) - 1
-            if proposed < 0:
-                continue
+            if not 0 <= proposed < OPEN_WORLD:
+                raise PeerLostError(f"init: the directory {self.where} proposed rank {proposed}, outside "
+                                    f"0..{OPEN_WORLD - 1}: its rank counter was set by hand; start it again")
             self.env = dataclasses.replace(self.env, rank=proposed)
             try:
                 self._claim_rank()

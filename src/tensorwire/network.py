@@ -12,15 +12,12 @@ Non-goals: IPv6-only interfaces are not matched (UCX is then left unrestricted, 
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
-import selectors
 import socket
 import struct
-import time
 
-__all__ = ["interface_of", "listening", "rdma_ports", "ucx_net_devices"]
+__all__ = ["interface_of", "rdma_ports", "ucx_net_devices"]
 
 _SIOCGIFADDR = 0x8915
 _SYS_INFINIBAND = "/sys/class/infiniband"
@@ -67,39 +64,3 @@ def ucx_net_devices(address: str) -> tuple[str | None, str]:
     devices = [interface, *rdma_ports()]
     return ",".join(devices), f"UCX listens on {interface} ({address}) only" + (
         f", RDMA on {', '.join(devices[1:])}" if len(devices) > 1 else "")
-
-
-def listening(addresses: list[tuple[str, int]], timeout_s: float) -> set[tuple[str, int]]:
-    """The addresses whose listener takes a TCP connection within ``timeout_s`` (all tried at once, non-blocking;
-    each connection closed at once, before any hello). A dead process's port refuses at once; a gone host's does
-    not answer. Says nothing about who listens: for listings (``members()``), not for verdicts on transfers."""
-    pending: dict[socket.socket, tuple[str, int]] = {}
-    found: set[tuple[str, int]] = set()
-    with selectors.DefaultSelector() as selector:
-        for address in set(addresses):
-            try:
-                sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
-            except OSError:
-                continue  # out of fds here: not a verdict on the peer, but nothing to say either
-            sock.setblocking(False)
-            code = sock.connect_ex(address)
-            if code == 0:
-                found.add(address)
-                sock.close()
-            elif code in (errno.EINPROGRESS, errno.EAGAIN):
-                pending[sock] = address
-                selector.register(sock, selectors.EVENT_WRITE)
-            else:
-                sock.close()
-        deadline = time.monotonic() + timeout_s
-        while pending and time.monotonic() < deadline:
-            for key, _ in selector.select(max(deadline - time.monotonic(), 0.0)):
-                sock = key.fileobj
-                selector.unregister(sock)
-                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
-                    found.add(pending[sock])
-                del pending[sock]
-                sock.close()
-        for sock in pending:
-            sock.close()
-    return found
