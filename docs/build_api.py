@@ -24,7 +24,7 @@ MODULES = (
     "tensorwire.descriptors",
     "tensorwire.errors",
     "tensorwire.shared_memory",
-    "tensorwire.membership",
+    "tensorwire.meeting.membership",
     "tensorwire.backends",
     "tensorwire.moe",
     "tensorwire.moe.dispatch",

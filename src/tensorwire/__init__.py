@@ -30,7 +30,7 @@ from .errors import (
     WaitTimeoutError,
 )
 from .joining import init
-from .membership import Member
+from .meeting.membership import Member
 from .moe import all_to_all_v
 from .registration import Registration
 from .shared_memory import shared_empty

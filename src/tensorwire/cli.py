@@ -106,7 +106,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _directory(args: argparse.Namespace) -> int:
-    from .directory import serve
+    from .meeting.directory import serve
 
     serve(args.host, args.port, lambda line: print(line, flush=True))
     return 0

@@ -22,12 +22,12 @@ from .backends.base import BackendContext, Op
 from .backends.transports import Transports
 from .block_transfer import BlockTransfer
 from .blocks import BlockPool, BlockPoolDesc
-from .bootstrap import Rendezvous
 from .descriptors import MemoryKind, TensorDesc
 from .errors import InvalidArgumentError, PeerLostError, TensorwireWarning, WaitTimeoutError
 from .freshness import Freshness
 from .local_memory import LocalMemory
-from .membership import Member, Membership
+from .meeting import Rendezvous
+from .meeting.membership import Member
 from .memory_map import host_identity
 from .network import ucx_net_devices
 from .notifications import Notifications
@@ -41,7 +41,6 @@ from .transfer import Transfer
 
 __all__ = ["Communicator"]
 
-_FLEET_STREAM_SENDERS = 1024  # members a fleet member may wait for with wait_notification(stream=)
 
 
 class Communicator:
@@ -64,7 +63,6 @@ class Communicator:
         self._rendezvous = rendezvous
         self.rank = env.rank
         self.name: str | None = env.name  # a fleet member's name (None in a launcher's world)
-        self._membership: Membership | None = None
         self._memory: LocalMemory | None = None  # once the transports exist (their local view reads its map)
         # A transport that starts in the background (NIXL's agent, ~0.5 s) calls on_ready once its metadata
         # exists: the map is published again with it.
@@ -77,15 +75,17 @@ class Communicator:
         self._peers = Peers(self._runtime, host_identity(), self._memory.regions)
         self._revocations = Revocations(self._runtime, self._peers)
         self._memory.connect(self._peers, self._revocations)
-        self._notifications = Notifications(self._runtime, _FLEET_STREAM_SENDERS if env.fleet else env.world_size)
+        self._notifications = Notifications(self._runtime, rendezvous.notification_senders)
         self._runtime.stream_waiters.add(self._notifications)
         self._open_channels(cfg)
         self._memory.publish()
-        if env.fleet or env.world_size > 1:  # peers may revoke memory: answer whatever this rank's threads do
+        if rendezvous.has_peers:  # peers may revoke memory: answer whatever this rank's threads do
             self._revocations.listen()
-        if env.fleet:  # last: once listed, peers may prepare transfers to this member at once
-            self._membership = Membership(self._rendezvous, env.name, host_identity())
-            self._rendezvous.start_heartbeat()
+        try:
+            rendezvous.start(env.name, host_identity())  # last: a fleet member is listed, peers may use it at once
+        except BaseException:
+            self.close()  # its agent and threads too: nobody else holds this half-made communicator
+            raise
         self._handed_out = True  # from here on a leak is the user's (see __del__)
 
     def _open_channels(self, cfg: config_module.Config) -> None:
@@ -311,28 +311,20 @@ class Communicator:
         """Return when every rank has called ``barrier``. Collective, blocking (on the store). A launcher's
         world only: a fleet has no fixed set of members to wait for."""
         self._check_open("barrier")
-        if self._membership is not None:
-            raise InvalidArgumentError(
-                "barrier: a fleet has no fixed world to wait for; wait for the members you need with "
-                "comm.rank_of(name) and exchange readiness through publish()/lookup() or notifications")
         self._rendezvous.barrier(self._timeout(timeout))
 
     # --- fleets ---------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
         """The number of ranks of a launcher's world; a fleet has none (``InvalidArgumentError``)."""
-        if self.name is not None:
-            raise InvalidArgumentError(
-                f"world_size: {self.name!r} is a member of a fleet, whose members come and go; use comm.members() "
-                "for who is present now and comm.rank_of(name) to find one")
-        return self._world_size
+        return self._rendezvous.world_size
 
     def members(self) -> dict[int, Member]:
         """The fleet's members present now, by rank (``tw.Member``: rank, name, host, pid), this one included.
         Blocks for directory round trips and one concurrent connect per listed member (at most
         ``TENSORWIRE_LIVENESS_S``): a member that died is not listed within that bound. Fleets only."""
         self._check_open("members")
-        return self._fleet("members").members()
+        return self._rendezvous.members()
 
     def rank_of(self, name: str, *, timeout: float | None = None) -> int:
         """The rank of the present member named ``name``; waits (sleeping, bounded by ``timeout``, default the
@@ -341,14 +333,7 @@ class Communicator:
         self._check_open("rank_of")
         if not isinstance(name, str) or not name:
             raise InvalidArgumentError(f"rank_of: name={name!r}; give a member's name")
-        return self._fleet("rank_of").rank_of(name, self._timeout(timeout))
-
-    def _fleet(self, fn: str) -> Membership:
-        if self._membership is None:
-            raise InvalidArgumentError(
-                f"{fn}: this communicator is a rank of a launcher's world (ranks 0..world_size-1), not a fleet "
-                "member; join a fleet with tw.init(directory='tcp://HOST:PORT', name=...)")
-        return self._membership
+        return self._rendezvous.rank_of(name, self._timeout(timeout))
 
     def close(self) -> None:
         """Release transfers, registrations and the backend agent. Not collective; rank 0 keeps the store
@@ -382,9 +367,7 @@ class Communicator:
     def _close_handles(self, attempt: Callable[[Callable[[], None]], None]) -> None:
         """Everything handed out, dependents first (they close their own transfers and registrations), then the
         threads (after every stream wait was released)."""
-        if self._membership is not None:  # first: members() elsewhere stops listing this one at once
-            attempt(self._rendezvous.stop_heartbeat)
-            attempt(self._membership.leave)
+        attempt(self._rendezvous.withdraw)  # first: a fleet's members() elsewhere stops listing this one at once
         for dependent in list(self._runtime.dependents):
             attempt(dependent.close)
         for transfer in list(self._runtime.transfers):

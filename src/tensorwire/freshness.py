@@ -22,7 +22,7 @@ import struct
 from typing import TYPE_CHECKING
 
 from .errors import PeerLostError, WaitTimeoutError
-from .listener_queries import MAP_EPOCH, ask
+from .meeting.listener_queries import MAP_EPOCH, ask
 
 if TYPE_CHECKING:
     from .runtime import Runtime

@@ -12,11 +12,10 @@ import torch
 import torch.distributed as dist
 
 from . import config as config_module
-from .bootstrap import Rendezvous
 from .communicator import Communicator
-from .directory_client import DirectoryRendezvous
 from .environment import resolve_environment
 from .errors import InvalidArgumentError
+from .meeting import meet
 from .shared_memory import remove_orphans
 
 __all__ = ["init"]
@@ -65,13 +64,4 @@ def init(
         else:
             device = torch.device("cpu")
     remove_orphans()  # what killed tensorwire processes of this host left in /dev/shm
-    return Communicator(_rendezvous(env, cfg, timeout_s, store), torch.device(device), cfg, timeout_s)
-
-
-def _rendezvous(env, cfg: config_module.Config, timeout_s: float, store: dist.Store | None) -> Rendezvous:
-    """The meeting point: a fleet's directory, or the launcher's store (or the one lent to ``init``)."""
-    if not env.fleet:
-        return Rendezvous(env, timeout_s, store, token=cfg.job_token, liveness_s=cfg.liveness_s)
-    if store is not None:
-        raise InvalidArgumentError("init: store= and directory= are two ways to meet; give one")
-    return DirectoryRendezvous(env, timeout_s, token=cfg.job_token, liveness_s=cfg.liveness_s)
+    return Communicator(meet(env, cfg, timeout_s, store), torch.device(device), cfg, timeout_s)

@@ -26,7 +26,6 @@ from typing import Any
 from . import cuda
 from .backends import registry
 from .backends.base import Backend, FirstTouch, Segment, Status
-from .bootstrap import Rendezvous
 from .descriptors import MemoryKind, TensorDesc
 from .errors import (
     AuthenticationError,
@@ -37,6 +36,7 @@ from .errors import (
     TensorwireWarning,
     TransferError,
 )
+from .meeting import Rendezvous
 from .memory_map import MemoryMap, PeerView, typed_decoding
 from .progress import wait_until
 from .runtime import Runtime

@@ -28,10 +28,10 @@ from typing import Any
 
 from . import cuda
 from .backends.transports import Transports
-from .bootstrap import Rendezvous
 from .config import Config
 from .deadlines import Deadlines
 from .errors import ClosedError, InvalidArgumentError, TensorwireWarning
+from .meeting import Rendezvous
 from .outbox import Outbox
 from .progress import Inbox, ProgressEngine
 

@@ -21,10 +21,10 @@ import pytest
 import torch.distributed as dist
 
 import tensorwire as tw
-from tensorwire import directory_wire as wire
-from tensorwire.directory import Directory, Limits
-from tensorwire.directory_store import DirectoryStore
-from tensorwire.listener_queries import answering
+from tensorwire.meeting import directory_wire as wire
+from tensorwire.meeting.directory import Directory, Limits
+from tensorwire.meeting.directory_store import DirectoryStore
+from tensorwire.meeting.listener_queries import answering
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(os.path.dirname(HERE)), "src")

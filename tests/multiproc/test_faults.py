@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 import tensorwire as tw
 from tensorwire.backends.base import Status
-from tensorwire.bootstrap import Rendezvous
 from tensorwire.environment import Environment
+from tensorwire.meeting.world import World
 from tensorwire.testing.data import assert_equal, rank_values, sentinel
 from tensorwire.testing.suite import WAIT, launch, raises_after
 
@@ -316,7 +316,7 @@ def test_every_store_call_is_bounded_when_the_store_stops_answering(call, whose)
         user_store = dist.TCPStore("127.0.0.1", proxy.port, 2, False, timeout=datetime.timedelta(seconds=30))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # unauthenticated
-        rendezvous = Rendezvous(env, 30.0, user_store, liveness_s=1.0)
+        rendezvous = World(env, 30.0, user_store, liveness_s=1.0)
     threads_before = threading.active_count()
     proxy.silent.set()
     name, seconds = raises_after(lambda: STORE_CALLS[call](rendezvous), tw.PeerLostError)

@@ -16,8 +16,8 @@ import time
 import torch
 
 import tensorwire as tw
-from tensorwire.directory import Directory
-from tensorwire.listener_queries import HELLO
+from tensorwire.meeting.directory import Directory
+from tensorwire.meeting.listener_queries import HELLO
 from tensorwire.testing.suite import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))

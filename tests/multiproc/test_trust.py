@@ -29,10 +29,10 @@ from tensorwire import config
 from tensorwire.backends.base import Op, Segment
 from tensorwire.backends.shm import _EXPORT, ShmBackend
 from tensorwire.descriptors import MemoryKind, TensorDesc
-from tensorwire.liveness import Liveness
+from tensorwire.meeting.liveness import Liveness
+from tensorwire.meeting.store_sockets import listen_socket
 from tensorwire.memory_map import MemoryMap, host_identity, typed_decoding
 from tensorwire.sealing import seal, unseal
-from tensorwire.store_sockets import listen_socket
 from tensorwire.testing.data import assert_equal, rank_values, sentinel
 from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import threading
 import time
 
-from tensorwire.directory_client import DirectoryRendezvous
+from tensorwire.meeting.fleet import Fleet
 
 
-def _member(attempts: list, connects: bool = True, attempt_s: float = 0.0) -> DirectoryRendezvous:
-    member = object.__new__(DirectoryRendezvous)  # only the fields _reconnected reads
+def _member(attempts: list, connects: bool = True, attempt_s: float = 0.0) -> Fleet:
+    member = object.__new__(Fleet)  # only the fields _reconnected reads
     member._owns_store, member._etcd, member.liveness_s = True, None, 2.0
     member._reconnecting, member._lost = threading.Lock(), "lost the directory (stood in)"
     member._next_reconnect = time.monotonic() + 60.0  # an attempt failed just now

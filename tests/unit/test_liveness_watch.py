@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from tensorwire.liveness import Liveness
+from tensorwire.meeting.liveness import Liveness
 
 TOKEN = b"0123456789abcdef0123456789abcdef"
 

@@ -2,7 +2,7 @@
 costs, what the first READ from a member never contacted costs (handshake included), and whether the steady
 state READ between members of two launches matches the same READ inside one launcher world.
 
-This process runs the directory (``tensorwire.directory.Directory``) and starts every other party as a fresh
+This process runs the directory (``tensorwire.meeting.directory.Directory``) and starts every other party as a fresh
 process (``fleet_parties``; multiprocessing ``spawn``). For each fleet size N of ``--members``, ascending:
 
 - **join**: the first launch's members (``member-0`` ... ``member-<N-2>``, started together, imported and
@@ -116,7 +116,7 @@ class _Run:
     """The parties of one run; ``close`` ends every one still running and removes their ``/dev/shm`` files."""
 
     def __init__(self, config: FleetBenchConfig) -> None:
-        from ..directory import Directory
+        from ..meeting.directory import Directory
 
         self.config = config
         self.deadline = time.monotonic() + config.timeout_s

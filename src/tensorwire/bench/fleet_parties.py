@@ -79,8 +79,8 @@ def _join_phases(phases: dict[str, float]):
     backend (``NixlBackend``), the name claim and member record (``Membership``). Milliseconds into ``phases``;
     the wrappers cost microseconds and are removed on exit."""
     from ..backends.nixl import NixlBackend
-    from ..bootstrap import Rendezvous
-    from ..membership import Membership
+    from ..meeting import Rendezvous
+    from ..meeting.membership import Membership
 
     wrapped = {"directory: connect, rank, liveness": Rendezvous, "nixl agent (started)": NixlBackend,
                "directory: name, record": Membership}

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import BackendUnavailableError, PeerLostError, TransferError, WaitTimeoutError
+from ..meeting.sealed_store import SealedStore
 from ..progress import wait_until
-from ..sealed_store import SealedStore
 
 if TYPE_CHECKING:
     from ..communicator import Communicator

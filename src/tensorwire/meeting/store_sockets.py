@@ -10,8 +10,8 @@ import ipaddress
 import os
 import socket
 
-from .environment import Environment
-from .errors import InvalidArgumentError, PeerLostError
+from ..environment import Environment
+from ..errors import InvalidArgumentError, PeerLostError
 
 __all__ = ["listen_socket", "socket_fds", "store_client_sockets", "local_address"]
 

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, NoReturn
 
 import torch.distributed as dist
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from .bootstrap import Rendezvous
+    from .rendezvous import Rendezvous
 
 __all__ = ["SealedStore"]
 

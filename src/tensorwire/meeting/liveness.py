@@ -58,8 +58,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from .environment import hostname
-from .errors import PeerLostError, TransferError
+from ..environment import hostname
+from ..errors import PeerLostError, TransferError
 from .listener_queries import HELLO, MAP_EPOCH, NONCE_BYTES, PROBE, WAKE, answer
 from .peer_sockets import broken, from_peer, local_trouble, read_up_to, send_now, tune
 

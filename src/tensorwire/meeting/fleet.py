@@ -25,18 +25,22 @@ import time
 
 import torch.distributed as dist
 
-from .bootstrap import Rendezvous
+from ..environment import OPEN_WORLD, Environment
+from ..errors import AuthenticationError, InvalidArgumentError, PeerLostError, TensorwireError
+from ..sealing import seal
 from .directory_store import DirectoryStore
-from .environment import OPEN_WORLD, Environment
-from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, TensorwireError
 from .etcd_store import EtcdStore
-from .sealing import seal
+from .membership import Member, Membership
+from .rendezvous import Rendezvous
 
-__all__ = ["DirectoryRendezvous"]
+__all__ = ["Fleet"]
+
+_STREAM_SENDERS = 1024  # members a fleet member may wait for with wait_notification(stream=)
 
 
-class DirectoryRendezvous(Rendezvous):
-    """A ``Rendezvous`` whose store is a fleet's directory (``env.fleet``)."""
+class Fleet(Rendezvous):
+    """A fleet member's ``Rendezvous`` (``env.fleet``): its store is the fleet's directory, its rank the
+    directory's, its name and record claimed in ``start`` (``membership.py``)."""
 
     def __init__(self, env: Environment, timeout_s: float, *, token: bytes | None = None,
                  liveness_s: float = 5.0) -> None:
@@ -46,13 +50,56 @@ class DirectoryRendezvous(Rendezvous):
         self._etcd_lease_lost = False  # found expired while reconnecting: its keys are written again
         self._reconnecting = threading.Lock()
         self._heartbeat: threading.Thread | None = None
+        self._membership: Membership | None = None
         self._stopping = threading.Event()
         # etcd: the lease outlives two missed heartbeats; a call gives up before Rendezvous's bound (liveness_s).
         self._etcd = EtcdStore(env.etcd, lease_ttl_s=2 * liveness_s, request_s=0.8 * liveness_s) if env.etcd else None
         super().__init__(env, timeout_s, self._etcd, token=token, liveness_s=liveness_s)
 
-    def _namespaced(self, store: dist.Store) -> dist.Store:
-        return store  # the directory holds one fleet's keys (etcd's carry the prefix already)
+    # --- the meeting interface -------------------------------------------------------------------------------
+    has_peers = True
+    notification_senders = _STREAM_SENDERS
+
+    @property
+    def world_size(self) -> int:
+        raise InvalidArgumentError(
+            f"world_size: {self.env.name!r} is a member of a fleet, whose members come and go; use comm.members() "
+            "for who is present now and comm.rank_of(name) to find one")
+
+    def start(self, name: str | None, host: str) -> None:
+        """Claim the name and write the record (last: once listed, peers may prepare transfers to this member at
+        once), then keep the lease with the heartbeat."""
+        self._membership = Membership(self, self.env.name, host)
+        self.start_heartbeat()
+
+    def withdraw(self) -> None:
+        """The record and the name go first: ``members()`` elsewhere stops listing this member at once."""
+        self.stop_heartbeat()
+        if self._membership is not None:
+            self._membership.leave()
+
+    def members(self) -> dict[int, Member]:
+        return self._started("members").members()
+
+    def rank_of(self, name: str, timeout_s: float) -> int:
+        return self._started("rank_of").rank_of(name, timeout_s)
+
+    def barrier(self, timeout_s: float | None = None) -> None:
+        raise InvalidArgumentError(
+            "barrier: a fleet has no fixed world to wait for; wait for the members you need with "
+            "comm.rank_of(name) and exchange readiness through publish()/lookup() or notifications")
+
+    def _started(self, fn: str) -> Membership:
+        if self._membership is None:
+            raise InvalidArgumentError(f"{fn}: this member has not joined its fleet yet (the communicator is "
+                                       "being made)")
+        return self._membership
+
+    def _lost_note(self) -> str:
+        return ("; transfers with members already connected go on, and calls that need the directory work again "
+                "once it is back")
+
+    # --- the directory ------------------------------------------------------------------------------------------
 
     def _connect(self, timeout_s: float | None = None) -> DirectoryStore:
         """An authenticated connection to the embedded directory (``AuthenticationError`` for another token),
@@ -229,11 +276,10 @@ class DirectoryRendezvous(Rendezvous):
                 store = self._connect(self.liveness_s)
             except TensorwireError:  # still down (or restarted with another token): the caller raises the reason
                 return False
-            old, self._raw, self.store = self._raw, store, store
-            self._store_sockets = [store.socket]
+            old = self._use_store(store, [store.socket])
             if isinstance(old, DirectoryStore):
                 old.close()
-        self._lost = None
+        self._found_again()
         try:
             if self._etcd_lease_lost or not self.check(f"member/{self.env.rank}"):
                 self._restore()
@@ -255,7 +301,7 @@ class DirectoryRendezvous(Rendezvous):
             self.add("fleet/next_rank", behind)
 
     def _store_name(self) -> str:
-        return f"the directory {self.where}" if self._etcd is not None else super()._store_name()
+        return f"the directory {self.where}"
 
     def close(self) -> None:
         """Local, plus in etcd one bounded round trip: this member's lease is revoked, so its keys leave at once

@@ -37,9 +37,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from . import config as config_module
+from .. import config as config_module
+from ..errors import InvalidArgumentError
 from . import directory_wire as wire
-from .errors import InvalidArgumentError
 from .store_sockets import listen_socket
 
 __all__ = ["Directory", "Limits", "serve"]

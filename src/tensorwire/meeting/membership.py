@@ -22,9 +22,9 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from .directory_client import DirectoryRendezvous
-from .errors import InvalidArgumentError, WaitTimeoutError
+from ..errors import InvalidArgumentError, WaitTimeoutError
 from .listener_queries import answering
 
 __all__ = ["Member", "Membership"]
@@ -41,11 +41,30 @@ class Member:
     pid: int
 
 
+class Directory(Protocol):
+    """What membership asks of a fleet member's rendezvous (``fleet.Fleet``)."""
+
+    env: Any
+    where: str
+    liveness_s: float
+    token: bytes | None
+
+    def claim(self, key: str, value: bytes) -> tuple[bytes, bytes | None] | None: ...
+    def take_over(self, key: str, found: bytes, value: bytes) -> bool: ...
+    def release(self, key: str) -> None: ...
+    def set(self, key: str, value: bytes) -> None: ...
+    def delete(self, key: str) -> None: ...
+    def check(self, key: str) -> bool: ...
+    def get_now(self, key: str) -> bytes | None: ...
+    def listed(self, prefix: str) -> dict[str, bytes]: ...
+    def address_of(self, rank: int) -> tuple[str, int] | None: ...
+
+
 class Membership:
     """This member's name and record in the directory, and the lookups of the others. Blocks only for
     directory round trips (bounded like every store call) and, in ``rank_of``, for the name to appear."""
 
-    def __init__(self, rendezvous: DirectoryRendezvous, name: str, host: str) -> None:
+    def __init__(self, rendezvous: Directory, name: str, host: str) -> None:
         self._rendezvous = rendezvous
         self.rank = rendezvous.env.rank
         self.name = name

@@ -29,9 +29,9 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from .deadlines import CallThread, Deadlines
-from .environment import Environment, hostname
-from .errors import (
+from ..deadlines import CallThread, Deadlines
+from ..environment import Environment, hostname
+from ..errors import (
     AuthenticationError,
     InvalidArgumentError,
     PeerLostError,
@@ -39,22 +39,22 @@ from .errors import (
     TensorwireWarning,
     WaitTimeoutError,
 )
+from ..sealing import seal, unseal
 from .listener_queries import who_runs
 from .liveness import Liveness
-from .sealing import seal, unseal
-from .store_sockets import listen_socket, local_address, socket_fds, store_client_sockets
+from .store_sockets import local_address, socket_fds
 
-__all__ = ["Rendezvous"]
+__all__ = ["Rendezvous", "delta", "warn_once"]
 
 
-def _delta(seconds: float) -> datetime.timedelta:
+def delta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 0.001))
 
 
 _warned: set[str] = set()
 
 
-def _warn_once(topic: str, message: str, stacklevel: int) -> None:
+def warn_once(topic: str, message: str, stacklevel: int) -> None:
     if topic not in _warned:
         _warned.add(topic)
         warnings.warn(message, TensorwireWarning, stacklevel=stacklevel + 1)
@@ -79,8 +79,8 @@ class Rendezvous:
         self._store_sockets: list[socket.socket] = []  # our client connection(s) to the store, to cut a stuck call
         self._watchdog = Deadlines()  # cuts a store call that outlives its bound (torch's own timeout does not)
         self._calls: CallThread | None = None  # the store calls, where no socket of ours can be cut (see _call)
-        if token is None and (env.world_size > 1 or env.fleet):
-            _warn_once("unauthenticated", (
+        if token is None and self.has_peers:
+            warn_once("unauthenticated", (
                 "tensorwire: this job is unauthenticated (TENSORWIRE_JOB_TOKEN is not set): any process that reaches "
                 f"the store at {env.master_addr}:{env.master_port} can read every rank's memory map (addresses, NIXL "
                 "agent metadata, shm file names) and with it READ and WRITE the registered memory over NIXL and send "
@@ -94,17 +94,83 @@ class Rendezvous:
             self._calls = CallThread("tensorwire-store-calls")
         self._raw = store
         self.store = self._namespaced(store)
-        self._barrier_generation = 0
         self.env = env = self._claim_identity()
         self.liveness = Liveness(env.rank, env.world_size, liveness_s, local_address(env), token, self._resolve)
         self.set(f"alive/{env.rank}", f"{self.liveness.address[0]} {self.liveness.address[1]}".encode())
-        if env.rank != 0 and not env.fleet:  # the store's host: watched from the start (a lost store in any wait)
-            self.get("alive/0", timeout_s, "init: waiting for rank 0's liveness address")
-            self.liveness.watch(0)
+        self._joined()
+
+    # --- the meeting interface: what a launcher's world and a fleet each answer their own way ----------------
+    @property
+    def has_peers(self) -> bool:
+        """Others may use this rank's memory (its revocations must be answered, its store authenticated)."""
+        raise NotImplementedError
+
+    @property
+    def notification_senders(self) -> int:
+        """How many senders ``wait_notification(stream=)`` may wait on."""
+        raise NotImplementedError
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of a launcher's world (``InvalidArgumentError`` in a fleet)."""
+        raise NotImplementedError
+
+    @property
+    def hosts_store(self) -> bool:
+        """This rank hosts the store (it stays up until every rank departed)."""
+        return False
+
+    def _connect(self) -> dist.Store:
+        """This rank's own connection to where it meets (``init`` did not lend a store)."""
+        raise NotImplementedError
+
+    def _joined(self) -> None:
+        """After the rank is claimed and its liveness address written."""
+
+    def start(self, name: str | None, host: str) -> None:
+        """The communicator is ready for peers (its map published, its revocation thread running)."""
+
+    def withdraw(self) -> None:
+        """First step of ``close``: stop being findable (a fleet member's name and record go)."""
+
+    def members(self) -> dict:
+        """The members present now, by rank (a fleet's)."""
+        raise NotImplementedError
+
+    def rank_of(self, name: str, timeout_s: float) -> int:
+        """The rank of the present member ``name`` (a fleet's)."""
+        raise NotImplementedError
+
+    def barrier(self, timeout_s: float | None = None) -> None:
+        """Until every rank entered the same barrier (a launcher's world)."""
+        raise NotImplementedError
+
+    def depart(self, timeout_s: float) -> None:
+        """This rank is done: give up its rank claim."""
+        self._release_rank()
+
+    def _store_name(self) -> str:
+        raise NotImplementedError
+
+    def _lost_note(self) -> str:
+        """What a lost store means beyond the loss, for its ``PeerLostError``."""
+        return ""
 
     def _namespaced(self, store: dist.Store) -> dist.Store:
-        """The store under tensorwire's key prefix."""
-        return dist.PrefixStore("tensorwire/", store)
+        return store
+
+    def _sockets_of(self, store: dist.Store, before: set[int]) -> list[socket.socket]:
+        """Our connection(s) to our own ``store``, which the watchdog shuts down to end a call past its bound."""
+        return []
+
+    def _use_store(self, store: dist.Store, sockets: list[socket.socket]) -> dist.Store | None:
+        """Meet through ``store`` from now on (a new connection to a store that was lost); the one it replaces."""
+        old, self._raw, self.store, self._store_sockets = self._raw, store, self._namespaced(store), sockets
+        return old
+
+    def _found_again(self) -> None:
+        """The store answers again: calls no longer raise the loss."""
+        self._lost = None
 
     def _resolve(self, rank: int) -> tuple[str, int] | None:
         """``rank``'s liveness address from the store, or None while it has not published one."""
@@ -113,47 +179,6 @@ class Rendezvous:
             return None
         host, port = self._open(key, self._call(lambda: self.store.get(key), f"reading {key!r}")).decode().split()
         return host, int(port)
-
-    def _sockets_of(self, store: dist.Store, before: set[int]) -> list[socket.socket]:
-        """Our connection(s) to our own ``store``, which the watchdog shuts down to end a call past its bound."""
-        return store_client_sockets(before, store.port)
-
-    def _connect(self) -> dist.Store:
-        env, timeout_s = self.env, self.timeout_s
-        hosts = env.rank == 0 and not env.agent_store and not env.fleet
-        listener, why_not = listen_socket(env.master_addr, env.master_port) if hosts else (None, "")
-        if why_not:
-            _warn_once("listen-all", (
-                f"tensorwire: the store listens on every interface of rank 0's host, not only MASTER_ADDR's: "
-                f"{why_not}; set MASTER_ADDR to rank 0's IP address on the network the ranks share"), stacklevel=5)
-        try:
-            store = dist.TCPStore(
-                env.master_addr,
-                listener.getsockname()[1] if listener is not None else env.master_port,
-                None if env.fleet else env.world_size,
-                is_master=hosts,
-                timeout=_delta(timeout_s),
-                wait_for_workers=False,
-                **({"master_listen_fd": listener.fileno()} if listener is not None else {}),
-            )
-        except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
-            if listener is not None:
-                try:
-                    listener.close()
-                except OSError:
-                    pass
-            if "EADDRINUSE" in str(e):
-                raise InvalidArgumentError(
-                    f"init: rank {env.rank} cannot host the store: port {env.master_port} on {env.master_addr} "
-                    "is in use (EADDRINUSE); choose another MASTER_PORT"
-                ) from e
-            raise PeerLostError(
-                f"init: rank {env.rank} could not reach the store at {env.master_addr}:{env.master_port} "
-                f"within {timeout_s:.0f}s ({e}); is rank 0 running and MASTER_ADDR/MASTER_PORT right?"
-            ) from e
-        if listener is not None:
-            listener.detach()  # the store owns the socket now and closes it when it goes
-        return store
 
     # --- key/value ----------------------------------------------------------------------------
     def set(self, key: str, value: bytes) -> None:
@@ -226,11 +251,6 @@ class Rendezvous:
     def owns_store(self) -> bool:
         """The store connection is tensorwire's own (not a store the user passed to ``init`` and calls too)."""
         return self._owns_store
-
-    @property
-    def hosts_store(self) -> bool:
-        """This rank hosts the store (rank 0 of a launcher's world, unless torchrun's agent or init's store=)."""
-        return self.env.rank == 0 and self._owns_store and not self.env.agent_store and not self.env.fleet
 
     def leave(self) -> None:
         """Close this rank's liveness sockets ahead of ``close`` (a rank that does not host the store: the store's
@@ -315,68 +335,6 @@ class Rendezvous:
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         return bytes(self._call(lambda: self.store.compare_set(key, expected, desired), f"claiming {key!r}"))
 
-    # --- collectives on the store ---------------------------------------------------------------
-    def barrier(self, timeout_s: float | None = None) -> None:
-        """Returns when every rank has entered the same barrier; collective, blocking.
-
-        Each rank writes a sealed arrival record, ``barrier/<g>/<rank>``; rank 0 waits for all of them, verifies
-        each and writes ``barrier/<g>/done``, which the others wait for and verify. A shared ``add`` counter
-        would be cheaper for rank 0 but cannot carry a MAC: anyone reaching the store could count in for a rank
-        that has not arrived. A record that fails verification raises ``AuthenticationError``. A rank that is
-        gone raises ``PeerLostError`` on rank 0, which says so in ``done`` (``lost <rank>``), so every rank
-        raises it within the liveness bound."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        self._barrier_generation += 1
-        generation, env = self._barrier_generation, self.env
-        base = f"barrier/{generation}"
-        what = f"barrier {generation}: rank {env.rank} waited for {env.world_size} ranks"
-        self.set(f"{base}/{env.rank}", b"1")
-        if env.rank == 0:
-            arrivals = [f"{base}/{r}" for r in range(env.world_size)]
-            try:
-                self.wait(arrivals, timeout_s, what, ranks=range(1, env.world_size))
-            except PeerLostError as e:
-                try:
-                    self.set(f"{base}/done", f"lost {e}".encode())
-                except PeerLostError:
-                    pass
-                raise
-            values = self._call(lambda: self.store.multi_get(arrivals), f"reading {base}")
-            for key, value in zip(arrivals, values):
-                self._open(key, value)
-            self.set(f"{base}/done", b"1")
-        done = self.get(f"{base}/done", timeout_s, what, ranks=(0,))
-        if done.startswith(b"lost "):
-            raise PeerLostError(f"{what}: rank 0 found a rank gone: {done[5:].decode(errors='replace')}")
-
-    def depart(self, timeout_s: float) -> None:
-        """Say this rank is done (``departed/<rank>``, sealed) and give up its rank; the store's host waits
-        (bounded by ``timeout_s``) until every rank said so with a record that verifies, or is gone (its
-        liveness connection broke: a rank that died does not hold the store's host for the whole timeout)."""
-        if self.env.world_size == 1 or self.env.fleet:  # a fleet's directory waits for nobody
-            self._release_rank()
-            return
-        self._release_rank()
-        self.set(f"departed/{self.env.rank}", b"1")
-        if self.env.rank != 0 or not self._owns_store or self.env.agent_store:
-            return
-        deadline = time.monotonic() + timeout_s
-        pending = list(range(1, self.env.world_size))
-        start = time.monotonic()
-        while pending and time.monotonic() < deadline:
-            still = []
-            for rank in pending:
-                key = f"departed/{rank}"
-                if self.check(key) and self._verifies(
-                        key, self._call(lambda k=key: self.store.get(k), f"reading {key!r}")):
-                    continue  # a record that does not verify is not a departure: keep the store up for that rank
-                if self.liveness.lost(rank) is not None and not self.check(key):
-                    continue  # gone without departing
-                still.append(rank)
-            pending = still
-            if pending:
-                time.sleep(min(0.02, max(0.0002, (time.monotonic() - start) / 32)))
-
     def _call(self, fn, what: str, timeout_s: float | None = None):
         """Run one store call, bounded: torch's client blocks forever in ``add``/``check``/``compare_set`` (and
         after the timeout of ``get``/``wait``) when the store's host stops answering. Past ``liveness_s``
@@ -422,9 +380,7 @@ class Rendezvous:
         if isinstance(e, (getattr(dist, "DistNetworkError", ()), PeerLostError)) or "Connection" in text \
                 or "Broken pipe" in text or "connection" in text:
             self._lost = f"lost {self._store_name()} ({text.splitlines()[0] if text else type(e).__name__})"
-            if self.env.fleet:
-                self._lost += ("; transfers with members already connected go on, and calls that need the "
-                               "directory work again once it is back")
+            self._lost += self._lost_note()
             raise PeerLostError(f"{what}: {self._lost}") from e
         # torch's TCPStore says a wait timed out with DistStoreError (its network failures are DistNetworkError,
         # handled above); other stores passed to init may raise a plain RuntimeError that says so in words.
@@ -436,13 +392,6 @@ class Rendezvous:
                 "Pass a larger timeout= or check the other ranks"
             ) from e
         raise e
-
-    def _store_name(self) -> str:
-        if self.env.fleet:
-            return f"the directory at {self.env.master_addr}:{self.env.master_port}"
-        if self._owns_store:
-            return f"the store hosted by rank 0 at {self.env.master_addr}:{self.env.master_port}"
-        return "the store passed to init (store=)"
 
     def _silent(self, bound_s: float) -> str:
         """Why the store counts as lost when a call got no answer: silence alone cannot tell a stopped or

@@ -19,8 +19,8 @@ import time
 
 import torch.distributed as dist
 
+from ..errors import AuthenticationError, InvalidArgumentError, PeerLostError, WaitTimeoutError
 from . import directory_wire as wire
-from .errors import AuthenticationError, InvalidArgumentError, PeerLostError, WaitTimeoutError
 
 __all__ = ["DirectoryStore"]
 

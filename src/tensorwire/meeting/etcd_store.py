@@ -37,7 +37,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .errors import BackendUnavailableError, PeerLostError
+from ..errors import BackendUnavailableError, PeerLostError
 
 __all__ = ["EtcdStore"]
 

@@ -1,0 +1,36 @@
+"""Where ranks meet: a launcher's world or a fleet, two types behind one interface (``Rendezvous``).
+
+* ``World`` (``world.py``): ranks ``0..world_size-1`` known at start, meeting in torch's ``TCPStore`` that rank 0
+  hosts (torchrun, mpirun, SLURM, or ``init``'s keywords; or a store lent to ``init``).
+* ``Fleet`` (``fleet.py``): members launched apart, meeting in a directory, each under a name: the embedded one
+  (``directory.py``, reached through ``directory_store.py`` over ``directory_wire.py``) or etcd (``etcd_store.py``);
+  ``membership.py`` holds names, records, ``members()`` and ``rank_of()``.
+
+Both are a ``Rendezvous`` (``rendezvous.py``: sealed values, bounded store calls, waits, rank claims) with a
+``Liveness`` view of their peers (``liveness.py``, ``listener_queries.py``, ``peer_sockets.py``). What differs is
+answered by the type, never by a flag: how the store is reached, who hosts it, ``barrier``, ``world_size``,
+``members``/``rank_of``, how a rank starts and departs. The communicator above sees ``Rendezvous`` only.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..config import Config
+from ..environment import Environment
+from ..errors import InvalidArgumentError
+from .fleet import Fleet
+from .rendezvous import Rendezvous
+from .world import World
+
+__all__ = ["Rendezvous", "World", "Fleet", "meet"]
+
+
+def meet(env: Environment, cfg: Config, timeout_s: float, store: dist.Store | None) -> Rendezvous:
+    """The meeting point of ``env``: a fleet's directory, or the launcher's store (or the one lent to ``init``).
+    Blocks until it is reached (at most ``timeout_s``)."""
+    if not env.fleet:
+        return World(env, timeout_s, store, token=cfg.job_token, liveness_s=cfg.liveness_s)
+    if store is not None:
+        raise InvalidArgumentError("init: store= and directory= are two ways to meet; give one")
+    return Fleet(env, timeout_s, token=cfg.job_token, liveness_s=cfg.liveness_s)
