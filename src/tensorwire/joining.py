@@ -17,6 +17,7 @@ from .communicator import Communicator
 from .directory_client import DirectoryRendezvous
 from .environment import resolve_environment
 from .errors import InvalidArgumentError
+from .etcd_access import etcd_access
 from .shared_memory import remove_orphans
 
 __all__ = ["init"]
@@ -74,4 +75,6 @@ def _rendezvous(env, cfg: config_module.Config, timeout_s: float, store: dist.St
         return Rendezvous(env, timeout_s, store, token=cfg.job_token, liveness_s=cfg.liveness_s)
     if store is not None:
         raise InvalidArgumentError("init: store= and directory= are two ways to meet; give one")
-    return DirectoryRendezvous(env, timeout_s, token=cfg.job_token, liveness_s=cfg.liveness_s)
+    access = etcd_access(env.etcd_user, env.etcd_tls, user=cfg.etcd_user, password=cfg.etcd_password, ca=cfg.etcd_ca,
+                         cert=cfg.etcd_cert, key=cfg.etcd_key) if env.etcd else None
+    return DirectoryRendezvous(env, timeout_s, token=cfg.job_token, liveness_s=cfg.liveness_s, etcd_access=access)
