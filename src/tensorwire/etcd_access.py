@@ -31,6 +31,8 @@ UNAUTHENTICATED = 16  # the token is invalid or expired (etcd's --auth-token-ttl
 # whole, since its code alone is shared with malformed requests.
 USER_EMPTY = "etcdserver: user name is empty"
 
+# OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH and X509_V_ERR_IP_ADDRESS_MISMATCH: a trusted certificate for another host.
+_NAME_MISMATCH = (62, 64)
 _PASSWORD_HELP = "TENSORWIRE_ETCD_PASSWORD (or TENSORWIRE_ETCD_PASSWORD_FILE)"
 
 
@@ -112,11 +114,15 @@ def tls_failure(error: BaseException, access: EtcdAccess, endpoint: str) -> Tens
     if found is None:
         return None
     if isinstance(found, ssl.SSLCertVerificationError):
+        if found.verify_code in _NAME_MISMATCH:
+            return AuthenticationError(
+                f"etcd: the certificate of etcd at {endpoint} is not for that host ({found.verify_message}); give "
+                "etcd a server certificate whose subject alternative names hold the host of the directory URL, or "
+                "name etcd in the URL as its certificate does")
         trusted = f"the CA in TENSORWIRE_ETCD_CA={access.ca!r}" if access.ca else "the system's CAs"
         return AuthenticationError(
             f"etcd: the certificate of etcd at {endpoint} does not verify against {trusted} ({found.verify_message}); "
-            "give the CA that signed it (etcd's --trusted-ca-file side), and a server certificate whose subject "
-            "alternative names hold the host of the directory URL")
+            "set TENSORWIRE_ETCD_CA to the CA that signed etcd's --cert-file")
     reason = getattr(found, "reason", None) or ""
     if reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"):
         return InvalidArgumentError(

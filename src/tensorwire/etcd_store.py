@@ -76,12 +76,10 @@ def _client_module():
 
 
 def _session(access: EtcdAccess):
-    """An HTTP session (``requests``, etcd3gw's own dependency) verifying etcd's certificate against
-    ``access.ca`` (else the system's CAs) and presenting the client certificate, if any."""
+    """An HTTP session (``requests``, etcd3gw's own dependency) presenting the client certificate, if any."""
     import requests
 
     session = requests.Session()
-    session.verify = access.ca if access.ca is not None else True
     if access.cert is not None:
         session.cert = (access.cert, access.key) if access.key is not None else access.cert
     return session
@@ -124,6 +122,8 @@ class EtcdStore(dist.Store):
         self._clients = [etcd3gw.Etcd3Client(host, port, protocol=access.protocol, api_path="/v3/",
                                              session=_session(access)) for host, port in endpoints]
         self._token: str | None = None  # etcd's token for access.user; "" where etcd turned out to need none
+        # Given with every request: requests lets REQUESTS_CA_BUNDLE override a session's own CA, not a request's.
+        self._tls = {"verify": access.ca} if access.ca is not None else {}
         self.endpoints = [f"{host}:{port}" for host, port in endpoints]
         self._preferred = 0  # the endpoint that answered last: asked first
         self._ttl = max(2, math.ceil(lease_ttl_s))
@@ -176,7 +176,7 @@ class EtcdStore(dist.Store):
         if self._token is None and self._access.password is not None:
             self._authenticate(index)
         try:
-            return client.post(client.get_url(path), json=payload)
+            return client.post(client.get_url(path), json=payload, **self._tls)
         except self._errors.Etcd3Exception as e:
             if isinstance(e, (self._errors.ConnectionFailedError, self._errors.ConnectionTimeoutError)):
                 raise  # the endpoint did not answer: _post tries the next
@@ -187,7 +187,7 @@ class EtcdStore(dist.Store):
         # The token expired (unused for --auth-token-ttl) or etcd enabled authentication since: a new one, once.
         self._authenticate(index)
         try:
-            return client.post(client.get_url(path), json=payload)
+            return client.post(client.get_url(path), json=payload, **self._tls)
         except self._errors.Etcd3Exception as e:
             if isinstance(e, (self._errors.ConnectionFailedError, self._errors.ConnectionTimeoutError)):
                 raise
@@ -199,7 +199,7 @@ class EtcdStore(dist.Store):
         client, access = self._clients[index], self._access
         try:
             # No stale token along: the request that fetches a new one must not be refused for the old one.
-            answer = client.post(client.get_url("/auth/authenticate"), headers={"Authorization": None},
+            answer = client.post(client.get_url("/auth/authenticate"), headers={"Authorization": None}, **self._tls,
                                  json={"name": access.user, "password": access.password})
         except self._errors.Etcd3Exception as e:
             if isinstance(e, (self._errors.ConnectionFailedError, self._errors.ConnectionTimeoutError)):
@@ -262,8 +262,12 @@ class EtcdStore(dist.Store):
 
     def _unanswered(self, failures: dict[str, str]) -> str:
         said = "; ".join(f"{endpoint}: {why}" for endpoint, why in failures.items()) or "no request made"
+        hint = ""
+        if not self._access.tls and any(why != "connection refused" and not why.startswith(("no answer", "etcdserver"))
+                                        for why in failures.values()):
+            hint = "; if etcd serves TLS, give etcds://... or TENSORWIRE_ETCD_CA"  # TLS ports drop plain http
         return (f"no etcd endpoint answered within {self._request_s:.3g}s: etcd has no quorum (its live nodes hold "
-                f"every request) or its nodes are down or unreachable ({said})")
+                f"every request) or its nodes are down or unreachable ({said}){hint}")
 
     def _deadline(self) -> float:
         return time.monotonic() + self._request_s
