@@ -15,14 +15,14 @@
 |                                   |         | instead of a launcher's world                        |
 | ``TENSORWIRE_NAME``               | unset   | this member's name in the fleet (``init``'s ``name=``;|
 |                                   |         | ``{rank}`` in it: the launcher's rank, e.g. torchrun)|
-| ``TENSORWIRE_ETCD_USER``          | unset   | the etcd user of an etcd directory with               |
-|                                   |         | authentication enabled (or ``etcd://USER@HOST:PORT``)|
+| ``TENSORWIRE_ETCD_USER``          | unset   | the user of an etcd directory with authentication    |
+|                                   |         | enabled (or ``etcd://USER@HOST:PORT``)               |
 | ``TENSORWIRE_ETCD_PASSWORD``      | unset   | that user's password (never in the URL)              |
-| ``TENSORWIRE_ETCD_PASSWORD_FILE`` | unset   | a file holding it instead (one line)                 |
-| ``TENSORWIRE_ETCD_CA``            | unset   | PEM CA that signed etcd's server certificate: talk   |
-|                                   |         | TLS to etcd (as ``etcds://`` does, with the system's |
-|                                   |         | CAs)                                                 |
-| ``TENSORWIRE_ETCD_CERT``          | unset   | PEM client certificate, for etcd's                   |
+| ``TENSORWIRE_ETCD_PASSWORD_FILE`` | unset   | a file whose first line is the password instead      |
+| ``TENSORWIRE_ETCD_CA``            | unset   | PEM CA that signed etcd's server certificate;        |
+|                                   |         | set: TLS to etcd (``etcds://``: TLS with the         |
+|                                   |         | system's CAs)                                        |
+| ``TENSORWIRE_ETCD_CERT``          | unset   | PEM client certificate for etcd's                    |
 |                                   |         | ``--client-cert-auth`` (mutual TLS)                  |
 | ``TENSORWIRE_ETCD_KEY``           | unset   | its PEM private key (unset: in the certificate file) |
 
