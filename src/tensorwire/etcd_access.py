@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 
 from .errors import AuthenticationError, InvalidArgumentError, TensorwireError
 
-__all__ = ["EtcdAccess", "etcd_access", "grpc_code", "tls_failure", "INVALID_ARGUMENT", "PERMISSION_DENIED",
-           "UNAUTHENTICATED", "FAILED_PRECONDITION", "USER_EMPTY"]
+__all__ = ["EtcdAccess", "etcd_access", "grpc_code", "tls_failure", "INVALID_ARGUMENT", "NOT_FOUND",
+           "PERMISSION_DENIED", "UNAUTHENTICATED", "FAILED_PRECONDITION", "USER_EMPTY"]
 
 # gRPC status codes (google.rpc.Code) that etcd's gateway puts in its JSON errors' "code".
 INVALID_ARGUMENT = 3  # among others: wrong user or password; no user (auth enabled, no token sent)
+NOT_FOUND = 5  # among others: a write under a lease that expired
 PERMISSION_DENIED = 7  # the user's roles do not grant the key range
 FAILED_PRECONDITION = 9  # among others: authentication is not enabled
 UNAUTHENTICATED = 16  # the token is invalid or expired (etcd's --auth-token-ttl)

@@ -49,6 +49,7 @@ from .errors import AuthenticationError, BackendUnavailableError, PeerLostError
 from .etcd_access import (
     FAILED_PRECONDITION,
     INVALID_ARGUMENT,
+    NOT_FOUND,
     PERMISSION_DENIED,
     UNAUTHENTICATED,
     USER_EMPTY,
@@ -291,7 +292,7 @@ class EtcdStore(dist.Store):
             try:
                 return write(lease)
             except self._errors.Etcd3Exception as e:
-                if "lease not found" not in (getattr(e, "detail_text", None) or ""):
+                if grpc_code(getattr(e, "detail_text", None))[0] != NOT_FOUND:  # "requested lease not found"
                     raise
                 self._lease = None  # it expired (etcd unreachable for its TTL): a new one, once
         return write(self._lease)

@@ -154,9 +154,10 @@ class _Etcd:
                 stdout=log, stderr=subprocess.STDOUT)
         self.url = client + "/v3"
 
-    def post(self, path: str, body: dict, tls: dict | None = None) -> dict:
+    def post(self, path: str, body: dict, tls: dict | None = None, token: str | None = None) -> dict:
         """One request to etcd's gateway; ``tls``: ``verify=`` and ``cert=`` of ``requests``."""
-        answer = requests.post(self.url + path, json=body, timeout=5, **(tls or {}))
+        answer = requests.post(self.url + path, json=body, timeout=5, headers={"Authorization": token} if token else {},
+                               **(tls or {}))
         if answer.status_code != 200:
             raise RuntimeError(f"etcd {path}: HTTP {answer.status_code} {answer.text}")
         return answer.json()
@@ -207,6 +208,7 @@ def auth_etcd(tmp_path):
         etcd.close()
 
 
+@pytest.mark.slow
 def test_members_meet_in_an_etcd_with_authentication(auth_etcd, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
@@ -240,6 +242,21 @@ def test_a_store_idle_past_the_token_ttl_authenticates_again(auth_etcd):
     time.sleep(3.5)  # past --auth-token-ttl: etcd forgot the token
     assert store.get("idle") == b"1"
     assert store._token != first, "the token did not expire: the test proves nothing"
+    store.revoke()
+
+
+def test_a_write_after_the_lease_was_lost_takes_a_new_lease(auth_etcd):
+    """etcd answers a write under a lease it no longer has with NOT_FOUND: the store takes a new lease, once."""
+    from tensorwire.etcd_store import EtcdStore
+
+    store = EtcdStore([("127.0.0.1", auth_etcd.port)], lease_ttl_s=10, request_s=3,
+                      access=EtcdAccess(user=USER, password=PASSWORD))
+    store.set("first", b"1")
+    lost = store._lease
+    auth_etcd.post("/kv/lease/revoke", {"ID": lost}, token=store._token)  # as if it had expired
+    store.set("second", b"2")
+    assert store._lease not in (None, lost) and store.get("second") == b"2"
+    assert not store.keep_alive(), "keep_alive must say the keys under the lost lease are gone"
     store.revoke()
 
 
@@ -302,6 +319,7 @@ def tls_etcd(tmp_path):
         etcd.close()
 
 
+@pytest.mark.slow
 def test_members_meet_in_an_etcd_serving_mutual_tls(tls_etcd, tmp_path):
     etcd, certificates = tls_etcd
     work = tmp_path / "work"
