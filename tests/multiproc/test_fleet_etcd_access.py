@@ -208,7 +208,6 @@ def auth_etcd(tmp_path):
         etcd.close()
 
 
-@pytest.mark.slow
 def test_members_meet_in_an_etcd_with_authentication(auth_etcd, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
@@ -319,7 +318,6 @@ def tls_etcd(tmp_path):
         etcd.close()
 
 
-@pytest.mark.slow
 def test_members_meet_in_an_etcd_serving_mutual_tls(tls_etcd, tmp_path):
     etcd, certificates = tls_etcd
     work = tmp_path / "work"
