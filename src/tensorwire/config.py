@@ -15,6 +15,16 @@
 |                                   |         | instead of a launcher's world                        |
 | ``TENSORWIRE_NAME``               | unset   | this member's name in the fleet (``init``'s ``name=``;|
 |                                   |         | ``{rank}`` in it: the launcher's rank, e.g. torchrun)|
+| ``TENSORWIRE_ETCD_USER``          | unset   | the user of an etcd directory with authentication    |
+|                                   |         | enabled (or ``etcd://USER@HOST:PORT``)               |
+| ``TENSORWIRE_ETCD_PASSWORD``      | unset   | that user's password (never in the URL)              |
+| ``TENSORWIRE_ETCD_PASSWORD_FILE`` | unset   | a file whose first line is the password instead      |
+| ``TENSORWIRE_ETCD_CA``            | unset   | PEM CA that signed etcd's server certificate;        |
+|                                   |         | set: TLS to etcd (``etcds://``: TLS with the         |
+|                                   |         | system's CAs)                                        |
+| ``TENSORWIRE_ETCD_CERT``          | unset   | PEM client certificate for etcd's                    |
+|                                   |         | ``--client-cert-auth`` (mutual TLS)                  |
+| ``TENSORWIRE_ETCD_KEY``           | unset   | its PEM private key (unset: in the certificate file) |
 
 The library never writes ``os.environ``.
 """
@@ -62,6 +72,29 @@ def _read_token() -> bytes | None:
     return raw.encode()
 
 
+_PASSWORD_VARIABLE = "TENSORWIRE_ETCD_PASSWORD"
+
+
+def _read_etcd_password() -> str | None:
+    """The etcd password from the environment or from the file it names (its first line); never from a URL."""
+    raw, path = os.environ.get(_PASSWORD_VARIABLE) or None, os.environ.get(_PASSWORD_VARIABLE + "_FILE") or None
+    if raw is not None and path is not None:
+        raise InvalidArgumentError(f"config: both {_PASSWORD_VARIABLE} and {_PASSWORD_VARIABLE}_FILE={path!r} are "
+                                   "set; unset one")
+    if path is None:
+        return raw
+    try:
+        with open(path, encoding="utf-8") as f:
+            password = f.readline().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgumentError(f"config: {_PASSWORD_VARIABLE}_FILE={path!r} cannot be read "
+                                   f"({type(e).__name__}: {e.strerror if isinstance(e, OSError) else e.reason}); "
+                                   "give a readable file whose first line is the etcd password") from None
+    if not password:
+        raise InvalidArgumentError(f"config: {_PASSWORD_VARIABLE}_FILE={path!r} holds no password on its first line")
+    return password
+
+
 def _liveness() -> float:
     value = _read("TENSORWIRE_LIVENESS_S", 5.0)
     if value < 1.0:
@@ -82,6 +115,11 @@ class Config:
     job_token: bytes | None = field(default=None, repr=False)
     directory: str | None = None  # a fleet's directory address (TENSORWIRE_DIRECTORY)
     name: str | None = None  # this member's name in it (TENSORWIRE_NAME)
+    etcd_user: str | None = None  # TENSORWIRE_ETCD_USER
+    etcd_password: str | None = field(default=None, repr=False)  # TENSORWIRE_ETCD_PASSWORD(_FILE); never shown
+    etcd_ca: str | None = None  # TENSORWIRE_ETCD_CA: a path
+    etcd_cert: str | None = None  # TENSORWIRE_ETCD_CERT: a path
+    etcd_key: str | None = None  # TENSORWIRE_ETCD_KEY: a path
 
 
 def load() -> Config:
@@ -95,6 +133,11 @@ def load() -> Config:
         job_token=_read_token(),
         directory=os.environ.get("TENSORWIRE_DIRECTORY") or None,
         name=os.environ.get("TENSORWIRE_NAME") or None,
+        etcd_user=os.environ.get("TENSORWIRE_ETCD_USER") or None,
+        etcd_password=_read_etcd_password(),
+        etcd_ca=os.environ.get("TENSORWIRE_ETCD_CA") or None,
+        etcd_cert=os.environ.get("TENSORWIRE_ETCD_CERT") or None,
+        etcd_key=os.environ.get("TENSORWIRE_ETCD_KEY") or None,
     )
 
 

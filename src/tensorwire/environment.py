@@ -8,10 +8,12 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .errors import InvalidArgumentError
 
-__all__ = ["Environment", "resolve_environment", "hostname", "OPEN_WORLD", "parse_directory"]
+__all__ = ["Environment", "resolve_environment", "hostname", "OPEN_WORLD", "parse_directory",
+           "DirectoryAddress"]
 
 # A fleet's rank space is open (members come and go; ranks are never reused): its bound where one is needed.
 OPEN_WORLD = 2**31 - 1
@@ -37,6 +39,8 @@ class Environment:
     agent_store: bool = False  # torchrun's agent already hosts a TCPStore at MASTER_ADDR:MASTER_PORT
     name: str | None = None  # a fleet member's name; then master_addr/port are the directory's, rank is assigned
     etcd: tuple[tuple[str, int], ...] = ()  # a fleet's directory in etcd: its endpoints (master_addr/port: the first)
+    etcd_user: str | None = None  # the etcd user the URL names (etcd://USER@...); its password is never in a URL
+    etcd_tls: bool = False  # the URL asked for TLS (etcds://)
 
     @property
     def fleet(self) -> bool:
@@ -47,21 +51,46 @@ class Environment:
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 
 
-def parse_directory(directory: str) -> tuple[str, tuple[tuple[str, int], ...]]:
-    """``("tcp", ((host, port),))`` of ``tcp://HOST:PORT`` (a ``tensorwire directory``), ``("etcd", endpoints)`` of
-    ``etcd://HOST:PORT[,HOST:PORT...]`` (an etcd cluster's client endpoints); ``InvalidArgumentError`` naming the
-    accepted forms otherwise."""
-    usage = "give 'tcp://HOST:PORT' (a 'tensorwire directory') or 'etcd://HOST:PORT[,HOST:PORT...]' (etcd's endpoints)"
+class DirectoryAddress(NamedTuple):
+    """A parsed ``directory=``: ``scheme`` ``"tcp"`` or ``"etcd"``, its endpoints, and for etcd the user named in
+    the URL (``etcd://USER@HOST:PORT``) and whether it asked for TLS (``etcds://``)."""
+
+    scheme: str
+    endpoints: tuple[tuple[str, int], ...]
+    user: str | None = None
+    tls: bool = False
+
+
+_PASSWORD_WHERE = ("set TENSORWIRE_ETCD_PASSWORD, or TENSORWIRE_ETCD_PASSWORD_FILE naming a file that holds it "
+                   "(a password in a URL shows in process lists and logs)")
+
+
+def parse_directory(directory: str) -> DirectoryAddress:
+    """The address of ``tcp://HOST:PORT`` (a ``tensorwire directory``) or of ``etcd://[USER@]HOST:PORT[,HOST:PORT...]``
+    (an etcd cluster's client endpoints; ``etcds://`` for TLS); ``InvalidArgumentError`` naming the accepted forms
+    otherwise. A password in the URL is refused without being echoed: it belongs in the environment."""
+    usage = ("give 'tcp://HOST:PORT' (a 'tensorwire directory') or 'etcd://[USER@]HOST:PORT[,HOST:PORT...]' (etcd's "
+             "endpoints; 'etcds://' for TLS)")
     if not isinstance(directory, str) or "://" not in directory:
         raise InvalidArgumentError(f"init: directory={directory!r}; {usage}")
     scheme, _, where = directory.partition("://")
+    user = None
+    if "@" in where:
+        user, _, where = where.rpartition("@")  # a host holds no '@': the user is everything before the last one
+        if ":" in user:
+            raise InvalidArgumentError(
+                f"init: directory='{scheme}://{user.partition(':')[0]}:***@{where}' carries a password; remove it "
+                f"from the URL and {_PASSWORD_WHERE}")
+        if scheme not in ("etcd", "etcds") or not user:
+            raise InvalidArgumentError(f"init: directory={scheme}://...@{where} names a user, which only an etcd "
+                                       f"directory takes; {usage}")
     endpoints = []
-    for endpoint in where.split(",") if scheme == "etcd" else [where]:
+    for endpoint in where.split(",") if scheme in ("etcd", "etcds") else [where]:
         host, _, port = endpoint.strip().rpartition(":")
-        if scheme not in ("tcp", "etcd") or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if scheme not in ("tcp", "etcd", "etcds") or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise InvalidArgumentError(f"init: directory={directory!r}; {usage}, with ports in 1..65535")
         endpoints.append((host.strip("[]"), int(port)))
-    return scheme, tuple(endpoints)
+    return DirectoryAddress("tcp" if scheme == "tcp" else "etcd", tuple(endpoints), user, scheme == "etcds")
 
 
 def _launcher_rank() -> int | None:
@@ -82,10 +111,12 @@ def _fleet_environment(directory: str, name: str) -> Environment:
     if not isinstance(name, str) or not 0 < len(name) <= 128 or not set(name) <= _NAME_CHARS:
         raise InvalidArgumentError(
             f"init: name={name!r}; give 1-128 characters of letters, digits and '-_.:' (e.g. 'decode-0')")
-    scheme, endpoints = parse_directory(directory)
-    (host, port) = endpoints[0]
+    address = parse_directory(directory)
+    (host, port) = address.endpoints[0]
+    etcd = address.scheme == "etcd"
     return Environment(rank=-1, world_size=OPEN_WORLD, local_rank=0, local_world_size=1, master_addr=host,
-                       master_port=port, launcher="fleet", name=name, etcd=endpoints if scheme == "etcd" else ())
+                       master_port=port, launcher="fleet", name=name, etcd=address.endpoints if etcd else (),
+                       etcd_user=address.user, etcd_tls=address.tls)
 
 
 def _int(value: str, name: str) -> int:

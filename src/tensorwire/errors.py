@@ -58,7 +58,8 @@ class PeerLostError(TensorwireError, ConnectionError):
 
 class AuthenticationError(TensorwireError, PermissionError):
     """A value in the job's store failed verification against the job token (``TENSORWIRE_JOB_TOKEN``):
-    written by a process outside the job, by a rank with another token, or corrupted. It was not used."""
+    written by a process outside the job, by a rank with another token, or corrupted. It was not used. Also: an
+    etcd directory refused this member's credentials (``TENSORWIRE_ETCD_*``), or a TLS certificate did not verify."""
 
 
 class TensorwireWarning(RuntimeWarning):

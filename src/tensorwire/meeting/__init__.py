@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..config import Config
 from ..environment import Environment
 from ..errors import InvalidArgumentError
+from .etcd_access import etcd_access
 from .fleet import Fleet
 from .rendezvous import Rendezvous
 from .world import World
@@ -33,4 +34,6 @@ def meet(env: Environment, cfg: Config, timeout_s: float, store: dist.Store | No
         return World(env, timeout_s, store, token=cfg.job_token, liveness_s=cfg.liveness_s)
     if store is not None:
         raise InvalidArgumentError("init: store= and directory= are two ways to meet; give one")
-    return Fleet(env, timeout_s, token=cfg.job_token, liveness_s=cfg.liveness_s)
+    access = etcd_access(env.etcd_user, env.etcd_tls, user=cfg.etcd_user, password=cfg.etcd_password, ca=cfg.etcd_ca,
+                         cert=cfg.etcd_cert, key=cfg.etcd_key) if env.etcd else None
+    return Fleet(env, timeout_s, token=cfg.job_token, liveness_s=cfg.liveness_s, etcd_access=access)

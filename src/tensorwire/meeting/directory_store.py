@@ -2,7 +2,7 @@
 proves the job token first (``directory_wire``'s handshake) and then asks one request at a time.
 
 Failures are typed here, at their source: a directory that cannot be reached, closes the connection or does not
-answer within ``request_s`` raises ``PeerLostError`` (the connection is then unusable: ``DirectoryRendezvous``
+answer within ``request_s`` raises ``PeerLostError`` (the connection is then unusable: ``fleet.Fleet``
 makes a new one); a token that differs from the directory's, or a directory without one where this member has
 one (or the reverse), ``AuthenticationError``; a request over one of the directory's bounds, ``InvalidArgumentError``
 with the directory's reason. Thread-safe (one lock around each round trip).

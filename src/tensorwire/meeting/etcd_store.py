@@ -20,9 +20,17 @@ endpoint answers within the bound (etcd has no quorum: its live nodes hold every
 or unreachable) the call raises ``PeerLostError`` saying what each endpoint did. A write that timed out may still
 be applied by etcd later; every call here is safe to repeat (puts, compares on the value or the revision read).
 
+Credentials (``etcd_access.py``). With a user and password, the store authenticates (``/v3/auth/authenticate``) at
+its first request and sends the token with every request; etcd's tokens expire (``--auth-token-ttl``, 300 s by
+default, counted from their last use), so a request that etcd answers "invalid auth token" (gRPC ``UNAUTHENTICATED``)
+authenticates again, once, and is repeated. With TLS the requests go over https, verified against the CA given (or
+the system's), with a client certificate when one is given (etcd's ``--client-cert-auth``). Wrong credentials, a
+user without permission on ``tensorwire/``, a certificate that does not verify either way: ``AuthenticationError``
+at once (no other endpoint is tried), saying what to check; the password is never shown.
+
 Not thread-safe by design beyond one lock: ``Rendezvous`` makes every call from its one call thread. Non-goals:
-TLS and etcd's own authentication (values are sealed with the job token), watches (members poll, as on the
-embedded directory).
+watches (members poll, as on the embedded directory); certificate revocation. Values stay sealed with the job
+token whatever etcd's own access control.
 """
 
 from __future__ import annotations
@@ -33,11 +41,22 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from ..errors import BackendUnavailableError, PeerLostError
+from ..errors import AuthenticationError, BackendUnavailableError, PeerLostError
+from .etcd_access import (
+    FAILED_PRECONDITION,
+    INVALID_ARGUMENT,
+    NOT_FOUND,
+    PERMISSION_DENIED,
+    UNAUTHENTICATED,
+    USER_EMPTY,
+    EtcdAccess,
+    grpc_code,
+    tls_failure,
+)
 
 __all__ = ["EtcdStore"]
 
@@ -55,6 +74,16 @@ def _client_module():
                 "pip install 'tensorwire[etcd]' (or etcd3gw)") from e
         raise
     return etcd3gw
+
+
+def _session(access: EtcdAccess):
+    """An HTTP session (``requests``, etcd3gw's own dependency) presenting the client certificate, if any."""
+    import requests
+
+    session = requests.Session()
+    if access.cert is not None:
+        session.cert = (access.cert, access.key) if access.key is not None else access.cert
+    return session
 
 
 def _b64(data: bytes) -> str:
@@ -79,15 +108,23 @@ class EtcdStore(dist.Store):
     """The keys of one fleet in the etcd cluster at ``endpoints`` (``(host, port)`` of its client URLs).
 
     ``lease_ttl_s``: the TTL of this member's lease (rounded up to whole seconds; keep it alive with
-    ``keep_alive`` at least every half TTL). ``request_s``: the bound of every call. Every call blocks for its
+    ``keep_alive`` at least every half TTL). ``request_s``: the bound of every call. ``access``: credentials and
+    TLS (``InvalidArgumentError`` here for a certificate file that does not load). Every call blocks for its
     round trips (about a millisecond each on a local network), at most ``request_s``."""
 
-    def __init__(self, endpoints: Sequence[tuple[str, int]], *, lease_ttl_s: float, request_s: float) -> None:
+    def __init__(self, endpoints: Sequence[tuple[str, int]], *, lease_ttl_s: float, request_s: float,
+                 access: EtcdAccess | None = None) -> None:
         super().__init__()
         etcd3gw = _client_module()
         self._errors = etcd3gw.exceptions
+        self._access = access = access or EtcdAccess()
+        access.check_files()
         # api_path given: the client does not ask the version first (etcd >= 3.4 serves /v3/).
-        self._clients = [etcd3gw.Etcd3Client(host, port, api_path="/v3/") for host, port in endpoints]
+        self._clients = [etcd3gw.Etcd3Client(host, port, protocol=access.protocol, api_path="/v3/",
+                                             session=_session(access)) for host, port in endpoints]
+        self._token: str | None = None  # etcd's token for access.user; "" where etcd turned out to need none
+        # Given with every request: requests lets REQUESTS_CA_BUNDLE override a session's own CA, not a request's.
+        self._tls = {"verify": access.ca} if access.ca is not None else {}
         self.endpoints = [f"{host}:{port}" for host, port in endpoints]
         self._preferred = 0  # the endpoint that answered last: asked first
         self._ttl = max(2, math.ceil(lease_ttl_s))
@@ -119,8 +156,11 @@ class EtcdStore(dist.Store):
                     client.timeout = max(remaining / (count - i), 0.01)  # what is left, shared by the endpoints left
                     endpoint, began = self.endpoints[index], time.monotonic()
                     try:
-                        result = client.post(client.get_url(path), json=payload)
+                        result = self._send(index, path, payload)
                     except (self._errors.ConnectionFailedError, self._errors.ConnectionTimeoutError) as e:
+                        typed = tls_failure(e, self._access, endpoint) if self._access.tls else None
+                        if typed is not None:  # the same on every endpoint: no use trying the others
+                            raise typed from None
                         waited[endpoint] = waited.get(endpoint, 0.0) + time.monotonic() - began
                         failures[endpoint] = self._why(e, waited[endpoint])
                         continue
@@ -129,6 +169,87 @@ class EtcdStore(dist.Store):
                 time.sleep(min(0.02, max(deadline - time.monotonic(), 0.0)))
         finally:
             self._lock.release()
+
+    def _send(self, index: int, path: str, payload: dict) -> dict:
+        """One request to endpoint ``index``, authenticated first where credentials are given and no token is
+        held; an expired token is renewed once. ``AuthenticationError`` where etcd refuses this member."""
+        client = self._clients[index]
+        if self._token is None and self._access.password is not None:
+            self._authenticate(index)
+        try:
+            return client.post(client.get_url(path), json=payload, **self._tls)
+        except self._errors.Etcd3Exception as e:
+            if isinstance(e, (self._errors.ConnectionFailedError, self._errors.ConnectionTimeoutError)):
+                raise  # the endpoint did not answer: _post tries the next
+            code, error = grpc_code(e.detail_text)
+            expired = code == UNAUTHENTICATED or (code == INVALID_ARGUMENT and error == USER_EMPTY)
+            if not (expired and self._access.password is not None):
+                self._raise_refused(index, e)
+        # The token expired (unused for --auth-token-ttl) or etcd enabled authentication since: a new one, once.
+        self._authenticate(index)
+        try:
+            return client.post(client.get_url(path), json=payload, **self._tls)
+        except self._errors.Etcd3Exception as e:
+            if isinstance(e, (self._errors.ConnectionFailedError, self._errors.ConnectionTimeoutError)):
+                raise
+            self._raise_refused(index, e)
+
+    def _authenticate(self, index: int) -> None:
+        """Trade the user and password for a token (one request to endpoint ``index``; the token is good on every
+        endpoint of the cluster), sent with every later request."""
+        client, access = self._clients[index], self._access
+        try:
+            # No stale token along: the request that fetches a new one must not be refused for the old one.
+            answer = client.post(client.get_url("/auth/authenticate"), headers={"Authorization": None}, **self._tls,
+                                 json={"name": access.user, "password": access.password})
+        except self._errors.Etcd3Exception as e:
+            if isinstance(e, (self._errors.ConnectionFailedError, self._errors.ConnectionTimeoutError)):
+                raise
+            code, error = grpc_code(e.detail_text)
+            if code == FAILED_PRECONDITION:  # etcd has authentication disabled: nothing to send
+                self._use_token("")
+                return
+            if code == INVALID_ARGUMENT:
+                raise AuthenticationError(
+                    f"etcd: {self.endpoints[index]} refused etcd user {access.user!r} ({error}); check the user "
+                    "(TENSORWIRE_ETCD_USER or etcd://USER@...) and its password (TENSORWIRE_ETCD_PASSWORD or "
+                    "TENSORWIRE_ETCD_PASSWORD_FILE) against etcd's users (etcdctl user list)") from None
+            raise
+        self._use_token(str(answer.get("token", "")))
+
+    def _use_token(self, token: str) -> None:
+        self._token = token
+        for client in self._clients:
+            if token:
+                client.session.headers["Authorization"] = token
+            else:
+                client.session.headers.pop("Authorization", None)
+
+    def _raise_refused(self, index: int, e: Exception) -> NoReturn:
+        """Raise ``AuthenticationError`` where etcd's answer ``e`` refuses this member, else ``e`` itself."""
+        refused = self._refused(index, *grpc_code(getattr(e, "detail_text", None)))
+        if refused is None:
+            raise e
+        raise refused from None
+
+    def _refused(self, index: int, code: int | None, error: str) -> AuthenticationError | None:
+        """The ``AuthenticationError`` of an etcd answer that refuses this member, or None for any other."""
+        endpoint, user = self.endpoints[index], self._access.user
+        who = f"etcd user {user!r}" if user else "the etcd user of this member's client certificate (its CN)"
+        if code == PERMISSION_DENIED:
+            return AuthenticationError(
+                f"etcd: {endpoint} denied {who} access to the keys under {PREFIX!r} ({error}); grant the user a "
+                f"role with readwrite permission on that prefix (etcdctl role grant-permission ROLE readwrite "
+                f"--prefix=true {PREFIX})")
+        if code == UNAUTHENTICATED or (code == INVALID_ARGUMENT and error == USER_EMPTY):
+            if self._access.password is not None:
+                return AuthenticationError(f"etcd: {endpoint} refused the token it just gave {who} ({error}); "
+                                           "check etcd's --auth-token setting and its logs")
+            return AuthenticationError(
+                f"etcd: {endpoint} has authentication enabled and this member gave no credentials ({error}); set "
+                "TENSORWIRE_ETCD_USER and TENSORWIRE_ETCD_PASSWORD (or TENSORWIRE_ETCD_PASSWORD_FILE), or a client "
+                "certificate (TENSORWIRE_ETCD_CERT, TENSORWIRE_ETCD_KEY) where etcd runs with --client-cert-auth")
+        return None
 
     def _why(self, e: Exception, waited_s: float) -> str:
         detail = getattr(e, "detail_text", None) or str(e)
@@ -142,8 +263,12 @@ class EtcdStore(dist.Store):
 
     def _unanswered(self, failures: dict[str, str]) -> str:
         said = "; ".join(f"{endpoint}: {why}" for endpoint, why in failures.items()) or "no request made"
+        hint = ""
+        if not self._access.tls and any(why != "connection refused" and not why.startswith(("no answer", "etcdserver"))
+                                        for why in failures.values()):
+            hint = "; if etcd serves TLS, give etcds://... or TENSORWIRE_ETCD_CA"  # TLS ports drop plain http
         return (f"no etcd endpoint answered within {self._request_s:.3g}s: etcd has no quorum (its live nodes hold "
-                f"every request) or its nodes are down or unreachable ({said})")
+                f"every request) or its nodes are down or unreachable ({said}){hint}")
 
     def _deadline(self) -> float:
         return time.monotonic() + self._request_s
@@ -167,7 +292,7 @@ class EtcdStore(dist.Store):
             try:
                 return write(lease)
             except self._errors.Etcd3Exception as e:
-                if "lease not found" not in (getattr(e, "detail_text", None) or ""):
+                if grpc_code(getattr(e, "detail_text", None))[0] != NOT_FOUND:  # "requested lease not found"
                     raise
                 self._lease = None  # it expired (etcd unreachable for its TTL): a new one, once
         return write(self._lease)

@@ -29,6 +29,7 @@ from ..environment import OPEN_WORLD, Environment
 from ..errors import AuthenticationError, InvalidArgumentError, PeerLostError, TensorwireError
 from ..sealing import seal
 from .directory_store import DirectoryStore
+from .etcd_access import EtcdAccess
 from .etcd_store import EtcdStore
 from .membership import Member, Membership
 from .rendezvous import Rendezvous
@@ -43,7 +44,7 @@ class Fleet(Rendezvous):
     directory's, its name and record claimed in ``start`` (``membership.py``)."""
 
     def __init__(self, env: Environment, timeout_s: float, *, token: bytes | None = None,
-                 liveness_s: float = 5.0) -> None:
+                 liveness_s: float = 5.0, etcd_access: EtcdAccess | None = None) -> None:
         self._claims: dict[str, bytes] = {}  # keys taken with claim()/take_over() -> the exact bytes written
         self._written: dict[str, bytes] = {}  # values as written (sealed): put back into a directory that lost them
         self._next_reconnect = 0.0
@@ -53,7 +54,8 @@ class Fleet(Rendezvous):
         self._membership: Membership | None = None
         self._stopping = threading.Event()
         # etcd: the lease outlives two missed heartbeats; a call gives up before Rendezvous's bound (liveness_s).
-        self._etcd = EtcdStore(env.etcd, lease_ttl_s=2 * liveness_s, request_s=0.8 * liveness_s) if env.etcd else None
+        self._etcd = EtcdStore(env.etcd, lease_ttl_s=2 * liveness_s, request_s=0.8 * liveness_s,
+                               access=etcd_access) if env.etcd else None
         super().__init__(env, timeout_s, self._etcd, token=token, liveness_s=liveness_s)
 
     # --- the meeting interface -------------------------------------------------------------------------------
