@@ -1,6 +1,6 @@
 """Who am I and where do we meet: the launcher's environment (torchrun, OpenMPI, SLURM) or ``init``'s keywords.
 
-Reads ``os.environ`` only (never writes it); no network, no store. ``bootstrap.py`` meets the peers there.
+Reads ``os.environ`` only (never writes it); no network, no store. ``meeting/`` meets the peers there.
 """
 
 from __future__ import annotations

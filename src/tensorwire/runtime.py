@@ -9,7 +9,7 @@ handles never see the ``Communicator`` itself.
 The same object is ``Communicator.runtime``, the public seam of the layers built on a communicator (MoE engines,
 benchmarks), which use nothing private of it:
 
-* ``store``: the job's store (sealed, every call bounded: ``bootstrap.Rendezvous``);
+* ``store``: the job's store (sealed, every call bounded: ``meeting.Rendezvous``);
 * ``channel(prefix)``: a notification channel of one's own (messages starting with ``prefix``, kept apart from
   the user's ``wait_notification``);
 * ``transports``: the communicator's transports (``backends.transports.Transports``), asked by capability;

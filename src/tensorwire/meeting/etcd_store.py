@@ -1,7 +1,7 @@
 """A fleet's directory in etcd: a ``torch.distributed.Store`` over an etcd cluster (``etcd3gw``, etcd's v3 JSON
 gateway over HTTP).
 
-What a fleet member's ``Rendezvous`` (``directory_client.py``) calls of its store, as etcd requests: ``set`` (a
+What a fleet member's ``Rendezvous`` (``meeting/fleet.py``) calls of its store, as etcd requests: ``set`` (a
 put), ``get`` / ``check`` (linearizable ranges: a value read was committed by a quorum), ``compare_set`` and ``add``
 (transactions that compare the value, or the revision read, so of two members racing for a key one wins),
 ``delete_key``. Keys live under ``tensorwire/``; values arrive sealed by ``Rendezvous`` (with a job token etcd

@@ -1,6 +1,6 @@
 """A fleet member's ``Rendezvous``: the directory assigns its rank, holds its claims, and may come back empty.
 
-What a fleet member needs of its directory beyond a launcher rank's store (``bootstrap.py``): a rank proposed by
+What a fleet member needs of its directory beyond a launcher rank's store (``world.py``): a rank proposed by
 the directory's counter and claimed (never reused), keys claimed and given back exactly (``claim`` /
 ``take_over`` / ``release``: a name), reads that do not wait (``get_now``), and survival of the directory's loss.
 The directory is the control plane only: lost, every call raises ``PeerLostError`` naming it (prepared transfers do

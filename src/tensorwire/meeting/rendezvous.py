@@ -276,13 +276,13 @@ class Rendezvous:
     # --- ranks ----------------------------------------------------------------------------------
     def _claim_identity(self) -> Environment:
         """Claim this process's rank; the environment with it (a fleet's directory assigns it: see
-        ``directory_client.py``)."""
+        ``fleet.py``)."""
         self._claim_rank()
         return self.env
 
     def _reconnected(self, waiting: bool = True) -> bool:
         """Whether a lost store is back (``waiting``: for a store call, which may take up to its bound to find
-        out): a launcher's store that is lost stays lost (a fleet's directory does not: ``directory_client.py``)."""
+        out): a launcher's store that is lost stays lost (a fleet's directory does not: ``fleet.py``)."""
         return False
 
     def _claim_rank(self) -> None:
