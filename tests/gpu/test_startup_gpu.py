@@ -4,8 +4,10 @@ allocate its KV cache).
 
 Making the NIXL agent installs UCX's memory hooks: UCX rewrites the entry of ``mmap``/``munmap`` and of the CUDA
 driver's allocation functions in place. A thread that runs one of them while it is being rewritten dies of SIGSEGV,
-so the hooks must be in place before ``init`` hands the process back to its user. Each rank here keeps threads
-calling exactly those functions from before ``init`` until the agent exists, then moves CUDA memory over NIXL.
+so the hooks must be in place before ``init`` hands the process back to its user. Each rank here makes its first
+CUDA tensor right after ``init`` (as the GPU conformance case does, where rank 1 died of SIGSEGV in 1 of 8 runs
+while the agent was still being made on a thread of its own) with threads calling those functions around it, then
+moves CUDA memory over NIXL.
 
 Selected with ``pytest -m gpu``; ``TENSORWIRE_STARTUP_LAUNCHES`` sets how many jobs each case starts (a race shows
 in some start-ups, not all).
@@ -46,19 +48,22 @@ def _allocate_cuda(stop: threading.Event, device: torch.device) -> None:
 
 
 def _start_up_under_load() -> str:
+    """One rank: ``mmap`` traffic from before ``init``; right after it, the process's first CUDA tensor (its CUDA
+    context is made here, every module loaded at once with ``CUDA_MODULE_LOADING=EAGER``) beside a thread that
+    allocates CUDA memory, until the NIXL agent exists; then a NIXL READ of the peer's CUDA memory."""
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     stop = threading.Event()
-    threads = [threading.Thread(target=_map_and_unmap, args=(stop,), daemon=True),
-               threading.Thread(target=_allocate_cuda, args=(stop, device), daemon=True)]
-    for thread in threads:
-        thread.start()
+    threads = [threading.Thread(target=_map_and_unmap, args=(stop,), daemon=True)]
+    threads[0].start()
     try:
         with tw.init(timeout=INIT_TIMEOUT) as comm:
-            mine = torch.zeros(WORDS, dtype=torch.int32, device=device)  # maybe the process's first CUDA tensor
+            threads.append(threading.Thread(target=_allocate_cuda, args=(stop, device), daemon=True))
+            threads[-1].start()
+            mine = torch.zeros(WORDS, dtype=torch.int32, device=device)  # the process's first CUDA tensor
             inbox = torch.zeros_like(mine)
             nixl = comm.runtime.transports.get("nixl")
             if nixl is not None:
-                nixl.wait_ready()  # the load goes on until the agent, UCX's hooks with it, exists
+                nixl.wait_ready()
             stop.set()
             for thread in threads:
                 thread.join(timeout=WAIT)
