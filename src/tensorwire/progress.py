@@ -2,9 +2,8 @@
 
 Waiting. Progress itself belongs to the backends (NIXL's UCX progress thread sleeps on the worker's
 event fd). A waiter polls ``ready()``: back to back for a short spin (a 4 KiB transfer completes in
-microseconds; a re-posted transfer spins until a little past when its last wait ended), then sleeping
-between polls for a growing fraction of the time already waited, so a long transfer costs a few percent of
-a core and finishes at most ~3% late, never past ``max_sleep``.
+microseconds), then sleeping between polls for a growing fraction of the time already waited, so a long
+transfer costs a few percent of a core and finishes at most ~3% late, never past ``max_sleep``.
 While it sleeps, the waiting thread's timer slack is 1 µs instead of Linux's default 50 µs: with the
 default, every short sleep overshoots by ~50 µs (measured: a 10 µs ``time.sleep`` took ~90 µs on a 2-core VM,
 ~30 µs with 1 µs slack), which alone made a 64 MiB GPU transfer look 30% slower than its copy.
@@ -35,28 +34,15 @@ from .errors import WaitTimeoutError
 __all__ = ["wait_until", "Inbox", "Deadlines", "warn_from_progress_thread"]
 
 
-_SLEEP_FIRST_S = 200e-6  # an expected wait longer than this sleeps through most of it before it polls
-_MAX_SPIN_S = 1e-3  # the longest back-to-back polling a wait ever does
-_ADAPTIVE_MAX_S = 5e-3  # past this, the backoff's lateness (~3%) is what it costs: no adaptive spin
-
-
 def wait_until(ready: Callable[[], bool], timeout_s: float, describe: Callable[[], str], config: Config,
-               alive: Callable[[], None] | None = None, expected_s: float = 0.0) -> None:
+               alive: Callable[[], None] | None = None) -> None:
     """Returns once ``ready()`` is true; raises ``WaitTimeoutError`` after ``timeout_s``. Blocks the CPU
     thread (sleeping), never the GPU. ``alive()``, called between sleeps (not while spinning), raises when
-    what is waited for can no longer come (a peer that is gone: ``PeerLostError``).
-
-    ``expected_s``: how long the same wait took last time (a re-posted transfer's last wait; 0 when unknown).
-    Up to ``_ADAPTIVE_MAX_S`` the wait then polls back to back until a quarter past that (at most
-    ``_MAX_SPIN_S`` of polling; one over ``_SLEEP_FIRST_S`` sleeps through its first 80% at once), so a
-    transfer that ends a little after the configured spin is seen within a poll, not a backoff sleep late
-    (~10 µs on a 64 MiB GPU copy of ~57 µs)."""
+    what is waited for can no longer come (a peer that is gone: ``PeerLostError``)."""
     if ready():
         return
     start = time.perf_counter()
-    if expected_s > _ADAPTIVE_MAX_S:
-        expected_s = 0.0
-    spin_end = start + max(config.spin_us * 1e-6, min(1.25 * expected_s, _MAX_SPIN_S))
+    spin_end = start + config.spin_us * 1e-6
     deadline = start + timeout_s
     max_sleep = config.max_sleep_us * 1e-6
 
@@ -67,12 +53,6 @@ def wait_until(ready: Callable[[], bool], timeout_s: float, describe: Callable[[
                                    "the peer")
         return now
 
-    if expected_s > _SLEEP_FIRST_S:
-        spin_end = start + min(1.25 * expected_s, 0.8 * expected_s + _MAX_SPIN_S)
-        with fine_timer_slack():
-            if alive is not None:
-                alive()
-            time.sleep(max(0.0, min(0.8 * expected_s, deadline - start) - (time.perf_counter() - start)))
     while not ready():
         if now_before_deadline() >= spin_end:
             break

@@ -20,7 +20,6 @@ when ``s`` reaches that point. How depends on the transport:
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -79,7 +78,6 @@ class Transfer(Closeable):
         self._watches: list = []  # progress-thread watches on this transfer's request, drained on close
         self._streams_used: set = set()  # streams this transfer's GPU-side waits were enqueued on
         self._post_failure: Exception | None = None  # why the last CPU post failed (raised again by wait())
-        self._last_wait_s = 0.0  # how long the last blocking wait took: the next one spins until a little past it
         self.closed = False
 
     @property
@@ -246,18 +244,13 @@ class Transfer(Closeable):
             # Copies on a stream complete when their event fires: poll it alone, not the backend's status through
             # status() (an eager 4 KiB copy over cuda_ipc is done in a few µs, and each poll counts). What other
             # threads did meanwhile (a revocation, a close, a kept failure) is raised once the copies are done.
-            started = time.perf_counter()
             wait_until(self._backend.completion_event(self._request).query, self._runtime.timeout(timeout),
-                       self._waiting, self._runtime.config, self._runtime.alive(self.peer, self._waiting),
-                       self._last_wait_s)
-            self._last_wait_s = time.perf_counter() - started
+                       self._waiting, self._runtime.config, self._runtime.alive(self.peer, self._waiting))
             self.check_open("wait")
             shared.state = _DONE
             return
-        started = time.perf_counter()
         wait_until(lambda: self.status() is not Status.IN_PROGRESS, self._runtime.timeout(timeout), self._waiting,
-                   self._runtime.config, self._runtime.alive(self.peer, self._waiting), self._last_wait_s)
-        self._last_wait_s = time.perf_counter() - started
+                   self._runtime.config, self._runtime.alive(self.peer, self._waiting))
         if shared.state is Status.ERROR:
             raise self._peer_lost_or(TransferError(
                 f"wait: the {self.op.value} of {self.nbytes} bytes with rank {self.peer} over {self.transport} failed; "

@@ -40,45 +40,6 @@ def test_wait_until_times_out_with_description():
         wait_until(lambda: False, 0.05, lambda: "the thing I waited for", cfg)
 
 
-class _Clock:
-    """A stand-in for ``time`` in ``tensorwire.progress``: each ``ready()`` poll costs 10 µs of its time, and
-    sleeps are recorded (and pass their time) instead of taken."""
-
-    def __init__(self, done_at_s: float) -> None:
-        self.now, self.done_at_s, self.sleeps = 0.0, done_at_s, []
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
-
-    def ready(self) -> bool:
-        self.now += 10e-6
-        return self.now >= self.done_at_s
-
-
-@pytest.mark.parametrize("expected_s, sleeps", [(0.0, "backoff"), (150e-6, 0), (800e-6, 1), (50e-3, "backoff")])
-def test_a_wait_polls_until_a_little_past_the_last_wait(monkeypatch, expected_s, sleeps):
-    """With the last wait's duration (``expected_s``), a wait that ends a little past the configured spin is
-    seen by polling, not after a backoff sleep: none under ``_SLEEP_FIRST_S``, one sleep through most of a longer
-    one; unknown (0) or past ``_ADAPTIVE_MAX_S``, the configured spin and then the backoff as before."""
-    import tensorwire.progress as progress
-
-    clock = _Clock(done_at_s=1.1 * expected_s if expected_s else 100e-6)
-    monkeypatch.setattr(progress, "time", clock)
-    monkeypatch.setattr(progress, "fine_timer_slack", lambda: __import__("contextlib").nullcontext())
-    cfg = config.Config(timeout_s=1.0, progress_wakeup_ms=10.0, spin_us=50.0, max_sleep_us=1000.0)
-    wait_until(clock.ready, 1.0, lambda: "a transfer", cfg, expected_s=expected_s)
-    assert clock.now >= clock.done_at_s
-    if sleeps == "backoff":
-        assert len(clock.sleeps) >= 1 and max(clock.sleeps) <= 1e-3, clock.sleeps  # never past max_sleep
-    else:
-        assert len(clock.sleeps) == sleeps, clock.sleeps
-        assert clock.now - clock.done_at_s < 20e-6  # seen within two polls of the end
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timer slack is a Linux thread setting")
 def test_a_sleeping_wait_tightens_the_thread_timer_slack_and_restores_it():
     """Past its spin, wait_until sleeps with 1 µs timer slack (the default 50 µs made each short sleep ~50 µs
