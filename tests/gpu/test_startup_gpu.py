@@ -5,9 +5,11 @@ allocate its KV cache).
 Making the NIXL agent installs UCX's memory hooks: UCX rewrites the entry of ``mmap``/``munmap`` and of the CUDA
 driver's allocation functions in place. A thread that runs one of them while it is being rewritten dies of SIGSEGV,
 so the hooks must be in place before ``init`` hands the process back to its user. Each rank here makes its first
-CUDA tensor right after ``init`` (as the GPU conformance case does, where rank 1 died of SIGSEGV in 1 of 8 runs
-while the agent was still being made on a thread of its own) with threads calling those functions around it, then
-moves CUDA memory over NIXL.
+CUDA tensor right after ``init``, with threads calling those functions around it, then moves CUDA memory over NIXL.
+The GPU conformance case (``test_conformance.py``, ``gpu_memory``), which does the same without the extra threads,
+is what showed the race: 2 of 28 runs lost a rank to SIGSEGV while the agent was still being made on a thread of
+its own, 0 of 58 once it was made before ``init`` returned. This test alone did not crash in 80 launches with the
+agent made on its own thread; it guards the pattern, the conformance case the race.
 
 Selected with ``pytest -m gpu``; ``TENSORWIRE_STARTUP_LAUNCHES`` sets how many jobs each case starts (a race shows
 in some start-ups, not all).

@@ -74,13 +74,14 @@ class NixlBackend:
         UCX may listen on (``network.ucx_net_devices``; None: UCX's default, every interface).
 
         Blocks until the agent exists, then calls ``on_ready()``; a failure to make it is kept and raised as
-        ``BackendUnavailableError`` by every call that needs the agent. A process's first NIXL agent costs ~0.5 s
-        (importing nixl; UCX rewriting the entry of ``mmap``, ``munmap`` and the CUDA driver's allocation
-        functions in place, with a grace period per function: ``UCX_MEM_BISTRO_GRACE_DURATION``). It is made on
-        the caller's thread, inside ``init``, on purpose: a thread of the user's that runs one of those functions
-        while UCX rewrites it dies of SIGSEGV (``tests/gpu/test_startup_gpu.py``), and after ``init`` the user's
-        threads do exactly that (load a model, allocate a KV cache, create CUDA contexts). Making the agent on a
-        thread of its own saved a joining process that time but made its start-up a race."""
+        ``BackendUnavailableError`` by every call that needs the agent. A process's first NIXL agent costs 1-2 s
+        (an H100 host: ``init`` of 2 ranks took 1.6-2.2 s, against 0.3 s with the agent made on a thread of its
+        own), nearly all of it UCX rewriting the entry of ``mmap``, ``munmap`` and the CUDA driver's allocation
+        functions in place with a grace period per function (``UCX_MEM_BISTRO_GRACE_DURATION``, 50 ms each; 0
+        made it 0.4 s). It is made on the caller's thread, inside ``init``, on purpose: a thread that runs one of
+        those functions while UCX rewrites it can die of SIGSEGV (a rank making its first CUDA tensor did, in 2
+        of 28 runs of the GPU conformance case), and after ``init`` the user's threads do exactly that (load a
+        model, allocate a KV cache, create CUDA contexts)."""
         if importlib.util.find_spec("nixl") is None:
             import_nixl()  # raises BackendUnavailableError saying how to install it, before any thread
         self.rank = rank
