@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +47,7 @@ from .nixl_setup import _error_classes, import_nixl, info, make_agent, nixl_inst
 __all__ = ["NixlBackend", "info", "agent_name", "member_rank", "quiet_nixl_logging"]
 
 _MEM_TYPE = {MemoryKind.CPU: "DRAM", MemoryKind.CUDA: "VRAM"}
-_MADE_BY_AGENT_THREAD = frozenset({"agent", "_bound", "_errors", "_success", "_statuses"})
+_MADE_WITH_AGENT = frozenset({"agent", "_bound", "_errors", "_success", "_statuses"})
 _ERROR = Status.ERROR  # every NIXL code but success and in-progress
 
 
@@ -61,27 +60,28 @@ class NixlBackend:
 
     @classmethod
     def create(cls, context: BackendContext) -> NixlBackend | None:
-        """Returns at once, the agent made in the background (``context.on_ready`` once it exists); None where
-        nixl is not installed (an extra: the ranks of one host then meet over ``shm``, ``cuda_ipc`` and the
-        ``socket`` message channel)."""
+        """Blocks while the agent is made (``context.on_ready`` once it exists); None where nixl is not installed
+        (an extra: the ranks of one host then meet over ``shm``, ``cuda_ipc`` and the ``socket`` message
+        channel)."""
         if not nixl_installed():
             return None
         return cls(context.rank, progress_wakeup_ms=context.config.progress_wakeup_ms, token=context.config.job_token,
-                   net_devices=context.net_devices, on_ready=context.on_ready,
-                   ready_timeout_s=max(context.timeout_s, 60.0))
+                   net_devices=context.net_devices, on_ready=context.on_ready)
 
     def __init__(self, rank: int, *, progress_wakeup_ms: float = 10.0, token: bytes | None = None,
-                 net_devices: str | None = None, on_ready: Callable[[], None] | None = None,
-                 ready_timeout_s: float = 60.0) -> None:
+                 net_devices: str | None = None, on_ready: Callable[[], None] | None = None) -> None:
         """``token``: the job token (agent names prove membership with it); ``net_devices``: the network devices
         UCX may listen on (``network.ucx_net_devices``; None: UCX's default, every interface).
 
-        Returns at once: the agent is made on a thread of its own, which calls ``on_ready()`` once it exists. A
-        process's first NIXL agent costs ~0.5 s (importing nixl; UCX patching the process's memory functions, 50 ms
-        a function: ``UCX_MEM_BISTRO_GRACE_DURATION``), which a joining process spends on its own work meanwhile
-        (loading a model, allocating its KV cache). Until then ``metadata()`` is None and ``notifications()`` is
-        empty; every other call waits for the agent (at most ``ready_timeout_s``: ``BackendUnavailableError``,
-        as when making it failed)."""
+        Blocks until the agent exists, then calls ``on_ready()``; a failure to make it is kept and raised as
+        ``BackendUnavailableError`` by every call that needs the agent. A process's first NIXL agent costs 1-2 s
+        (an H100 host: ``init`` of 2 ranks took 1.6-2.2 s, against 0.3 s with the agent made on a thread of its
+        own), nearly all of it UCX rewriting the entry of ``mmap``, ``munmap`` and the CUDA driver's allocation
+        functions in place with a grace period per function (``UCX_MEM_BISTRO_GRACE_DURATION``, 50 ms each; 0
+        made it 0.4 s). It is made on the caller's thread, inside ``init``, on purpose: a thread that runs one of
+        those functions while UCX rewrites it can die of SIGSEGV (a rank making its first CUDA tensor did, in 2
+        of 28 runs of the GPU conformance case), and after ``init`` the user's threads do exactly that (load a
+        model, allocate a KV cache, create CUDA contexts)."""
         if importlib.util.find_spec("nixl") is None:
             import_nixl()  # raises BackendUnavailableError saying how to install it, before any thread
         self.rank = rank
@@ -94,15 +94,11 @@ class NixlBackend:
         self.net_devices = net_devices
         self._loaded_peers: set[int] = set()
         self._scratch: dict[tuple[MemoryKind, int], tuple[Any, Any]] = {}  # (kind, device) -> (tensor, reg)
-        self._ready = threading.Event()
-        self._ready_timeout_s = ready_timeout_s
         self._creation_error: BackendUnavailableError | None = None
-        self._maker = threading.Thread(target=self._make, args=(progress_wakeup_ms, on_ready), daemon=True,
-                                       name=f"tensorwire-nixl-agent-{rank}")
-        self._maker.start()
+        self._make(progress_wakeup_ms, on_ready)
 
     def _make(self, progress_wakeup_ms: float, on_ready: Callable[[], None] | None) -> None:
-        """The agent thread: set ``agent``, ``_bound``, the status codes and error classes, then ``on_ready()``."""
+        """Set ``agent``, ``_bound``, the status codes and error classes, then ``on_ready()``."""
         try:
             api, bindings = import_nixl()
             self._errors = _error_classes(bindings)
@@ -119,8 +115,6 @@ class NixlBackend:
             self._creation_error = BackendUnavailableError(
                 f"nixl: creating agent {self.agent_name!r} with the UCX backend failed: {e}; "
                 "run 'tensorwire doctor' to see what works here")
-        finally:
-            self._ready.set()
         if on_ready is not None and self._creation_error is None:
             try:
                 on_ready()
@@ -128,25 +122,20 @@ class NixlBackend:
                 pass
 
     def __getattr__(self, name: str) -> Any:
-        # Reached only for attributes not set yet: those the agent thread sets. Once set, a plain lookup finds
-        # them and this costs nothing on the hot path.
-        if name in _MADE_BY_AGENT_THREAD:
+        # Reached only for attributes that making the agent sets, when making it failed: the failure is raised.
+        # Once set, a plain lookup finds them and this costs nothing on the hot path.
+        if name in _MADE_WITH_AGENT:
             self.wait_ready()
             return self.__dict__[name]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def ready(self) -> bool:
-        """The agent exists (non-blocking)."""
-        return self._ready.is_set() and self._creation_error is None
+        """The agent exists (making it did not fail)."""
+        return self._creation_error is None
 
     def wait_ready(self) -> None:
-        """Block until the agent exists: ``BackendUnavailableError`` when making it failed or took longer than
-        ``ready_timeout_s``."""
-        if not self._ready.wait(self._ready_timeout_s):
-            raise BackendUnavailableError(
-                f"nixl: agent {self.agent_name!r} was not made within {self._ready_timeout_s:g}s (importing nixl and "
-                "starting UCX); the machine is overloaded or UCX hangs: run 'tensorwire doctor'")
+        """``BackendUnavailableError`` when making the agent failed (the agent exists once ``__init__`` returned)."""
         if self._creation_error is not None:
             raise BackendUnavailableError(str(self._creation_error)) from self._creation_error
 
@@ -371,7 +360,6 @@ class NixlBackend:
 
     def close(self) -> None:
         # Dropping the agent joins NIXL's progress thread and closes UCX endpoints.
-        self._maker.join(self._ready_timeout_s)
         if not self.ready:
             self.agent = self._bound = None
             return
