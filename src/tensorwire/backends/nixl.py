@@ -31,11 +31,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..descriptors import MemoryKind
 from ..errors import AuthenticationError, BackendUnavailableError, PeerLostError, TensorwireWarning, TransferError
@@ -60,28 +62,35 @@ class NixlBackend:
 
     @classmethod
     def create(cls, context: BackendContext) -> NixlBackend | None:
-        """Blocks while the agent is made (``context.on_ready`` once it exists); None where nixl is not installed
-        (an extra: the ranks of one host then meet over ``shm``, ``cuda_ipc`` and the ``socket`` message
-        channel)."""
+        """The agent, made inside ``init`` where the process can use CUDA, else on a thread of its own (see
+        ``__init__``); None where nixl is not installed (an extra: the ranks of one host then meet over ``shm``,
+        ``cuda_ipc`` and the ``socket`` message channel)."""
         if not nixl_installed():
             return None
         return cls(context.rank, progress_wakeup_ms=context.config.progress_wakeup_ms, token=context.config.job_token,
-                   net_devices=context.net_devices, on_ready=context.on_ready)
+                   net_devices=context.net_devices, on_ready=context.on_ready,
+                   ready_timeout_s=max(context.timeout_s, 60.0), background=not torch.cuda.is_available())
 
     def __init__(self, rank: int, *, progress_wakeup_ms: float = 10.0, token: bytes | None = None,
-                 net_devices: str | None = None, on_ready: Callable[[], None] | None = None) -> None:
+                 net_devices: str | None = None, on_ready: Callable[[], None] | None = None,
+                 ready_timeout_s: float = 60.0, background: bool = False) -> None:
         """``token``: the job token (agent names prove membership with it); ``net_devices``: the network devices
         UCX may listen on (``network.ucx_net_devices``; None: UCX's default, every interface).
 
-        Blocks until the agent exists, then calls ``on_ready()``; a failure to make it is kept and raised as
-        ``BackendUnavailableError`` by every call that needs the agent. A process's first NIXL agent costs 1-2 s
-        (an H100 host: ``init`` of 2 ranks took 1.6-2.2 s, against 0.3 s with the agent made on a thread of its
-        own), nearly all of it UCX rewriting the entry of ``mmap``, ``munmap`` and the CUDA driver's allocation
-        functions in place with a grace period per function (``UCX_MEM_BISTRO_GRACE_DURATION``, 50 ms each; 0
-        made it 0.4 s). It is made on the caller's thread, inside ``init``, on purpose: a thread that runs one of
-        those functions while UCX rewrites it can die of SIGSEGV (a rank making its first CUDA tensor did, in 2
-        of 28 runs of the GPU conformance case), and after ``init`` the user's threads do exactly that (load a
-        model, allocate a KV cache, create CUDA contexts)."""
+        Makes the agent, then calls ``on_ready()``; a failure to make it is kept and raised as
+        ``BackendUnavailableError`` by every call that needs the agent. A process's first NIXL agent costs 0.5-2 s,
+        nearly all of it UCX rewriting the entry of ``mmap``, ``munmap`` and the CUDA driver's allocation functions
+        in place with a grace period per function (``UCX_MEM_BISTRO_GRACE_DURATION``, 50 ms each; on an H100 host
+        ``init`` of 2 ranks took 1.6-2.2 s, 0.4 s with a grace of 0).
+
+        Where the process can use CUDA the agent is made here, on the caller's thread, blocking: a thread that
+        makes its first CUDA context while UCX rewrites the driver's functions can die of SIGSEGV (a rank making
+        its first CUDA tensor did, in 2 of 28 runs of the GPU conformance case; 0 of 58 made so), and after
+        ``init`` the user's threads do exactly that (load a model, allocate a KV cache). With ``background``
+        (no CUDA device: nothing of that race can happen) it is made on a thread of its own and ``init`` returns
+        at once, a member joining a fleet in milliseconds; until it exists ``metadata()`` is None and
+        ``notifications()`` is empty, and every other call waits for it (at most ``ready_timeout_s``:
+        ``BackendUnavailableError``, as when making it failed)."""
         if importlib.util.find_spec("nixl") is None:
             import_nixl()  # raises BackendUnavailableError saying how to install it, before any thread
         self.rank = rank
@@ -95,10 +104,19 @@ class NixlBackend:
         self._loaded_peers: set[int] = set()
         self._scratch: dict[tuple[MemoryKind, int], tuple[Any, Any]] = {}  # (kind, device) -> (tensor, reg)
         self._creation_error: BackendUnavailableError | None = None
-        self._make(progress_wakeup_ms, on_ready)
+        self._ready = threading.Event()
+        self._ready_timeout_s = ready_timeout_s
+        self._maker: threading.Thread | None = None
+        if background:
+            self._maker = threading.Thread(target=self._make, args=(progress_wakeup_ms, on_ready), daemon=True,
+                                           name=f"tensorwire-nixl-agent-{rank}")
+            self._maker.start()
+        else:
+            self._make(progress_wakeup_ms, on_ready)
 
     def _make(self, progress_wakeup_ms: float, on_ready: Callable[[], None] | None) -> None:
-        """Set ``agent``, ``_bound``, the status codes and error classes, then ``on_ready()``."""
+        """Set ``agent``, ``_bound``, the status codes and error classes, then ``on_ready()`` (on the agent's
+        thread where it is made in the background)."""
         try:
             api, bindings = import_nixl()
             self._errors = _error_classes(bindings)
@@ -115,6 +133,8 @@ class NixlBackend:
             self._creation_error = BackendUnavailableError(
                 f"nixl: creating agent {self.agent_name!r} with the UCX backend failed: {e}; "
                 "run 'tensorwire doctor' to see what works here")
+        finally:
+            self._ready.set()
         if on_ready is not None and self._creation_error is None:
             try:
                 on_ready()
@@ -122,8 +142,8 @@ class NixlBackend:
                 pass
 
     def __getattr__(self, name: str) -> Any:
-        # Reached only for attributes that making the agent sets, when making it failed: the failure is raised.
-        # Once set, a plain lookup finds them and this costs nothing on the hot path.
+        # Reached only for attributes that making the agent sets, before it exists (made in the background) or
+        # when making it failed. Once set, a plain lookup finds them and this costs nothing on the hot path.
         if name in _MADE_WITH_AGENT:
             self.wait_ready()
             return self.__dict__[name]
@@ -131,11 +151,16 @@ class NixlBackend:
 
     @property
     def ready(self) -> bool:
-        """The agent exists (making it did not fail)."""
-        return self._creation_error is None
+        """The agent exists (non-blocking)."""
+        return self._ready.is_set() and self._creation_error is None
 
     def wait_ready(self) -> None:
-        """``BackendUnavailableError`` when making the agent failed (the agent exists once ``__init__`` returned)."""
+        """Block until the agent exists: ``BackendUnavailableError`` when making it failed or took longer than
+        ``ready_timeout_s``."""
+        if not self._ready.wait(self._ready_timeout_s):
+            raise BackendUnavailableError(
+                f"nixl: agent {self.agent_name!r} was not made within {self._ready_timeout_s:g}s (importing nixl and "
+                "starting UCX); the machine is overloaded or UCX hangs: run 'tensorwire doctor'")
         if self._creation_error is not None:
             raise BackendUnavailableError(str(self._creation_error)) from self._creation_error
 
@@ -360,6 +385,8 @@ class NixlBackend:
 
     def close(self) -> None:
         # Dropping the agent joins NIXL's progress thread and closes UCX endpoints.
+        if self._maker is not None:
+            self._maker.join(self._ready_timeout_s)
         if not self.ready:
             self.agent = self._bound = None
             return
