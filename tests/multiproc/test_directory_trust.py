@@ -183,7 +183,7 @@ def test_a_restarted_directory_hands_a_newcomer_no_live_members_rank(tmp_path, p
     processes.append(_start_member(directory.address, "old", old))
     old_rank = _joined(old, processes[-1])["rank"]
     directory.close()
-    with Directory(port=port, token=TOKEN) as again:
+    with Directory(port=port, token=TOKEN, grace_s=2 * LIVENESS_S) as again:  # as `tensorwire directory` gives
         new = str(tmp_path / "new.json")
         processes.append(_start_member(again.address, "new", new))
         new_rank = _joined(new, processes[-1])["rank"]
@@ -237,3 +237,22 @@ def test_a_member_with_another_token_fails_at_init_typed(tmp_path, processes):
             assert done.returncode == 0, done.stdout + done.stderr[-2000:]
             assert "TENSORWIRE_JOB_TOKEN" in done.stdout and directory.address in done.stdout
             assert TOKEN.decode() not in done.stdout  # never which token is right
+
+
+def test_counters_wait_out_a_fresh_directorys_grace_but_a_member_puts_its_rank_back_at_once():
+    """A rank can only be handed out once the members of a restarted directory had their heartbeat's time to put
+    theirs back; putting one back (raising the counter to a floor) is allowed at once and never lowers it."""
+    from tensorwire.meeting.directory_store import NotYet
+
+    with Directory(token=TOKEN, grace_s=1.0) as directory:
+        member = _client(directory)
+        epoch = member.add("fleet/next_rank", 0)
+        with pytest.raises(NotYet) as waited:
+            member.add("fleet/next_rank", 1)
+        assert 0 < waited.value.seconds <= 1.0
+        assert member.raise_to("fleet/next_rank", epoch + 100) == epoch + 100
+        assert member.raise_to("fleet/next_rank", epoch + 5) == epoch + 100
+        time.sleep(waited.value.seconds + 0.05)
+        assert member.add("fleet/next_rank", 1) == epoch + 101
+        with pytest.raises(tw.InvalidArgumentError, match="digits"):
+            member.add("fleet/next_rank", 10**30)

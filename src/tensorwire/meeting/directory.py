@@ -13,9 +13,10 @@ Presence is a lease. Every key a member writes belongs to its connection: when t
 died: its kernel closes it at once) or stays silent past the lease the member asked for (its host went: two
 liveness periods), the member's keys go. So what the directory lists is what live members wrote; a name is free
 the moment its holder is gone. Counters (``add``) belong to nobody and start at the directory's *epoch* (seconds
-since 2026-01-01 when it started), so a restarted directory never hands out a number a live member still holds
-(unless more than one rank a second was issued over the earlier directory's whole life), and the members'
-heartbeats put their keys back within the liveness bound.
+since 2026-01-01 when it started), and they do not move during a grace period after the start (``grace_s``: joins
+wait; ``tensorwire directory`` gives twice the liveness period, the members' lease), in which the members of a
+restarted directory reconnect and put their keys and ranks back. So a restart never hands a newcomer the rank of a
+live member.
 
 Bounds (``Limits``): connections, handshakes pending (in all and per host), the time a handshake may take, value
 and key sizes, keys and bytes held. Each refusal answers the caller with the reason where it can and is logged (at
@@ -60,6 +61,7 @@ class Limits:
     bytes_held: int = 1 << 30
     value_bytes: int = wire.MAX_VALUE
     lease_s: tuple[float, float] = (1.0, 600.0)  # a member's lease is clamped to this range
+    counter_digits: int = 19  # a counter stays an int64
 
 
 @dataclass(eq=False)
@@ -141,8 +143,9 @@ class _Keys:
 class _Server:
     """The asyncio side: handshakes, sessions and the operations, on one event loop (one thread)."""
 
-    def __init__(self, token: bytes | None, limits: Limits) -> None:
+    def __init__(self, token: bytes | None, limits: Limits, grace_s: float) -> None:
         self.token, self.limits = token, limits
+        self.grace_until = time.monotonic() + grace_s  # counters do not move before: live members restore first
         self.keys = _Keys(limits, int(time.time()) - _EPOCH)
         self.refused = _Refusals()
         self.connections = 0
@@ -251,7 +254,7 @@ class _Server:
             key = fields[0].decode() if fields and keys is None else ""
         except UnicodeDecodeError:
             return None
-        if any(len(f) > wire.MAX_KEY for f in (keys or [key])):
+        if any(len(f) > wire.MAX_KEY for f in (fields if keys is not None else fields[:1])):
             return wire.encode(wire.Status.REFUSED, f"a key is over {wire.MAX_KEY} bytes".encode())
         handler = _HANDLERS.get((op, len(fields)))
         if handler is None:
@@ -275,17 +278,42 @@ class _Server:
         return wire.encode(wire.Status.OK, b"1" if all(k in self.keys.values for k in keys) else b"0")
 
     def _add(self, session, key, _keys, fields) -> bytes:
+        digits = self.limits.counter_digits
         try:
-            amount = int(fields[1])
-            value = self.keys.counter(key) + amount
+            amount = int(fields[1]) if len(fields[1]) <= digits + 1 else None
+            value = self.keys.counter(key) + amount if amount is not None else None
         except ValueError:
-            return wire.encode(wire.Status.REFUSED, f"{key!r} is not a counter or the amount is no integer".encode())
+            value = None
+        if value is None or len(str(abs(value))) > digits:
+            return wire.encode(wire.Status.REFUSED, f"{key!r} is not a counter, or the amount or the sum is no "
+                                                    f"integer of at most {digits} digits".encode())
+        wait_s = self.grace_until - time.monotonic()
+        if amount and wait_s > 0:  # a rank handed out now could be one a live member is about to put back
+            return wire.encode(wire.Status.WAIT, f"{wait_s:.3f}".encode())
         if amount:
             refusal = self.keys.refusal(key, str(value).encode())
             if refusal is not None:
                 self.refused("a counter", f"from {session.peer}: {refusal}")
                 return wire.encode(wire.Status.REFUSED, refusal.encode())
             self.keys.put(key, str(value).encode(), None)  # a counter outlives its writers
+        return wire.encode(wire.Status.OK, str(value).encode())
+
+    def _raise(self, session, key, _keys, fields) -> bytes:
+        """A counter raised to at least the floor given (never lowered). Allowed in the grace period: it hands
+        nothing out, it puts back what a member holds (its rank)."""
+        digits = self.limits.counter_digits
+        try:
+            floor = int(fields[1]) if len(fields[1]) <= digits else None
+            value = max(self.keys.counter(key), floor) if floor is not None else None
+        except ValueError:
+            value = None
+        if value is None:
+            return wire.encode(wire.Status.REFUSED, f"{key!r} is not a counter or the floor is no integer".encode())
+        if value != self.keys.counter(key) or key not in self.keys.values:
+            refusal = self.keys.refusal(key, str(value).encode())
+            if refusal is not None:
+                return wire.encode(wire.Status.REFUSED, refusal.encode())
+            self.keys.put(key, str(value).encode(), None)
         return wire.encode(wire.Status.OK, str(value).encode())
 
     def _compare_set(self, session, key, _keys, fields) -> bytes:
@@ -319,7 +347,7 @@ class _Server:
 _HANDLERS = {
     (wire.Op.SET, 2): _Server._set, (wire.Op.GET, 1): _Server._get, (wire.Op.ADD, 2): _Server._add,
     (wire.Op.COMPARE_SET, 3): _Server._compare_set, (wire.Op.DELETE, 1): _Server._delete,
-    (wire.Op.LIST, 1): _Server._list, (wire.Op.PING, 0): _Server._ping,
+    (wire.Op.LIST, 1): _Server._list, (wire.Op.PING, 0): _Server._ping, (wire.Op.RAISE, 2): _Server._raise,
     **{(wire.Op.CHECK, n): _Server._check for n in range(1, 257)},
 }
 
@@ -328,12 +356,14 @@ class Directory:
     """A running directory: ``address`` is ``tcp://HOST:PORT``; ``close()`` stops it. Context manager.
 
     ``token``: the job token members must prove (default: ``TENSORWIRE_JOB_TOKEN``; None: an open directory).
-    Serves on a thread of its own; construction returns once it listens."""
+    ``grace_s``: for how long after the start counters do not move (joins wait; members already in a fleet
+    reconnect and put their ranks back meanwhile): give a restarted directory its members' heartbeat period,
+    ``tensorwire directory`` does. Serves on a thread of its own; construction returns once it listens."""
 
     _DEFAULT = object()
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: bytes | None | object = _DEFAULT,
-                 limits: Limits = Limits()) -> None:
+                 limits: Limits = Limits(), grace_s: float = 0.0) -> None:
         listener, why_not = listen_socket(host, port)
         if listener is None:
             raise InvalidArgumentError(f"directory: cannot listen on {host}:{port} ({why_not}); choose another "
@@ -344,7 +374,7 @@ class Directory:
             log.warning("tensorwire directory at %s is open: TENSORWIRE_JOB_TOKEN is not set, so any process that "
                         "reaches its port can read and change the fleet's records; start it with the fleet's token",
                         self.address)
-        self._server = _Server(self.token, limits)
+        self._server = _Server(self.token, limits, grace_s)
         self._loop = asyncio.new_event_loop()
         self._stopped = asyncio.Event()
         started = threading.Event()
@@ -387,8 +417,11 @@ class Directory:
         self.close()
 
 
-def serve(host: str, port: int, announce=print) -> None:
-    """Run a directory until SIGINT/SIGTERM. Blocks."""
+def serve(host: str, port: int, announce=print, grace_s: float | None = None) -> None:
+    """Run a directory until SIGINT/SIGTERM. Blocks. ``grace_s`` (default twice ``TENSORWIRE_LIVENESS_S``, the
+    members' lease): joins wait that long after the start, so that a restart never hands a newcomer the rank of a
+    live member that has not put it back yet."""
+    grace_s = 2 * config_module.load().liveness_s if grace_s is None else grace_s
     logging.basicConfig(format="%(message)s")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:  # one descriptor per member: take what the system allows, the bounds do the rest
@@ -396,9 +429,9 @@ def serve(host: str, port: int, announce=print) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with Directory(host, port) as directory:
+    with Directory(host, port, grace_s=grace_s) as directory:
         trust = "members prove the job token" if directory.token is not None else "OPEN: no job token"
         announce(f"tensorwire directory at {directory.address} (members join with "
-                 f"TENSORWIRE_DIRECTORY={directory.address}; {trust})")
+                 f"TENSORWIRE_DIRECTORY={directory.address}; {trust}; joins wait {grace_s:g}s after the start)")
         while not stop.wait(3600):
             pass

@@ -22,7 +22,15 @@ import torch.distributed as dist
 from ..errors import AuthenticationError, InvalidArgumentError, PeerLostError, WaitTimeoutError
 from . import directory_wire as wire
 
-__all__ = ["DirectoryStore"]
+__all__ = ["DirectoryStore", "NotYet"]
+
+
+class NotYet(Exception):  # noqa: N818 - a signal to the caller, not an error a user sees
+    """The directory moves no counter for ``seconds`` more (its grace period after a start): ask again then."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"ask again in {seconds:.3g}s")
+        self.seconds = seconds
 
 
 class DirectoryStore(dist.Store):
@@ -39,13 +47,21 @@ class DirectoryStore(dist.Store):
         self.where = f"tcp://{host}:{port}"
         self._request_s = request_s
         self._lock = threading.Lock()
-        self.socket = self._connect(host, port, connect_s)
-        try:
-            self.socket.settimeout(request_s)
-            self._handshake(token, lease_s)
-        except BaseException:
-            self.socket.close()
-            raise
+        deadline = time.monotonic() + connect_s
+        while True:
+            self.socket = self._connect(host, port, max(deadline - time.monotonic(), 0.0))
+            try:
+                self.socket.settimeout(request_s)
+                self._handshake(token, lease_s)
+                break
+            except PeerLostError:  # dropped before its verdict (a flood of handshakes): again, within connect_s
+                self.socket.close()
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+            except BaseException:
+                self.socket.close()
+                raise
         self.set_timeout(datetime.timedelta(seconds=request_s))
 
     def __repr__(self) -> str:
@@ -151,7 +167,15 @@ class DirectoryStore(dist.Store):
         return self._request(wire.Op.CHECK, *(k.encode() for k in keys))[1] == [b"1"]
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._request(wire.Op.ADD, key.encode(), str(int(amount)).encode())[1][0])
+        """The counter moved by ``amount``; ``NotYet`` during the directory's grace period (``amount`` != 0)."""
+        status, values = self._request(wire.Op.ADD, key.encode(), str(int(amount)).encode())
+        if status == wire.Status.WAIT:
+            raise NotYet(float(values[0]))
+        return int(values[0])
+
+    def raise_to(self, key: str, floor: int) -> int:
+        """The counter raised to at least ``floor`` (never lowered; also in the grace period)."""
+        return int(self._request(wire.Op.RAISE, key.encode(), str(int(floor)).encode())[1][0])
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         return self._request(wire.Op.COMPARE_SET, key.encode(), _bytes(expected), _bytes(desired))[1][0]

@@ -43,13 +43,14 @@ LEASE = struct.Struct("<I")
 class Op:
     """What a request asks (its first byte)."""
 
-    SET, GET, CHECK, ADD, COMPARE_SET, DELETE, LIST, PING = range(1, 9)
+    SET, GET, CHECK, ADD, COMPARE_SET, DELETE, LIST, PING, RAISE = range(1, 10)
 
 
 class Status:
-    """How an answer begins: done, the key is missing, or refused (the second field says why)."""
+    """How an answer begins: done, the key is missing, refused (the field says why), or ask again after the
+    seconds the field gives (a counter during the directory's grace period)."""
 
-    OK, MISSING, REFUSED = range(3)
+    OK, MISSING, REFUSED, WAIT = range(4)
 
 
 def member_mac(token: bytes, nonce_d: bytes, nonce_m: bytes, lease_ms: int) -> bytes:

@@ -411,6 +411,11 @@ class EtcdStore(dist.Store):
             if time.monotonic() >= deadline:
                 raise PeerLostError(f"add: the counter {key!r} in etcd kept changing for {self._request_s:.3g}s")
 
+    def raise_to(self, key: str, floor: int) -> int:
+        """The counter raised to at least ``floor`` (never lowered)."""
+        behind = floor - self.add(key, 0)
+        return self.add(key, behind) if behind > 0 else floor - behind
+
     def list_prefix(self, prefix: str) -> dict[str, bytes]:
         """Every key under ``prefix`` (without this store's own prefix) with its value: one linearizable range."""
         start = (PREFIX + prefix).encode()

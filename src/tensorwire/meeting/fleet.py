@@ -26,9 +26,9 @@ import time
 import torch.distributed as dist
 
 from ..environment import OPEN_WORLD, Environment
-from ..errors import AuthenticationError, InvalidArgumentError, PeerLostError, TensorwireError
+from ..errors import AuthenticationError, InvalidArgumentError, PeerLostError, TensorwireError, WaitTimeoutError
 from ..sealing import seal
-from .directory_store import DirectoryStore
+from .directory_store import DirectoryStore, NotYet
 from .etcd_access import EtcdAccess
 from .etcd_store import EtcdStore
 from .membership import Member, Membership
@@ -140,8 +140,18 @@ class Fleet(Rendezvous):
         """A fleet member's rank: the directory's next number (``add``: a counter, so unauthenticated; it only
         proposes), claimed like a launcher's rank. A number already claimed (a race, or a counter an outsider set
         back) is skipped, so ranks are unique for the directory's life and never reused."""
+        deadline = time.monotonic() + self.timeout_s
         for _ in range(64):
-            proposed = self.add("fleet/next_rank", 1) - 1
+            try:
+                proposed = self.add("fleet/next_rank", 1) - 1
+            except NotYet as e:  # a directory just started: the members it had put their ranks back first
+                if time.monotonic() + e.seconds > deadline:
+                    raise WaitTimeoutError(
+                        f"init: the directory {self.where} started moments ago and lets the members it had put their "
+                        f"ranks back first ({e.seconds:.3g}s more, past this init's timeout); pass a larger "
+                        "timeout= or start the directory before its members") from None
+                time.sleep(e.seconds)
+                continue
             if not 0 <= proposed < OPEN_WORLD:
                 raise PeerLostError(f"init: the directory {self.where} proposed rank {proposed}, outside "
                                     f"0..{OPEN_WORLD - 1}: its rank counter was set by hand; start it again")
@@ -298,9 +308,7 @@ class Fleet(Rendezvous):
                 self._compare_set(key, b"", mine)
         for key, value in list(self._written.items()):
             self._call(lambda k=key, v=value: self.store.set(k, v), f"restoring {key!r}")
-        behind = self.env.rank + 1 - self.add("fleet/next_rank", 0)
-        if behind > 0:
-            self.add("fleet/next_rank", behind)
+        self._call(lambda: self.store.raise_to("fleet/next_rank", self.env.rank + 1), "restoring the rank counter")
 
     def _store_name(self) -> str:
         return f"the directory {self.where}"

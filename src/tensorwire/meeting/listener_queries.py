@@ -107,10 +107,14 @@ def answering(addresses: dict[int, tuple[str, int]], token: bytes | None, timeou
         return set()
 
     def answers(rank: int) -> bool:
-        try:
-            return ask(addresses[rank], PROBE, rank, token, timeout_s) is not None
-        except TimeoutError:
-            return busy_counts
+        for _ in range(2):  # once more: a flood on its port may have dropped our question, not its answer
+            try:
+                if ask(addresses[rank], PROBE, rank, token, timeout_s / 2) is not None:
+                    return True
+            except TimeoutError:
+                if busy_counts:
+                    return True
+        return False
 
     with ThreadPoolExecutor(max_workers=min(32, len(addresses)), thread_name_prefix="tensorwire-probe") as pool:
         return {rank for rank, ok in zip(addresses, pool.map(answers, addresses)) if ok}

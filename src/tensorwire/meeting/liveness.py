@@ -75,6 +75,14 @@ _CHECK_PERIOD_S = 0.01  # a peer's socket is looked at no more often than this
 _MAX_PENDING = 64  # accepted connections whose handshake has not finished, per listener: beyond, the oldest goes
 
 
+_WAKE_PROOF = struct.Struct("<Q")  # a poke's time in ms, then its MAC
+_WAKE_LABEL = b"tensorwire liveness wake/"
+
+
+def _wake_mac(token: bytes, rank: int, sent_ms: int) -> bytes:
+    return hmac.new(token, _WAKE_LABEL + struct.pack("<IQ", rank, sent_ms), hashlib.sha256).digest()
+
+
 def _answer(token: bytes, nonce: bytes, connecting: int, listening: int) -> bytes:
     """The connecting rank's answer to ``nonce``: bound to this challenge, to who connects and to whom (an answer
     seen on one connection opens no other)."""
@@ -137,6 +145,7 @@ class Liveness:
         self._lock = threading.Lock()
         self._wake_reader, self._wake_writer = socket.socketpair()  # ends serve()'s wait from this process
         self._wake_reader.setblocking(False)
+        self._verified_events = 0  # handshakes verified and pokes proven: what makes serve() report activity
         self.closed = False
         # This rank's last published memory map epoch, for the MAP_EPOCH question (set by the communicator).
         self.map_epoch: Callable[[], int] = lambda: 0
@@ -187,16 +196,23 @@ class Liveness:
     def callers(self, settle_s: float = 0.0) -> list[int]:
         """The ranks that opened a verified liveness connection to this one: every rank that may hold a transfer
         to this rank's memory (a rank connects to a peer before it prepares a transfer to it); what a revocation
-        must reach. A rank this one only watches itself is not among them. Handshakes still under way (a rank
-        that connected just now) are given up to ``settle_s`` to verify or fail first: a claim that never
-        verifies (a stranger's hello) is no caller."""
+        must reach. A rank this one only watches itself is not among them. The handshakes under way now that
+        claim a rank with a published address (a rank that connected just now) are given up to ``settle_s`` to
+        verify or fail first; later ones, and claims of ranks nobody published, are not waited for: a stranger's
+        hellos hold a close() once at most."""
         deadline = time.monotonic() + settle_s
+        with self._lock:
+            if self.closed:
+                return sorted(self._offered)
+            self._handshake()
+            waiting = {p.sock for p in self._incoming if p.rank is not None and not p.probe}
+        waiting = {sock for sock in waiting if self._claimed_rank_published(sock)}
         while True:
             with self._lock:
                 if self.closed:
                     return sorted(self._offered)
                 self._handshake()
-                unsettled = [p.sock for p in self._incoming if p.rank is not None and not p.probe]
+                unsettled = [p.sock for p in self._incoming if p.sock in waiting]
                 if not unsettled or time.monotonic() >= deadline:
                     return sorted(self._offered)
             try:
@@ -204,10 +220,21 @@ class Liveness:
             except (OSError, ValueError):  # settled and closed meanwhile
                 continue
 
+    def _claimed_rank_published(self, sock: socket.socket) -> bool:
+        """Whether the rank a pending handshake on ``sock`` claims has published a liveness address."""
+        claimed = next((p.rank for p in list(self._incoming) if p.sock is sock), None)
+        if claimed is None:
+            return False
+        try:
+            return self.address_of(claimed) is not None
+        except Exception:  # noqa: BLE001 - the store unreachable: wait for it as for a rank that may be real
+            return True
+
     def serve(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a connection or a handshake message on this rank's listener (or ``wake()``),
         then move every handshake on and answer every question that arrived. For the thread that keeps this rank
-        answering. True when something arrived (it did not merely time out)."""
+        answering. True when a peer of this job did something (a handshake verified, a proven poke) or
+        ``wake()`` was called; a stranger's connections and questions are served but report nothing."""
         with self._lock:
             if self.closed:
                 return False
@@ -217,13 +244,16 @@ class Liveness:
         try:
             readable = select.select(sockets, [], [], timeout_s)[0]
         except (OSError, ValueError):  # a socket closed meanwhile (a handshake settled, or close())
-            return True
+            return False
         with self._lock:
-            if not self.closed:
-                if self._wake_reader in readable:
-                    read_up_to(self._wake_reader, b"", 4096)  # drained: the next wait sleeps again
-                self._handshake()
-        return bool(readable)
+            if self.closed:
+                return False
+            woken = self._wake_reader in readable
+            if woken:
+                read_up_to(self._wake_reader, b"", 4096)  # drained: the next wait sleeps again
+            before = self._verified_events
+            self._handshake()
+            return woken or self._verified_events != before
 
     def wake(self) -> None:
         """End ``serve``'s wait now (from any thread of this process)."""
@@ -239,9 +269,13 @@ class Liveness:
         address = self.address_of(rank)
         if address is None:
             return
+        proof = b""
+        if self._token is not None:
+            sent_ms = int(time.time() * 1000)
+            proof = _WAKE_PROOF.pack(sent_ms) + _wake_mac(self._token, rank, sent_ms)
         try:
             with socket.create_connection(address, timeout=self.liveness_s) as sock:
-                sock.sendall(_HELLO.pack(WAKE, rank))
+                sock.sendall(_HELLO.pack(WAKE, rank) + proof)
         except OSError:
             pass  # gone: nothing to wake; its liveness connection tells the waiters
 
@@ -339,6 +373,8 @@ class Liveness:
         try:
             if pending.rank is None:
                 outcome = self._take_hello(pending)
+            elif pending.probe == WAKE:
+                outcome = self._take_wake(pending)
             elif pending.probe:
                 outcome = self._take_probe(pending)
             else:
@@ -359,8 +395,12 @@ class Liveness:
         if len(received) < _HELLO.size:
             return _Handshake.PENDING
         magic, rank = _HELLO.unpack(received)
-        if magic == WAKE:
-            return _Handshake.PROBED  # served already: the wait that saw it ended
+        if magic == WAKE and rank == self.rank:
+            if self._token is None:  # an unauthenticated job: a wake is taken as it is
+                self._verified_events += 1
+                return _Handshake.PROBED
+            pending.rank, pending.received, pending.probe = rank, b"", magic
+            return _Handshake.PENDING  # its proof follows
         if magic in (PROBE, MAP_EPOCH) and rank == self.rank:
             pending.rank, pending.received, pending.probe = rank, b"", magic
             return _Handshake.PENDING  # its nonce follows
@@ -368,6 +408,7 @@ class Liveness:
             return _Handshake.REFUSED  # not a rank of this job
         pending.rank, pending.received = rank, b""
         if self._token is None:  # an unauthenticated job: the hello is all there is to believe
+            self._verified_events += 1
             self._offered.add(rank)
             self._sockets.setdefault(rank, []).append(pending.sock)
             return _Handshake.COUNTED
@@ -385,9 +426,25 @@ class Liveness:
         if not hmac.compare_digest(received, _answer(self._token, pending.nonce, pending.rank, self.rank)):
             return _Handshake.REFUSED  # replayed, or made without this job's token
         send_now(pending.sock, _ACCEPTED)
+        self._verified_events += 1
         self._offered.add(pending.rank)  # only now: a stranger's hello claiming a rank makes no caller to wait for
         self._sockets.setdefault(pending.rank, []).append(pending.sock)
         return _Handshake.COUNTED
+
+    def _take_wake(self, pending: _Incoming) -> _Handshake:
+        """A poke's proof: a time (ms) and its MAC under the token, within a minute of this host's clock (a wake
+        from a stranger, or an old one replayed, wakes the thread once but keeps it from polling for a second)."""
+        received = read_up_to(pending.sock, pending.received, _WAKE_PROOF.size + _ANSWER_BYTES)
+        if received is None:
+            return _Handshake.REFUSED
+        pending.received = received
+        if len(received) < _WAKE_PROOF.size + _ANSWER_BYTES:
+            return _Handshake.PENDING
+        (sent_ms,) = _WAKE_PROOF.unpack_from(received)
+        fresh = abs(time.time() * 1000 - sent_ms) < 60_000
+        if fresh and hmac.compare_digest(received[_WAKE_PROOF.size:], _wake_mac(self._token, self.rank, sent_ms)):
+            self._verified_events += 1
+        return _Handshake.PROBED
 
     def _take_probe(self, pending: _Incoming) -> _Handshake:
         """Answer a question (``listener_queries``: who runs this listener, or its map epoch), bound to its nonce
