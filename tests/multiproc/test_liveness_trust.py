@@ -150,7 +150,7 @@ def _flooded_listener():
         stranger.stdin.close()
         stranger.wait(timeout=30)
         result = before, most
-    comm.barrier(timeout=WAIT)
+    comm.barrier(timeout=WAIT + 3 * LIVENESS_S + 30)  # rank 0 floods for 3 liveness periods and starts a process
     comm.close()
     return result
 

@@ -468,7 +468,7 @@ def _duplicate_rank(directory: str):
         t0 = time.perf_counter()
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         result = done.stdout.strip(), time.perf_counter() - t0
-    comm.barrier(timeout=WAIT)
+    comm.barrier(timeout=WAIT + 60)  # rank 1 runs a whole process's init (at most 60 s) meanwhile
     comm.close()
     return result
 

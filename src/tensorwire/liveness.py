@@ -1,0 +1,408 @@
+"""Whether a peer is still there, answered in microseconds and learned within ``liveness_s`` seconds.
+
+Each rank listens on one TCP socket (``alive/<rank>`` in the store, sealed like every value) and holds one idle
+connection per peer it has to wait for: to rank 0 (the store's host) from ``init`` on, to any other peer from
+the first time a wait of this rank depends on it. Nothing is sent on these connections after a short handshake
+(below); the kernel watches them:
+
+* a process that exits, crashes or is killed (``kill -9``) has its sockets closed by the kernel, so the peer
+  reads end-of-file at once;
+* a cut link or a silent host is found by TCP keepalive (``TCP_KEEPIDLE``/``TCP_KEEPINTVL``/``TCP_KEEPCNT``)
+  and ``TCP_USER_TIMEOUT``, both derived from ``liveness_s``: the connection fails with ``ETIMEDOUT``.
+
+``check(rank)`` is one non-blocking ``recv(MSG_PEEK)`` (rate-limited per peer), called by the waiters that
+already poll (``wait_until``'s sleeping loop, the progress thread's watches, the store polls of ``barrier``
+and ``lookup``): no thread of its own, so an idle communicator costs nothing. Pending connections are
+accepted from those same calls (the kernel completes the handshake without ``accept``).
+
+The handshake. The connecting rank sends a hello (``b"TWL"``, its rank). Without a job token the listener counts
+the connection for that rank at once. With one (``TENSORWIRE_JOB_TOKEN``) the listener answers with a fresh
+random nonce, the connecting rank returns ``HMAC-SHA256(token, label | nonce | its rank | the listener's rank)``,
+and the listener checks it (``hmac.compare_digest``) before it counts the connection, then says so with one byte;
+a connection that fails, or does not finish within ``liveness_s``, is closed. So a hello and answer sniffed from
+one connection do not open another (nor one to another rank), and a process without the token is never counted
+as a rank: neither can make a rank look gone to the listener by closing its connection. Each side moves the
+handshake on from its own polling calls, never blocking on the other: a connecting rank that did not answer in
+time (it was busy outside tensorwire) finds its connection closed before the acceptance and simply reconnects;
+a peer that is gone refuses that (``ECONNREFUSED``) or does not answer it, and only then counts as gone.
+
+Local trouble is not a verdict. A peer counts as gone only on evidence from its side: end-of-file, a reset, a
+refused connection or a timeout on its connection. Failing to open a socket here (no descriptor to spare,
+``EMFILE``/``ENFILE``, or no memory, ``ENOMEM``/``ENOBUFS``) raises ``TransferError`` from ``check``/``watch``,
+saying so and how to fix it, and the next check tries again. Connections that have not finished their handshake
+are capped per listener (``_MAX_PENDING``; the oldest is closed), so that whoever floods the port costs this
+process a bounded number of descriptors.
+
+Questions. Any process may ask the listener who runs it or which memory map epoch its rank published last, on a
+connection of its own that the listener answers (bound to the asker's nonce under the token) and closes; such a
+connection never counts for a rank (``listener_queries``). ``serve`` waits for connections and handshakes on the
+listener (the revocation thread runs it), so questions and handshakes are answered at once, not at a next poll.
+
+Non-goals: the connections are authenticated once, when they open; after that nothing travels on them to
+protect, and whoever sits on the path can still reset one (a denial of service, like deleting store values). A
+peer that is alive but stuck (e.g. stopped with SIGSTOP) counts as alive: its waits end with their timeouts.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import hashlib
+import hmac
+import os
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+from .environment import hostname
+from .errors import PeerLostError, TransferError
+from .listener_queries import HELLO, MAP_EPOCH, NONCE_BYTES, PROBE, answer
+from .peer_sockets import broken, from_peer, local_trouble, read_up_to, send_now, tune
+
+__all__ = ["Liveness", "tune"]
+
+_HELLO = HELLO  # magic, the connecting rank: a claim, verified by the answer below (a question: its kind)
+_MAGIC = b"TWL"
+_NONCE_BYTES = NONCE_BYTES  # the listener's challenge
+_ANSWER_BYTES = 32  # HMAC-SHA256(token, _ANSWER_LABEL | nonce | connecting rank u32 | listening rank u32)
+_ANSWER_LABEL = b"tensorwire liveness answer/"
+_ACCEPTED = b"K"  # the listener verified the answer: from now on end-of-file means it is gone
+_CHECK_PERIOD_S = 0.01  # a peer's socket is looked at no more often than this
+_MAX_PENDING = 64  # accepted connections whose handshake has not finished, per listener: beyond, the oldest goes
+
+
+def _answer(token: bytes, nonce: bytes, connecting: int, listening: int) -> bytes:
+    """The connecting rank's answer to ``nonce``: bound to this challenge, to who connects and to whom (an answer
+    seen on one connection opens no other)."""
+    message = _ANSWER_LABEL + nonce + struct.pack("<II", connecting, listening)
+    return hmac.new(token, message, hashlib.sha256).digest()
+
+
+class _Handshake(enum.Enum):
+    PENDING = "pending"  # waiting for the other end's next message
+    COUNTED = "counted"  # verified: the connection counts for its rank
+    REFUSED = "refused"  # closed: not a rank of this job, a wrong answer, end-of-file or silent too long
+    PROBED = "probed"  # a question for this listener's own rank (``listener_queries``), answered and closed
+
+
+class _Incoming:
+    """A connection accepted by the listener, until its hello (and, with a token, its answer) has arrived."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.since = sock, time.monotonic()
+        self.received = b""
+        self.rank: int | None = None  # claimed by the hello
+        self.nonce = b""  # the challenge sent (with a token)
+        self.probe = b""  # a question's kind (``listener_queries``), not a rank's connection
+
+
+class _Outgoing:
+    """A connection this rank opened, until the listener accepted its answer (with a token)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.received = b""
+        self.answered = False
+
+
+class Liveness:
+    """One rank's view of which peers are alive. Thread-safe (user threads and the progress thread check)."""
+
+    def __init__(self, rank: int, world_size: int, liveness_s: float, host: str, token: bytes | None,
+                 resolve: Callable[[int], tuple[str, int] | None]) -> None:
+        self.rank, self.world_size, self.liveness_s = rank, world_size, liveness_s
+        self._token, self._resolve = token, resolve
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        tune(self._listener, liveness_s)  # inherited by accepted sockets
+        self._listener.bind((host, 0))
+        self._listener.listen(socket.SOMAXCONN)
+        self._listener.setblocking(False)
+        self.address = (host, self._listener.getsockname()[1])
+        self._sockets: dict[int, list[socket.socket]] = {}  # accepted ones once verified; opened ones at once
+        self._incoming: list[_Incoming] = []  # accepted, not verified yet
+        self._outgoing: dict[socket.socket, _Outgoing] = {}  # opened, not accepted by the listener yet (token)
+        self._offered: set[int] = set()  # ranks that opened a connection to this one, verified or not
+        self._opened: set[int] = set()  # ranks this one opened a connection to (it is among their callers)
+        self._lost: dict[int, str] = {}
+        self._trouble: dict[int, str] = {}  # why the last try to connect to a rank failed here (no verdict)
+        self._who = f"{hostname()} pid {os.getpid()}".encode()  # what a probe is told
+        self._next_check: dict[int, float] = {}
+        self._next_resolve: dict[int, float] = {}
+        self._addresses: dict[int, tuple[str, int]] = {}  # rank -> its listener, as last resolved
+        self._lock = threading.Lock()
+        self.closed = False
+        # This rank's last published memory map epoch, for the MAP_EPOCH question (set by the communicator).
+        self.map_epoch: Callable[[], int] = lambda: 0
+
+    # --- the public checks ------------------------------------------------------------------------
+    def check(self, rank: int, what: str | Callable[[], str]) -> None:
+        """Raise ``PeerLostError`` (naming ``what``, a string or a callable that makes one) if ``rank`` is known to
+        be gone; otherwise return at once. Rate-limited: a peer's sockets are looked at every ``_CHECK_PERIOD_S``
+        at most."""
+        reason = self.lost(rank, fresh=rank in self._trouble)
+        if reason is None:
+            self._raise_trouble(rank, what)
+        else:
+            what = what() if callable(what) else what
+            raise PeerLostError(f"{what}: rank {rank} is gone ({reason}); it exited, crashed, closed its "
+                                f"communicator or its network broke (noticed within TENSORWIRE_LIVENESS_S="
+                                f"{self.liveness_s:g}s)")
+
+    def lost(self, rank: int, fresh: bool = False) -> str | None:
+        """Why ``rank`` is gone, or None while it is alive or not known yet (also while this process cannot open
+        a socket to it: ``check`` and ``watch`` raise that). ``fresh`` skips the rate limit."""
+        if rank == self.rank or self.closed:
+            return None
+        reason = self._lost.get(rank)
+        if reason is not None:
+            return reason
+        now = time.monotonic()
+        if not fresh and now < self._next_check.get(rank, 0.0):
+            return None
+        with self._lock:
+            if self.closed:
+                return None
+            self._next_check[rank] = now + _CHECK_PERIOD_S
+            self._handshake()
+            sockets = self._sockets.get(rank)
+            if not sockets:
+                self._connect(rank, now)
+                sockets = self._sockets.get(rank, [])
+            for sock in sockets:
+                if sock in self._outgoing:
+                    continue  # its handshake looks at it (end-of-file there means "reconnect", not "gone")
+                reason = broken(sock)
+                if reason is not None:
+                    self._lost[rank] = reason
+                    return reason
+            return self._lost.get(rank)
+
+    def callers(self) -> list[int]:
+        """The ranks that opened a liveness connection to this one, verified or not: every rank that may hold a
+        transfer to this rank's memory (a rank connects to a peer before it prepares a transfer to it); what a
+        revocation must reach. A rank this one only watches itself is not among them."""
+        with self._lock:
+            if not self.closed:
+                self._handshake()
+            return sorted(self._offered)
+
+    def serve(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for a connection or a handshake message on this rank's listener, then move every
+        handshake on and answer every question that arrived. For the thread that keeps this rank answering."""
+        with self._lock:
+            if self.closed:
+                return
+            sockets = [self._listener] + [pending.sock for pending in self._incoming]
+        try:
+            select.select(sockets, [], [], timeout_s)
+        except (OSError, ValueError):  # a socket closed meanwhile (a handshake settled, or close())
+            time.sleep(timeout_s)
+        with self._lock:
+            if not self.closed:
+                self._handshake()
+
+    def address_of(self, rank: int) -> tuple[str, int] | None:
+        """``rank``'s listener (the store's record, read once), or None while it has published none."""
+        address = self._addresses.get(rank)
+        if address is None:
+            address = self._resolve(rank)
+            if address is not None:
+                self._addresses[rank] = address
+        return address
+
+    def watch(self, rank: int) -> None:
+        """Connect to ``rank`` now (bounded by ``liveness_s``) so that a later wait knows at once if it is gone and
+        ``rank`` counts this rank among its callers (its revocations reach this rank): a connection ``rank``
+        opened to this one does not tell it so."""
+        if rank != self.rank:
+            with self._lock:
+                if not self.closed and rank not in self._opened:
+                    # Resolve now even if a check just found no address (rate-limited there): a rank that prepares a
+                    # transfer without connecting is missing from the owner's callers, and its revocations.
+                    self._next_resolve.pop(rank, None)
+                    self._connect(rank, time.monotonic())
+            self.lost(rank, fresh=True)
+            self._raise_trouble(rank, "liveness")
+
+    def _raise_trouble(self, rank: int, what: str | Callable[[], str]) -> None:
+        """Raise ``TransferError`` if the last try to connect to ``rank`` failed here (no verdict on ``rank``)."""
+        trouble = self._trouble.get(rank)
+        if trouble is not None:
+            what = what() if callable(what) else what
+            raise TransferError(f"{what}: cannot open a liveness connection to rank {rank}: {trouble}. This is a "
+                                f"local problem, not a verdict on rank {rank}: retry once it is solved")
+
+    # --- connections ------------------------------------------------------------------------------
+    def _connect(self, rank: int, now: float) -> None:
+        """Open a connection to ``rank`` and send the hello; blocks at most ``liveness_s`` (the TCP handshake,
+        which the peer's kernel completes: its process need not be in tensorwire). With a token the listener's
+        challenge is answered later, by ``_handshake``."""
+        if now < self._next_resolve.get(rank, 0.0) and rank not in self._trouble:
+            return
+        self._next_resolve[rank] = now + self.liveness_s / 4
+        address = self._resolve(rank)
+        if address is not None:
+            self._addresses[rank] = address
+        if address is None:
+            return  # not started yet: nothing to say
+        sock = None
+        try:
+            sock = socket.create_connection(address, timeout=self.liveness_s)
+            tune(sock, self.liveness_s)
+            sock.sendall(_HELLO.pack(_MAGIC, self.rank))
+            sock.setblocking(False)
+        except OSError as e:
+            if sock is not None:
+                sock.close()
+            if from_peer(e):
+                # It published its address and no longer listens (ECONNREFUSED) or cannot be reached in time.
+                self._lost[rank] = f"its liveness socket at {address[0]}:{address[1]} refused or did not answer ({e})"
+            else:
+                self._trouble[rank] = local_trouble(e)
+            return
+        self._trouble.pop(rank, None)
+        self._sockets.setdefault(rank, []).append(sock)
+        self._opened.add(rank)
+        if self._token is not None:
+            self._outgoing[sock] = _Outgoing(rank)
+
+    def _handshake(self) -> None:
+        """Move every handshake on as far as what has arrived allows, without blocking: accept pending
+        connections, challenge and verify them (listening side), answer challenges (connecting side)."""
+        self._accept()
+        self._incoming = [pending for pending in self._incoming if not self._verify(pending)]
+        for sock, outgoing in list(self._outgoing.items()):
+            self._answer_challenge(sock, outgoing)
+
+    def _accept(self) -> None:
+        """Accept what is pending (no descriptor to spare: the rest waits in the kernel's backlog), keeping at
+        most ``_MAX_PENDING`` unfinished handshakes: a genuine rank whose handshake is dropped reconnects."""
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:  # BlockingIOError: none pending; EMFILE and the like: later
+                return
+            sock.setblocking(False)
+            self._incoming.append(_Incoming(sock))
+            if len(self._incoming) > _MAX_PENDING:
+                self._incoming.pop(0).sock.close()
+
+    def _verify(self, pending: _Incoming) -> bool:
+        """One step of an accepted connection's handshake; True once it is settled (counted for its rank, or
+        closed). Without a token the hello is taken as it is; with one, the listener sends a fresh nonce and
+        counts the connection only when the answer is the HMAC of that nonce and both ranks under the token:
+        a hello and answer seen on another connection (replayed) or made without the token do not verify."""
+        try:
+            if pending.rank is None:
+                outcome = self._take_hello(pending)
+            elif pending.probe:
+                outcome = self._take_probe(pending)
+            else:
+                outcome = self._take_answer(pending)
+        except OSError:
+            outcome = _Handshake.REFUSED
+        if outcome is _Handshake.PENDING and time.monotonic() - pending.since > self.liveness_s:
+            outcome = _Handshake.REFUSED  # silent too long: a rank that was busy elsewhere reconnects
+        if outcome in (_Handshake.REFUSED, _Handshake.PROBED):
+            pending.sock.close()
+        return outcome is not _Handshake.PENDING
+
+    def _take_hello(self, pending: _Incoming) -> _Handshake:
+        received = read_up_to(pending.sock, pending.received, _HELLO.size)
+        if received is None:
+            return _Handshake.REFUSED
+        pending.received = received
+        if len(received) < _HELLO.size:
+            return _Handshake.PENDING
+        magic, rank = _HELLO.unpack(received)
+        if magic in (PROBE, MAP_EPOCH) and rank == self.rank:
+            pending.rank, pending.received, pending.probe = rank, b"", magic
+            return _Handshake.PENDING  # its nonce follows
+        if magic != _MAGIC or not 0 <= rank < self.world_size or rank == self.rank:
+            return _Handshake.REFUSED  # not a rank of this job
+        pending.rank, pending.received = rank, b""
+        self._offered.add(rank)
+        if self._token is None:
+            self._sockets.setdefault(rank, []).append(pending.sock)
+            return _Handshake.COUNTED
+        pending.nonce = secrets.token_bytes(_NONCE_BYTES)
+        send_now(pending.sock, pending.nonce)
+        return _Handshake.PENDING
+
+    def _take_answer(self, pending: _Incoming) -> _Handshake:
+        received = read_up_to(pending.sock, pending.received, _ANSWER_BYTES)
+        if received is None:
+            return _Handshake.REFUSED
+        pending.received = received
+        if len(received) < _ANSWER_BYTES:
+            return _Handshake.PENDING
+        if not hmac.compare_digest(received, _answer(self._token, pending.nonce, pending.rank, self.rank)):
+            return _Handshake.REFUSED  # replayed, or made without this job's token
+        send_now(pending.sock, _ACCEPTED)
+        self._sockets.setdefault(pending.rank, []).append(pending.sock)
+        return _Handshake.COUNTED
+
+    def _take_probe(self, pending: _Incoming) -> _Handshake:
+        """Answer a question (``listener_queries``: who runs this listener, or its map epoch), bound to its nonce
+        under the token."""
+        received = read_up_to(pending.sock, pending.received, _NONCE_BYTES)
+        if received is None:
+            return _Handshake.REFUSED
+        pending.received = received
+        if len(received) < _NONCE_BYTES:
+            return _Handshake.PENDING
+        payload = self._who if pending.probe == PROBE else struct.pack("<I", self.map_epoch())
+        send_now(pending.sock, answer(pending.probe, self._token, received, self.rank, payload))
+        return _Handshake.PROBED
+
+    def _answer_challenge(self, sock: socket.socket, outgoing: _Outgoing) -> None:
+        """One step of this rank's side of a handshake it opened (with a token): answer the nonce, then wait for
+        the listener's acceptance. End-of-file before the acceptance is no proof that the peer is gone (it
+        refused the answer, or closed the connection after ``liveness_s`` unanswered because this rank did not
+        call into tensorwire): the connection is dropped and the next check reconnects, which a peer that is gone
+        refuses."""
+        rank = outgoing.rank
+        try:
+            if not outgoing.answered:
+                received = read_up_to(sock, outgoing.received, _NONCE_BYTES)
+                if received is not None and len(received) == _NONCE_BYTES:
+                    send_now(sock, _answer(self._token, received, self.rank, rank))
+                    outgoing.answered, received = True, b""
+            else:
+                received = read_up_to(sock, outgoing.received, len(_ACCEPTED))
+                if received == _ACCEPTED:
+                    del self._outgoing[sock]  # verified: from now on watched like any connection
+                    return
+                if received:
+                    received = None  # not this protocol
+        except OSError as e:
+            if e.errno == errno.ETIMEDOUT:
+                self._lost[rank] = "its host stopped answering: TCP keepalive timed out"
+            received = None  # a reset (the listener closed with our answer unread) is settled by reconnecting
+        if received is None:
+            del self._outgoing[sock]
+            self._sockets[rank].remove(sock)
+            self._opened.discard(rank)
+            sock.close()
+            self._next_resolve[rank] = 0.0  # reconnect at the next check
+            return
+        outgoing.received = received
+
+    def close(self) -> None:
+        """Close every socket: peers that watch this rank learn at once that it is gone."""
+        with self._lock:
+            self.closed = True
+            for sock in [self._listener] + [s for group in self._sockets.values() for s in group] + \
+                    [pending.sock for pending in self._incoming]:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+            self._sockets.clear()
+            self._incoming.clear()
+            self._outgoing.clear()
