@@ -32,7 +32,7 @@ class _Bench(CommandRun):
         found = []
         for name in os.listdir(SHM_DIRECTORY):
             parts = name.split("-")
-            if len(parts) == 4 and parts[0] == "tensorwire" and _parent_of(int(parts[2])) == self.process.pid:
+            if len(parts) in (4, 5) and parts[0] == "tensorwire" and _parent_of(int(parts[2])) == self.process.pid:
                 found.append(os.path.join(SHM_DIRECTORY, name))
         return found
 
