@@ -51,7 +51,8 @@ def _parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
     doctor.add_argument("--timeout", type=at_least(float), default=15.0,
                         help="seconds each 2-process probe may take (default 15)")
     doctor.add_argument("--clean", action="store_true",
-                        help="remove the /dev/shm files that killed tensorwire processes left")
+                        help="accepted for older scripts: the doctor always removes the /dev/shm files that killed "
+                             "tensorwire processes left (never a live process's)")
     doctor.set_defaults(handler=_doctor, parser=doctor)
 
     directory = commands.add_parser(
@@ -101,7 +102,7 @@ def _doctor(args: argparse.Namespace) -> int:
     from .doctor import diagnose
 
     quiet_nixl_logging()
-    diagnose(lambda line: print(line, flush=True), timeout_s=args.timeout, quiet=True, clean=args.clean)
+    diagnose(lambda line: print(line, flush=True), timeout_s=args.timeout, quiet=True)
     return 0
 
 
