@@ -60,6 +60,7 @@ from .command import (
     at_least,
     check_plot,
     header_lines,
+    header_on_screen,
     memories,
     parse_sizes,
     require_nixl,
@@ -212,7 +213,7 @@ def main(args: argparse.Namespace) -> int:
     interrupted = result is None
     if interrupted:
         result = replace(unfinished, records=so_far)
-    print(report.format_report(result, head, config), flush=True)
+    print(report.format_report(result, head, config, with_header=not header_on_screen(args.quiet)), flush=True)
     if args.json is not None:
         write_json(args.json, {**report.to_json(result, head, config), "interrupted": interrupted})
     if args.plot is not None and result.records:
