@@ -15,6 +15,8 @@
 |                                   |         | instead of a launcher's world                        |
 | ``TENSORWIRE_NAME``               | unset   | this member's name in the fleet (``init``'s ``name=``;|
 |                                   |         | ``{rank}`` in it: the launcher's rank, e.g. torchrun)|
+| ``TENSORWIRE_VLLM_PYTHON``        | unset   | ``tensorwire bench vllm``: the interpreter with vLLM |
+|                                   |         | (unset: ``.venv-vllm/bin/python`` of the checkout)   |
 
 The library never writes ``os.environ``.
 """
@@ -96,6 +98,11 @@ def load() -> Config:
         directory=os.environ.get("TENSORWIRE_DIRECTORY") or None,
         name=os.environ.get("TENSORWIRE_NAME") or None,
     )
+
+
+def vllm_python() -> str | None:
+    """The interpreter with vLLM that ``TENSORWIRE_VLLM_PYTHON`` names (``tensorwire bench vllm``), None if unset."""
+    return os.environ.get("TENSORWIRE_VLLM_PYTHON") or None
 
 
 def job_token_status() -> tuple[bool, str]:

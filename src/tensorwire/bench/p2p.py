@@ -155,6 +155,8 @@ HELP = "READ/WRITE between two local ranks beside raw NIXL and a local copy (the
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``tensorwire bench p2p`` (also those of plain ``tensorwire bench``)."""
+    parser.epilog = ("Needs: the nixl package (pip install 'tensorwire[nixl]': raw NIXL is the reference); for "
+                     "--memory cuda, a CUDA device torch sees. Starts its two ranks as local processes on 127.0.0.1.")
     parser.description = ("Point-to-point READ/WRITE from rank 0 to rank 1 (two local processes), each size timed "
                           "for tensorwire, a bare NIXL agent pair and a local copy of the same bytes.")
     add_common_arguments(parser, graphs_help="GPU: also time transfers captured in CUDA graphs and replayed")
