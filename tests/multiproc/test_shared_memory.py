@@ -106,6 +106,14 @@ def test_a_file_whose_pid_now_belongs_to_another_process_is_an_orphan_and_a_live
                 os.unlink(path)
 
 
+def test_a_process_ended_by_an_uncaught_exception_removes_its_files():
+    done = subprocess.run([sys.executable, "-c", _ALLOCATE_THEN_DIE.format(end="raise RuntimeError('boom')")],
+                          capture_output=True, text=True, timeout=120, check=False)
+    path = done.stdout.strip()
+    assert done.returncode == 1 and "RuntimeError: boom" in done.stderr and path.startswith(SHM_DIRECTORY), done
+    assert not os.path.exists(path), "the file outlived its process"
+
+
 _ALLOCATE_THEN_WAIT = """
 import time, torch, tensorwire as tw
 from tensorwire.backends.shm import shared_file_of
