@@ -80,7 +80,9 @@ def shared_empty(shape: int | Sequence[int], *, dtype: torch.dtype = torch.float
     this host that read or write it after ``comm.register`` take the ``shm`` transport (a ``memcpy``).
 
     The file is removed when the returned tensor is freed (keep it, not only a view of it, for as long as
-    peers may reach it), at exit, or after a crash by the next tensorwire process on the host. Does not block.
+    peers may reach it), at exit, on SIGTERM or SIGHUP, or after a crash by the next tensorwire process on the
+    host. The first call on the main thread installs the SIGTERM and SIGHUP handler that does so, for each of the
+    two still at its default action (the process still dies of the signal). Does not block.
     Raises ``InvalidArgumentError`` for a bad shape or dtype, ``BackendUnavailableError`` when ``/dev/shm``
     is missing or has not the room (touching a page past a full tmpfs would kill the process with SIGBUS).
     """
