@@ -25,6 +25,7 @@ Non-goals: heterogeneous layouts (different block sizes or view counts on the tw
 from __future__ import annotations
 
 import struct
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -175,7 +176,9 @@ class BlockPool(Closeable):
         self._expose, self._withdraw = expose, withdraw  # None when the pool registered its views itself
         self._own_epoch: int | None = None  # the epoch ``expose`` published the spans under
         self._desc: BlockPoolDesc | None = None
-        self.transfers: set = set()  # the BlockTransfers prepared on it
+        # The BlockTransfers prepared on it, weakly: a transfer refers to its pool, and a strong set back would make
+        # a cycle that keeps a dropped transfer (and the NIXL agent its request holds) alive until a gc pass.
+        self.transfers: weakref.WeakSet = weakref.WeakSet()
         self.closed = False
 
     @property

@@ -47,17 +47,26 @@ def _parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     doctor = commands.add_parser("doctor", help="what works here: backends, versions, CUDA, VRAM, UCX transports",
-                                 description="Diagnose this machine; exits 0 whenever it could diagnose.")
+                                 description="Diagnose this machine; exits 0 whenever it could diagnose.",
+                                 epilog="Needs nothing but tensorwire. Looks at the nixl package and the UCX it "
+                                        "bundles, torch's CUDA devices, /dev/shm, and this environment: "
+                                        "TENSORWIRE_DIRECTORY (the fleet directory it names is checked), "
+                                        "TENSORWIRE_JOB_TOKEN, MASTER_ADDR, UCX_*, PYTORCH_CUDA_ALLOC_CONF. Its "
+                                        "probes start two local processes on 127.0.0.1.")
     doctor.add_argument("--timeout", type=at_least(float), default=15.0,
                         help="seconds each 2-process probe may take (default 15)")
     doctor.add_argument("--clean", action="store_true",
-                        help="remove the /dev/shm files that killed tensorwire processes left")
+                        help="accepted for older scripts: the doctor always removes the /dev/shm files that killed "
+                             "tensorwire processes left (never a live process's)")
     doctor.set_defaults(handler=_doctor, parser=doctor)
 
     directory = commands.add_parser(
         "directory", help="run a fleet's directory (members join with TENSORWIRE_DIRECTORY=tcp://HOST:PORT)",
         description="Run the embedded directory where fleet members meet, until interrupted (SIGINT/SIGTERM). "
-                    "It holds the members' sealed records only; transfers never go through it.")
+                    "It holds the members' sealed records only; transfers never go through it.",
+        epilog="Needs: a free port on an address of this machine that the members reach. Members join with "
+               "TENSORWIRE_DIRECTORY=tcp://HOST:PORT and TENSORWIRE_NAME (or init(directory=, name=)), all with "
+               "the same TENSORWIRE_JOB_TOKEN.")
     directory.add_argument("--host", default="127.0.0.1",
                            help="address to listen on, one of this machine's (default 127.0.0.1)")
     directory.add_argument("--port", type=at_least(int, 0), default=29700,
@@ -66,7 +75,9 @@ def _parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
 
     bench = commands.add_parser(
         "bench", help="benchmarks: " + ", ".join(BENCH_COMMANDS) + f" (default {BENCH_COMMANDS[0]})",
-        description=f"Benchmarks of tensorwire. Without a NAME, '{BENCH_COMMANDS[0]}' runs.")
+        description=f"Benchmarks of tensorwire. Without a NAME, '{BENCH_COMMANDS[0]}' runs.",
+        epilog="Needs: what each benchmark needs, its --help says (tensorwire bench NAME --help); all of them start "
+               "their ranks as local processes.")
     names = bench.add_subparsers(dest="bench", metavar="NAME")
     takes_value: set[str] = set()
     for name in BENCH_COMMANDS:
@@ -101,7 +112,7 @@ def _doctor(args: argparse.Namespace) -> int:
     from .doctor import diagnose
 
     quiet_nixl_logging()
-    diagnose(lambda line: print(line, flush=True), timeout_s=args.timeout, quiet=True, clean=args.clean)
+    diagnose(lambda line: print(line, flush=True), timeout_s=args.timeout, quiet=True)
     return 0
 
 

@@ -25,6 +25,8 @@
 | ``TENSORWIRE_ETCD_CERT``          | unset   | PEM client certificate for etcd's                    |
 |                                   |         | ``--client-cert-auth`` (mutual TLS)                  |
 | ``TENSORWIRE_ETCD_KEY``           | unset   | its PEM private key (unset: in the certificate file) |
+| ``TENSORWIRE_VLLM_PYTHON``        | unset   | ``tensorwire bench vllm``: the interpreter with vLLM |
+|                                   |         | (unset: ``.venv-vllm/bin/python`` of the checkout)   |
 
 The library never writes ``os.environ``.
 """
@@ -139,6 +141,11 @@ def load() -> Config:
         etcd_cert=os.environ.get("TENSORWIRE_ETCD_CERT") or None,
         etcd_key=os.environ.get("TENSORWIRE_ETCD_KEY") or None,
     )
+
+
+def vllm_python() -> str | None:
+    """The interpreter with vLLM that ``TENSORWIRE_VLLM_PYTHON`` names (``tensorwire bench vllm``), None if unset."""
+    return os.environ.get("TENSORWIRE_VLLM_PYTHON") or None
 
 
 def job_token_status() -> tuple[bool, str]:

@@ -1,40 +1,38 @@
 """``tensorwire doctor``: what works on this machine, what does not, why, and what to do.
 
 It reports, in order: software versions (UCX's too, read from the library NIXL bundles); the backends
-table; the CUDA devices; whether NIXL really moves CUDA memory as VRAM (registration, then a 2-process
-transfer whose bytes are checked: some UCX builds silently treat VRAM as host memory); and which UCX
-transport a host-to-host and a GPU-to-GPU transfer really take here. For the last, the probe processes get
-``UCX_PROTO_INFO=y`` and ``UCX_LOG_FILE`` in *their* environment (through ``launch(env=...)``; nothing writes
-this process's ``os.environ``) and the protocol tables UCX writes are parsed for the ``ucp_put*`` /
-``ucp_get*`` rows.
+table; the CUDA devices; the job (its token, where UCX listens, and the fleet's directory when
+``TENSORWIRE_DIRECTORY`` names one: whether it answers there); the ``/dev/shm`` files dead tensorwire processes
+left (removed, as every tensorwire process on the host does); which UCX transport a host-to-host and a
+GPU-to-GPU transfer really take here, and whether NIXL really moves CUDA memory as VRAM (registration, then a
+2-process transfer whose bytes are checked: some UCX builds silently treat VRAM as host memory). The last two
+come from ``doctor_probe``, whose two processes meet in a job of their own (never the fleet's directory); a
+probe that fails before its ranks met is not blamed on UCX.
 
 Every probe is bounded in time, and a failing probe is reported, never raised: the doctor exits 0 whenever
-it could diagnose. Non-goals: fixing anything, benchmarking (``tensorwire bench`` does that). The machine
-facts it prints come from ``tensorwire.machine``.
+it could diagnose. Non-goals: fixing anything but dead processes' files, benchmarking (``tensorwire bench``
+does that). The machine facts it prints come from ``tensorwire.machine``.
 """
 
 from __future__ import annotations
 
-import ctypes
-import json
 import os
 import socket
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-# cpu_model and ucx_version are only re-exported: they lived here before machine.py.
-from .config import job_token_status
+# cpu_model, ucx_version, ProtoRow and parse_proto_info are only re-exported: they lived here before.
+from . import config
+from .doctor_probe import ProbeResult, run_probe
 from .machine import cpu_model, cuda_summary, software_versions, ucx_version
-from .ucx_protocols import ProtoRow, parse_proto_info, transfer_rows, warnings_and_errors
+from .ucx_protocols import ProtoRow, parse_proto_info
 
 __all__ = [
     "ProtoRow", "parse_proto_info", "ProbeResult", "run_probe", "software_versions", "cpu_model",
     "cuda_summary", "ucx_version", "diagnose",
 ]
 
-_PROBE_BYTES = 1 << 20
+_FLEET_CONNECT_S = 5.0  # a directory on a loaded host accepts within this; nothing listening refuses at once
 _TCP_ONLY_FIX = {
     "host": "UCX found no shared-memory path between the two processes. cma needs ptrace permission between "
             "them (/proc/sys/kernel/yama/ptrace_scope 0 or 1 with the same user; in a container add "
@@ -43,147 +41,6 @@ _TCP_ONLY_FIX = {
             "(docker --ipc=host, same CUDA_VISIBLE_DEVICES), keep cuda_ipc in UCX_TLS if set, and install the "
             "nixl wheel of your CUDA major (nixl-cu12 or nixl-cu13)",
 }
-
-
-# --- the 2-process probe ----------------------------------------------------------------------------
-def _flush_c_stdio() -> None:
-    """UCX writes its log with C stdio; ``launch`` ends ranks with ``os._exit``, which would drop the buffer."""
-    try:
-        ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError):
-        pass
-
-
-def _move(comm, op, local, remote, transport: str | None) -> str:
-    """One blocking transfer over ``transport`` (None: tensorwire's choice); returns the transport used."""
-    with comm.prepare(op, local, remote, transport=transport) as transfer:
-        transfer.post()
-        transfer.wait()
-        return transfer.transport
-
-
-class _StepLog:
-    """One rank's log of the probe's steps (``steps.<rank>.jsonl`` in ``workdir``), appended at once so that a
-    crash still leaves what came before; ``current`` is the step in progress, under which a failure is logged."""
-
-    def __init__(self, workdir: str, rank: int) -> None:
-        self.path, self.current = os.path.join(workdir, f"steps.{rank}.jsonl"), "init"
-
-    def record(self, ok: bool, detail: str, step: str | None = None) -> None:
-        with open(self.path, "a") as log:
-            log.write(json.dumps({"step": step or self.current, "ok": ok, "detail": detail}) + "\n")
-
-    def check_bytes(self, step: str, got, expected, sender: int) -> None:
-        from .testing.data import first_mismatch
-
-        index = first_mismatch(got, expected)
-        if index is None:
-            self.record(True, f"all {got.numel()} bytes from rank {sender} are right", step)
-        else:
-            self.record(False, f"byte {index} of {got.numel()} differs (got {int(got[index])}, rank {sender} holds "
-                        f"{int(expected[index])}): the transfer reported success but moved the wrong bytes", step)
-
-
-def _probe_rank(memory: str, workdir: str, quiet: bool, timeout_s: float) -> None:
-    """One rank of the transfer probe (run by ``launch``). Over NIXL (forced: the probe is about what NIXL
-    and UCX do), rank 0 READs rank 1's outbox into its inbox and WRITEs its outbox into rank 1's inbox; each
-    receiver checks the bytes. For CUDA memory rank 0 then READs once more over tensorwire's own choice of
-    transport (``cuda_ipc`` on one host) and checks again. Steps go to ``workdir``."""
-    import tensorwire as tw
-
-    from .backends.nixl import quiet_nixl_logging
-    from .testing.data import rank_pattern
-
-    if quiet:
-        quiet_nixl_logging()
-    steps = _StepLog(workdir, int(os.environ.get("RANK", "0")))
-    try:
-        comm = tw.init(timeout=timeout_s)
-        steps.record(True, f"{comm!r}")
-        registration, buffer, remote = _probe_buffer(comm, memory, steps)
-        if comm.rank == 0:
-            _probe_transfers(comm, memory, buffer, remote, steps)
-        steps.current = "barrier"
-        comm.barrier()
-        if comm.rank == 1:
-            n, peer = _PROBE_BYTES, 1 - comm.rank
-            steps.check_bytes("WRITE bytes", buffer[n:], rank_pattern(n, peer, buffer.device), peer)
-        comm.barrier()
-        steps.current = "close"
-        registration.close()
-        comm.close()
-    except BaseException as e:  # recorded for the report, then re-raised so launch stops all ranks
-        steps.record(False, f"{type(e).__name__}: {e}")
-        raise
-    finally:
-        _flush_c_stdio()
-
-
-def _probe_buffer(comm, memory: str, steps: _StepLog):
-    """Register ``[outbox | inbox]`` (the outbox holds this rank's pattern), publish it and look up the peer's;
-    returns (registration, buffer, the peer's descriptor). Blocks until the peer has published."""
-    import torch
-
-    from .testing.data import rank_pattern
-
-    device = comm.device if memory == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    n = _PROBE_BYTES
-    buffer = torch.zeros(2 * n, dtype=torch.uint8, device=device)  # [outbox | inbox]
-    buffer[:n].copy_(rank_pattern(n, comm.rank, device))
-    steps.current = "register"
-    registration = comm.register(buffer)
-    steps.record(True, f"{2 * n} bytes on {device} as {'VRAM' if memory == 'cuda' else 'DRAM'}")
-    comm.publish("doctor", registration.descs)
-    remote = comm.lookup("doctor", 1 - comm.rank)[0]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return registration, buffer, remote
-
-
-def _probe_transfers(comm, memory: str, buffer, remote, steps: _StepLog) -> None:
-    """Rank 0's transfers: READ the peer's outbox and WRITE this outbox into the peer's inbox over NIXL, and for
-    CUDA memory READ again over tensorwire's choice of transport; checks the bytes READ. Blocking."""
-    import torch
-
-    import tensorwire as tw
-
-    from .testing.data import rank_pattern
-
-    n, peer, device = _PROBE_BYTES, 1 - comm.rank, buffer.device
-    steps.current = "READ"
-    _move(comm, tw.READ, buffer[n:], remote.narrow(0, n), "nixl")
-    steps.record(True, f"{n} bytes from rank {peer} over nixl")
-    steps.check_bytes("READ bytes", buffer[n:], rank_pattern(n, peer, device), peer)
-    steps.current = "WRITE"
-    _move(comm, tw.WRITE, buffer[:n], remote.narrow(n, n), "nixl")
-    steps.record(True, f"{n} bytes to rank {peer} over nixl")
-    if memory == "cuda":
-        steps.current = "default READ"
-        buffer[n:].zero_()
-        torch.cuda.synchronize(device)
-        chosen = _move(comm, tw.READ, buffer[n:], remote.narrow(0, n), None)
-        torch.cuda.synchronize(device)  # a stream-ordered transport's copy is on the current stream
-        steps.record(True, chosen)
-        steps.check_bytes(f"READ over {chosen} (tensorwire's choice) bytes", buffer[n:],
-                          rank_pattern(n, peer, device), peer)
-
-
-@dataclass
-class ProbeResult:
-    memory: str
-    steps: dict[int, list[dict]] = field(default_factory=dict)
-    error: str | None = None  # why launch failed (a rank raised, crashed or timed out)
-    rows: list[ProtoRow] = field(default_factory=list)
-    ucx_messages: list[str] = field(default_factory=list)
-
-    def step(self, rank: int, name: str) -> dict | None:
-        return next((s for s in self.steps.get(rank, []) if s["step"] == name), None)
-
-    def failures(self) -> list[str]:
-        return [f"rank {r} {s['step']}: {s['detail']}" for r in sorted(self.steps) for s in self.steps[r]
-                if not s["ok"]]
 
 
 def _report_ucx_binding(report: Report) -> None:
@@ -205,32 +62,6 @@ def _report_ucx_binding(report: Report) -> None:
                     "set MASTER_ADDR to this host's IPv4 address on the network the ranks share, or UCX_NET_DEVICES")
     else:
         report.line(f"UCX bound to one interface: {why} (UCX_NET_DEVICES={devices} for a job at {address})")
-
-
-def run_probe(memory: str, timeout_s: float = 15.0, quiet: bool = True) -> ProbeResult:
-    """Move 1 MiB both ways between two fresh processes over ``memory`` ("cpu" or "cuda") with UCX's
-    protocol tables on; never raises for a failing probe (the failure is in the result)."""
-    from .errors import TensorwireError
-    from .testing import launch
-
-    result = ProbeResult(memory)
-    with tempfile.TemporaryDirectory(prefix="tensorwire-doctor-") as workdir:
-        env = {"UCX_PROTO_INFO": "y", "UCX_LOG_FILE": os.path.join(workdir, "ucx.%p.log")}
-        try:
-            launch(_probe_rank, 2, memory, workdir, quiet, timeout_s, timeout=timeout_s + 5, env=env)
-        except TensorwireError as e:
-            lines = str(e).strip().splitlines()
-            result.error = lines[0] + (f" ... {lines[-1]}" if len(lines) > 1 else "")
-        for rank in (0, 1):
-            path = Path(workdir, f"steps.{rank}.jsonl")
-            if path.exists():
-                result.steps[rank] = [json.loads(line) for line in path.read_text().splitlines() if line]
-        for path in sorted(Path(workdir).glob("ucx.*.log")):
-            text = path.read_text(errors="replace")
-            result.rows += parse_proto_info(text)
-            result.ucx_messages += warnings_and_errors(text)
-    result.rows = transfer_rows(result.rows)
-    return result
 
 
 # --- the report ---------------------------------------------------------------------------------------
@@ -257,15 +88,25 @@ class Report:
 
 
 def diagnose(emit: Callable[[str], None] = print, timeout_s: float = 15.0, quiet: bool = True,
-             clean: bool = False) -> Report:
-    """Run every check, printing through ``emit`` as it goes; returns the report (problems listed). ``clean``:
-    remove the ``/dev/shm`` files that tensorwire processes gone since left (else only count them)."""
-    from . import backends
-    from .backends.nixl_setup import INSTALL_NIXL, nixl_installed
-
+             clean: bool = True) -> Report:
+    """Run every check, printing through ``emit`` as it goes; returns the report (problems listed). Removes the
+    ``/dev/shm`` files that tensorwire processes gone since left (``clean=False``: only counts them)."""
     report = Report(emit)
     emit("tensorwire doctor")
     versions = software_versions()
+    _report_versions(report, versions)
+    nixl_ok = _report_backends(report)
+    has_devices = _report_cuda(report, versions)
+    _report_job(report)
+    _report_leftovers(report, clean)  # before the probes: their tw.init would remove the files unreported
+    cuda = _report_transports(report, timeout_s, quiet, nixl_ok, has_devices)
+    report.section("NIXL VRAM")
+    _report_vram(report, cuda, nixl_ok)
+    _report_verdict(report)
+    return report
+
+
+def _report_versions(report: Report, versions: dict) -> None:
     report.section("versions")
     for name in ("tensorwire", "torch", "nixl", "ucx", "python"):
         value = versions[name] or "not found"
@@ -274,6 +115,12 @@ def diagnose(emit: Callable[[str], None] = print, timeout_s: float = 15.0, quiet
         if name == "nixl" and versions["nixl_module"]:
             value += f" (loaded {versions['nixl_module']})"
         report.line(f"{name:<11}{value}")
+
+
+def _report_backends(report: Report) -> bool:
+    """The backends table, and whether the nixl backend is available (the probes need it)."""
+    from . import backends
+    from .backends.nixl_setup import INSTALL_NIXL, nixl_installed
 
     infos = backends()
     report.section("backends")
@@ -284,8 +131,11 @@ def diagnose(emit: Callable[[str], None] = print, timeout_s: float = 15.0, quiet
                     "memory from tw.shared_empty) and cuda_ipc", INSTALL_NIXL)
     elif not infos["nixl"].available:
         report.loud("FAIL", f"backend nixl is unavailable: {infos['nixl'].reason}", infos["nixl"].fix)
-    nixl_ok = infos["nixl"].available
+    return infos["nixl"].available
 
+
+def _report_cuda(report: Report, versions: dict) -> bool:
+    """The CUDA devices and the settings that break VRAM transfers; whether there is a device."""
     report.section("CUDA")
     devices, cuda_note = cuda_summary()
     for device in devices:
@@ -295,25 +145,34 @@ def diagnose(emit: Callable[[str], None] = print, timeout_s: float = 15.0, quiet
     if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
         report.loud("WARN", "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True; NIXL registers such memory "
                     "but UCX then moves it at ~0.3 GB/s", "unset expandable_segments for processes that transfer")
+    return bool(devices)
 
+
+def _report_job(report: Report) -> None:
+    """What a job of this environment meets with: its token, where UCX listens, the fleet's directory."""
     report.section("job")
-    authenticated, reason = job_token_status()
+    authenticated, reason = config.job_token_status()
     if authenticated:
         report.line(reason)
     else:
         report.loud("WARN", reason)
     _report_ucx_binding(report)
-    _report_leftovers(report, clean)  # before the probes: their tw.init would remove the files unreported
+    _report_fleet(report)
 
-    report.section("transports (2 processes, UCX_PROTO_INFO=y in their environment)")
+
+def _report_transports(report: Report, timeout_s: float, quiet: bool, nixl_ok: bool,
+                       has_devices: bool) -> ProbeResult | None:
+    """The 2-process probes of host and CUDA memory; the CUDA one's result (None when skipped) for the VRAM
+    section."""
+    report.section("transports (2 processes in a job of their own, UCX_PROTO_INFO=y in their environment)")
     host = run_probe("cpu", timeout_s, quiet) if nixl_ok else None
     _report_probe(report, "host -> host", host, "nixl unavailable")
-    cuda = run_probe("cuda", timeout_s + 10, quiet) if nixl_ok and devices else None
+    cuda = run_probe("cuda", timeout_s + 10, quiet) if nixl_ok and has_devices else None
     _report_probe(report, "cuda -> cuda", cuda, "nixl unavailable" if not nixl_ok else "no CUDA device")
+    return cuda
 
-    report.section("NIXL VRAM")
-    _report_vram(report, cuda, nixl_ok)
 
+def _report_verdict(report: Report) -> None:
     report.section("verdict")
     if report.problems:
         report.line(f"{len(report.problems)} problem(s):")
@@ -321,7 +180,69 @@ def diagnose(emit: Callable[[str], None] = print, timeout_s: float = 15.0, quiet
             report.line(f"- {problem}")
     else:
         report.line("no problems found")
-    return report
+
+
+def _report_fleet(report: Report) -> None:
+    """With ``TENSORWIRE_DIRECTORY`` set, whether the directory it names answers (a TCP connection to each of
+    its addresses, bounded by ``_FLEET_CONNECT_S``); blames the variable or the directory, never the transports."""
+    from .environment import parse_directory
+    from .errors import InvalidArgumentError
+
+    address = config.load().directory
+    if address is None:
+        report.line("TENSORWIRE_DIRECTORY is not set: processes join a launcher's world (torchrun, mpirun, SLURM)")
+        return
+    try:
+        parsed = parse_directory(address)
+        kind, endpoints = parsed.scheme, parsed.endpoints
+    except InvalidArgumentError as e:
+        report.loud("FAIL", f"TENSORWIRE_DIRECTORY={address!r} is not a directory address: {e}",
+                    "export TENSORWIRE_DIRECTORY=tcp://HOST:PORT (the address 'tensorwire directory' printed)")
+        return
+    answers = {endpoint: _connects(*endpoint) for endpoint in endpoints}
+    if not any(why is None for why in answers.values()):
+        what = "no directory" if kind == "tcp" else "no etcd endpoint"
+        tried = "; ".join(f"{host}:{port}: {why}" for (host, port), why in answers.items())
+        host, port = endpoints[0]
+        start = (f"start one there ('tensorwire directory --host {host} --port {port}') or export the address a "
+                 "running one printed" if kind == "tcp" else "start etcd there or list endpoints that run")
+        report.loud("FAIL", f"fleet: TENSORWIRE_DIRECTORY={address}, and {what} answers there ({tried}); "
+                    "every tw.init() of this environment joins that fleet and will fail",
+                    f"{start}, or unset TENSORWIRE_DIRECTORY to join a launcher's world")
+        return
+    up = [f"{host}:{port}" for (host, port), why in answers.items() if why is None]
+    if kind == "tcp" and not _admitted(report, address, *endpoints[0]):
+        return
+    report.line(f"fleet: TENSORWIRE_DIRECTORY={address}: the {'directory' if kind == 'tcp' else 'etcd cluster'} "
+                f"answers at {', '.join(up)}; tw.init() here joins that fleet")
+    if config.load().name is None:
+        report.line("fleet: TENSORWIRE_NAME is not set: give each member init(name=...) or TENSORWIRE_NAME")
+
+
+def _admitted(report: Report, address: str, host: str, port: int) -> bool:
+    """Whether the embedded directory at ``host:port`` admits this environment's job token (its handshake, then
+    one round trip); a FAIL saying what to fix where it does not."""
+    from .errors import TensorwireError
+    from .meeting.directory_store import DirectoryStore
+
+    try:
+        DirectoryStore(host, port, token=config.load().job_token, lease_s=2 * _FLEET_CONNECT_S,
+                       connect_s=_FLEET_CONNECT_S, request_s=_FLEET_CONNECT_S).close()
+    except TensorwireError as e:
+        report.loud("FAIL", f"fleet: TENSORWIRE_DIRECTORY={address}: the directory answers but does not admit this "
+                    f"environment ({e})", "export the fleet's TENSORWIRE_JOB_TOKEN (the one the directory was "
+                    "started with) or point TENSORWIRE_DIRECTORY at this fleet's directory")
+        return False
+    return True
+
+
+def _connects(host: str, port: int) -> str | None:
+    """None when a TCP connection to ``host:port`` opens within ``_FLEET_CONNECT_S``, else why not."""
+    try:
+        with socket.create_connection((host, port), timeout=_FLEET_CONNECT_S):
+            return None
+    except OSError as e:
+        return e.strerror or type(e).__name__
 
 
 def _report_leftovers(report: Report, clean: bool) -> None:
@@ -329,15 +250,17 @@ def _report_leftovers(report: Report, clean: bool) -> None:
     from .shared_memory import SHM_DIRECTORY, orphans, remove_orphans
 
     report.section("shared memory")
-    found = remove_orphans() if clean else orphans()
+    found = orphans()
+    size = sum(_file_size(path) for path in found)
     if not found:
         report.line(f"no files in {SHM_DIRECTORY} left by tensorwire processes that are gone")
     elif clean:
-        report.line(f"removed {len(found)} file(s) left in {SHM_DIRECTORY} by tensorwire processes that are gone")
+        removed = remove_orphans()
+        report.line(f"removed {len(removed)} file(s) ({size} bytes) left in {SHM_DIRECTORY} by tensorwire processes "
+                    "that are gone (killed)")
     else:
-        size = sum(_file_size(path) for path in found)
         report.loud("WARN", f"{len(found)} file(s) ({size} bytes) in {SHM_DIRECTORY} left by tensorwire processes "
-                    "that are gone (killed)", "tensorwire doctor --clean removes them (so does the next tw.init)")
+                    "that are gone (killed)", "the next tw.init, tw.shared_empty or tensorwire doctor removes them")
 
 
 def _file_size(path: str) -> int:
@@ -390,13 +313,18 @@ def _report_probe(report: Report, label: str, probe: ProbeResult | None, skipped
         report.line(f"{label:<14}UCX said: {message}")
     if probe.memory == "cpu":  # the CUDA probe's failures are the VRAM section's subject
         for failure in probe.failures():
-            report.loud("FAIL", f"{label} probe: {failure}", _probe_fix())
+            report.loud("FAIL", f"{label} probe: {failure}", _probe_fix(probe))
         if probe.error and not probe.failures():
-            report.loud("FAIL", f"{label} probe: {probe.error}", _probe_fix())
+            report.loud("FAIL", f"{label} probe: {probe.error}", _probe_fix(probe))
 
 
-def _probe_fix() -> str:
-    """Where to look when a probe fails: UCX's own words above, and the UCX settings in force."""
+def _probe_fix(probe: ProbeResult) -> str:
+    """Where to look when a probe fails: before its ranks met, the meeting (nothing of UCX ran yet); after, UCX's
+    own words above, and the UCX settings in force."""
+    if not probe.met():
+        return ("the probe's two processes failed in tw.init, before any transfer (they meet on 127.0.0.1 in a job "
+                "of their own); the error above says why: check that this host lets a process listen on and connect "
+                "to 127.0.0.1, and the TENSORWIRE_* variables of this environment")
     settings = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("UCX_"))
     where = f"UCX settings in this environment: {', '.join(settings)}" if settings else "no UCX_* variables are set"
     return f"read 'UCX said' above; {where}; unset or widen them (NIXL needs a host transport even for VRAM)"
@@ -425,6 +353,6 @@ def _report_vram(report: Report, probe: ProbeResult | None, nixl_ok: bool) -> No
     if failures or probe.error:
         report.loud("FAIL", "the 2-process VRAM transfer failed: " + "; ".join(failures or [probe.error]),
                     "if bytes are wrong, UCX probably used a host path on device pointers: see the transports "
-                    f"above; otherwise {_probe_fix()}")
+                    f"above; otherwise {_probe_fix(probe)}")
         return
     report.line("2-process VRAM transfer (READ and WRITE, 1 MiB): bytes verified on both ranks")

@@ -77,7 +77,10 @@ class Transfer(Closeable):
             # timeout on the deadline thread: have them running before the first
         self._watches: list = []  # progress-thread watches on this transfer's request, drained on close
         self._streams_used: set = set()  # streams this transfer's GPU-side waits were enqueued on
-        self._post_failure: Exception | None = None  # why the last CPU post failed (raised again by wait())
+        # Why the last CPU post failed, as its type and message (raised again by wait()): not the exception, whose
+        # traceback holds this transfer's frames and the backend's (a cycle that kept a failed transfer, its request
+        # and the NIXL agent under it alive after close until a gc pass).
+        self._post_failure: tuple[type[Exception], str] | None = None
         self.closed = False
 
     @property
@@ -153,10 +156,13 @@ class Transfer(Closeable):
         # A failed post is not done: a wait() after it must raise, not report the previous post's success.
         shared.state = Status.ERROR
         error = self._peer_lost_or(self._post_error(e), "post")
-        self._post_failure = error
-        if error is e:
-            raise e
-        raise error from e
+        self._post_failure = (type(error), str(error))
+        try:
+            if error is e:
+                raise e
+            raise error from e
+        finally:  # this frame is in the error's traceback: its locals must not hold the error (a cycle)
+            del error, e
 
     def _after_cpu_post(self, state: Status) -> None:
         """A CPU post that did not simply complete: publish it to stream waiters, raise a rejection, notify."""
@@ -238,8 +244,8 @@ class Transfer(Closeable):
                 f"wait: the {self.op.value} to rank {self.peer} was posted on a stream; pass wait(stream=...)"
             )
         if shared.state is Status.ERROR and self._post_failure is not None:
-            failure = self._post_failure
-            raise type(failure)(f"wait: the last post failed, nothing was transferred: {failure}")
+            kind, message = self._post_failure
+            raise kind(f"wait: the last post failed, nothing was transferred: {message}")
         if self._stream_ordered:
             # Copies on a stream complete when their event fires: poll it alone, not the backend's status through
             # status() (an eager 4 KiB copy over cuda_ipc is done in a few µs, and each poll counts). What other

@@ -54,6 +54,19 @@ from .errors import TransferError
 
 __all__ = ["TransferState", "MAX_KEPT_ERRORS"]
 
+def without_frames(error: BaseException) -> BaseException:
+    """``error`` with the tracebacks of it and of what caused it dropped, returned. A kept error raised again later
+    needs its message, not the frames it passed through: they hold the transfer, its request and the backend's
+    agent, a cycle that outlived ``close`` until a gc pass."""
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return error
+
+
 MAX_KEPT_ERRORS = 64  # failures from other threads kept for the user's next calls; later ones are counted
 
 
@@ -80,7 +93,9 @@ class TransferState:
 
     # --- failures from other threads ------------------------------------------------------------
     def fail(self, error: Exception) -> None:
-        """Keep ``error`` (seen on the progress or deadline thread) for the user thread's next call. Any thread."""
+        """Keep ``error`` (seen on the progress or deadline thread) for the user thread's next call, without its
+        frames (``without_frames``). Any thread."""
+        without_frames(error)
         with self.lock:
             if len(self._errors) < MAX_KEPT_ERRORS:
                 self._errors.append(error)
@@ -113,7 +128,7 @@ class TransferState:
         with self.lock:
             if self._stuck is not None:
                 return False
-            self._stuck, self.post_call = error, None
+            self._stuck, self.post_call = without_frames(error), None
             return True
 
     def revoke(self, error: Exception) -> None:
@@ -121,7 +136,7 @@ class TransferState:
         already failed otherwise (what the memory's owner did is the reason that lasts). The revocation thread, or
         the user thread deregistering memory its own transfers reach."""
         with self.lock:
-            self._stuck, self.post_call = error, None
+            self._stuck, self.post_call = without_frames(error), None
 
     # --- closing --------------------------------------------------------------------------------
     def close_after(self, events: list) -> None:

@@ -112,6 +112,46 @@ def test_bench_kv_writes_every_path_on_host_memory(tmp_path):
     _header_and_progress(done.stderr, "kv")
 
 
+def _in_a_terminal(*args: str) -> str:
+    """``tensorwire *args`` with stdout and stderr on one pseudo-terminal, as in a user's terminal; all it showed."""
+    import os
+    import pty
+    import threading
+
+    leader, follower = pty.openpty()
+    process = subprocess.Popen([sys.executable, "-m", "tensorwire", *args], stdout=follower, stderr=follower,
+                               stdin=subprocess.DEVNULL)
+    os.close(follower)
+    shown: list[bytes] = []
+
+    def read() -> None:  # drained as it comes: a full terminal buffer would block the command
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the command closed its end
+                return
+            if not chunk:
+                return
+            shown.append(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert process.wait(timeout=240) == 0, b"".join(shown).decode(errors="replace")[-3000:]
+    reader.join(timeout=60)
+    os.close(leader)
+    return b"".join(shown).decode(errors="replace")
+
+
+def test_a_bench_in_a_terminal_shows_its_header_once_and_a_saved_report_keeps_it():
+    args = ("bench", "kv", "--memory", "cpu", "--blocks", "200", "--block-bytes", "4K", "--no-llama", "--no-raw",
+            "--time", "0.2", "--patterns", "random")
+    screen = _in_a_terminal(*args)
+    assert screen.count("tensorwire bench kv:") == 1 and screen.count("  software ") == 1, screen[-3000:]
+    saved = _tensorwire(*args)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    assert "  software " in saved.stdout and "  software " in saved.stderr, saved.stdout[-3000:]
+
+
 def test_doctor_gives_a_verdict():
     done = _tensorwire("doctor", "--timeout", "60")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import sys
 import warnings
@@ -61,15 +62,16 @@ print(shared_file_of(tensor.data_ptr(), 4096).path, flush=True)
 
 @pytest.mark.parametrize("end", ["os.kill(os.getpid(), signal.SIGKILL)", "os._exit(3)"])
 def test_what_a_killed_process_left_is_removed_by_the_next_one(end):
-    """A process that ends without any cleanup running leaves its file; the next one removes it, never its own."""
+    """A process that ends without any cleanup running leaves its file; the next one (here its ``shared_empty``)
+    removes it, never its own."""
     done = subprocess.run([sys.executable, "-c", _ALLOCATE_THEN_DIE.format(end=end)], capture_output=True, text=True,
                           timeout=120, check=False)
     path = done.stdout.strip()
     assert path.startswith(SHM_DIRECTORY) and os.path.exists(path), (done.returncode, done.stderr[-2000:])
     assert path in orphans()
-    alive = tw.shared_empty(16)
-    assert _file_of(alive) not in orphans()
-    assert path in remove_orphans() and not os.path.exists(path)
+    alive = tw.shared_empty(16)  # the next tensorwire call of this host: it removes what the dead one left
+    assert not os.path.exists(path)
+    assert _file_of(alive) not in orphans() and _file_of(alive) not in remove_orphans()
     assert os.path.exists(_file_of(alive))
 
 
@@ -80,6 +82,59 @@ def test_tw_init_removes_what_killed_processes_left():
     port = tw.testing.free_port()
     with tw.init(rank=0, world_size=1, master_addr="127.0.0.1", master_port=port, timeout=INIT_TIMEOUT):
         assert not os.path.exists(path)
+
+
+def test_a_file_whose_pid_now_belongs_to_another_process_is_an_orphan_and_a_live_ones_is_not():
+    """The name records its process's start time: a file named with a live pid (this one) but another start
+    time was left by a process that had this pid before (a reused pid), and is removed; this process's own
+    name stays."""
+    own = os.path.basename(tw.shared_memory.owned_file_name())
+    namespace, pid, start, random = own.split("-")[1:]
+    assert pid == str(os.getpid()) and int(start) > 0, own
+    earlier = os.path.join(SHM_DIRECTORY, f"tensorwire-{namespace}-{pid}-{int(start) - 1}-{random}")
+    mine = os.path.join(SHM_DIRECTORY, own)
+    for path in (earlier, mine):
+        with open(path, "wb") as file:
+            file.write(b"x")
+    try:
+        removed = remove_orphans()
+        assert earlier in removed and not os.path.exists(earlier)
+        assert mine not in removed and os.path.exists(mine)
+    finally:
+        for path in (earlier, mine):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_a_process_ended_by_an_uncaught_exception_removes_its_files():
+    done = subprocess.run([sys.executable, "-c", _ALLOCATE_THEN_DIE.format(end="raise RuntimeError('boom')")],
+                          capture_output=True, text=True, timeout=120, check=False)
+    path = done.stdout.strip()
+    assert done.returncode == 1 and "RuntimeError: boom" in done.stderr and path.startswith(SHM_DIRECTORY), done
+    assert not os.path.exists(path), "the file outlived its process"
+
+
+_ALLOCATE_THEN_WAIT = """
+import time, torch, tensorwire as tw
+from tensorwire.backends.shm import shared_file_of
+tensor = tw.shared_empty(4096, dtype=torch.uint8)
+print(shared_file_of(tensor.data_ptr(), 4096).path, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGHUP])
+def test_a_process_ended_by_sigterm_or_sighup_removes_its_files_and_still_dies_of_the_signal(number):
+    process = subprocess.Popen([sys.executable, "-c", _ALLOCATE_THEN_WAIT], stdout=subprocess.PIPE, text=True)
+    try:
+        path = process.stdout.readline().strip()
+        assert path.startswith(SHM_DIRECTORY) and os.path.exists(path), path
+        process.send_signal(number)
+        assert process.wait(timeout=60) == -number  # ended by the signal, as without tensorwire
+        assert not os.path.exists(path), "the file outlived its process"
+    finally:
+        process.kill()
+        process.wait(timeout=60)
 
 
 def _namespace() -> int:

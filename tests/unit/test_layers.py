@@ -39,7 +39,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("integrations", ["tensorwire.integrations", "tensorwire.integrations.*"]),
     ("tool support", ["tensorwire.machine", "tensorwire.testing.suite", "tensorwire.testing.scenarios",
                       "tensorwire.testing.moe_reference", "tensorwire.testing.cli_run"]),
-    ("tools", ["tensorwire.doctor", "tensorwire.ucx_protocols", "tensorwire.bench", "tensorwire.bench.*"]),
+    ("tools", ["tensorwire.doctor", "tensorwire.doctor_probe", "tensorwire.ucx_protocols", "tensorwire.bench",
+               "tensorwire.bench.*"]),
     ("command", ["tensorwire.cli", "tensorwire.__main__"]),
 ]
 

@@ -397,9 +397,12 @@ class NixlBackend:
 
     # --- errors -------------------------------------------------------------------------------
     def _translate(self, error: Exception, what: str, peer: int | None = None) -> Exception:
-        """A NIXL exception as the tensorwire error that says which peer and what failed."""
+        """A NIXL exception as the tensorwire error that says which peer and what failed. NIXL's exception, the
+        cause, loses its traceback: its frames hold the request's NIXL handles, which hold the agent (its threads
+        and sockets) for as long as anyone keeps the error, past the communicator's close."""
         if isinstance(error, BackendUnavailableError):
             return error  # no agent to do it with (``wait_ready``): that says it all
+        error.__traceback__ = None
         kind = type(error).__name__
         where = f" (peer rank {peer})" if peer is not None else ""
         if kind == "nixlRemoteDisconnectError":
@@ -442,7 +445,12 @@ class _BlockRequest:
         return self.bindings.current[0]._handle
 
     def release(self) -> None:
+        """Release the bound requests and both lists, then let go of the agent: a request kept past its release
+        (by its user, or a cycle) must not keep the agent, its threads and sockets, past the communicator's
+        close."""
         self.bindings.clear()
         for dlist in (self.local_list, self.remote_list):
-            self._agent.release_dlist_handle(dlist)
+            if dlist is not None:
+                self._agent.release_dlist_handle(dlist)
         self.local_list = self.remote_list = None
+        self._agent = None

@@ -331,6 +331,9 @@ def _transports(text: str) -> tuple[str, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = FleetBenchConfig()
+    parser.epilog = ("Needs: the nixl package (raw NIXL's first contact is the reference) and room in /dev/shm for the"
+                     " members' pools. Starts its own directory on 127.0.0.1 and every member as a local process; "
+                     "TENSORWIRE_DIRECTORY is not read.")
     parser.description = (HELP + ". Host memory only. The defaults take about a minute on a 2-core machine.")
     parser.add_argument("--members", type=_members, default=defaults.members, metavar="N,N",
                         help="fleet sizes, members in all (default 2,8)")

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..errors import TransferError
-from ..shared_memory import shared_empty
+from ..shared_memory import remove_own_files, shared_empty
 from .timing import HostClock
 
 __all__ = ["FIRST_POOL_BLOCKS", "FIRST_READ_BLOCKS", "holder", "reader", "world_rank", "descriptors"]
@@ -130,8 +130,10 @@ def _serve(conn: Any, env: dict[str, str], party: Callable[[], dict[str, Callabl
     except BaseException as e:  # noqa: BLE001 - every failure goes to the command, which stops every party
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         conn.close()
+        remove_own_files()  # os._exit runs no finalizer
         os._exit(1)
     conn.close()
+    remove_own_files()
     os._exit(0)  # backend threads must not hold a finished party
 
 
@@ -217,67 +219,84 @@ class _SteadyRead:
         self.pool.close()
 
 
-def reader(conn: Any, env: dict[str, str], directory: str, name: str, timeout_s: float) -> None:
-    """``name``: ``join``, ``first``, ``steady``, ``warm``, ``round``, ``fds``, ``stop``."""
-    state: dict[str, Any] = {"transfers": []}
+class _Reader:
+    """A reader's state across the command's requests: its communicator, the small pool its first READs land in
+    (and their transfers, kept for ``stop``), and the steady-state read once ``steady`` set it up."""
 
-    def join(block_bytes: int) -> dict[str, Any]:
-        comm, joined = _join(directory, name, timeout_s)
-        state["comm"] = comm
-        state["landing"] = torch.zeros(FIRST_POOL_BLOCKS, block_bytes // 4, dtype=torch.int32)
+    def __init__(self, directory: str, name: str, timeout_s: float) -> None:
+        self.directory, self.name, self.timeout_s = directory, name, timeout_s
+        self.comm: Any = None
+        self.landing: torch.Tensor | None = None
+        self.small: Any = None
+        self.transfers: list[Any] = []
+        self.steady_read: _SteadyRead | None = None
+
+    def handlers(self) -> dict[str, Callable]:
+        """What the command may ask: ``join``, ``first``, ``steady``, ``warm``, ``round``, ``check``, ``fds``,
+        ``stop``."""
+        return {"join": self.join, "first": self.first, "steady": self.steady, "fds": descriptors, "stop": self.stop,
+                "warm": lambda transport: self.steady_read.warm(transport),
+                "round": lambda transport, reps: self.steady_read.round(transport, reps),
+                "check": lambda transport: self.steady_read.check(transport)}
+
+    def join(self, block_bytes: int) -> dict[str, Any]:
+        """Join the fleet and register the landing pool; the join's phases, ms until serving, and fds."""
+        self.comm, joined = _join(self.directory, self.name, self.timeout_s)
+        self.landing = torch.zeros(FIRST_POOL_BLOCKS, block_bytes // 4, dtype=torch.int32)
         start = time.perf_counter()
-        state["small"] = comm.register_blocks(state["landing"])
+        self.small = self.comm.register_blocks(self.landing)
         joined["serving_ms"] = joined["join_ms"] + (time.perf_counter() - start) * 1e3
         return {**joined, **descriptors()}
 
-    def first(targets: list[tuple[str, int]], block_bytes: int) -> list[dict[str, float]]:
+    def first(self, targets: list[tuple[str, int]], block_bytes: int) -> list[dict[str, float]]:
         """Per target ``(name, member index)``: ms of each step of the first READ, and µs of the same READ again."""
+        ids = np.random.default_rng(0).permutation(FIRST_POOL_BLOCKS)[:FIRST_READ_BLOCKS]
+        return [self._first_read(target, member, ids, block_bytes) for target, member in targets]
+
+    def _first_read(self, target: str, member: int, ids: np.ndarray, block_bytes: int) -> dict[str, float]:
+        """The first READ of ``ids`` from ``target``, timed step by step (rank_of, lookup, prepare, read), its
+        bytes checked, then the same READ again (the median of 5)."""
         import tensorwire as tw
 
-        comm, small = state["comm"], state["small"]
-        ids = np.random.default_rng(0).permutation(FIRST_POOL_BLOCKS)[:FIRST_READ_BLOCKS]
-        out = []
-        for target, member in targets:
-            t0 = time.perf_counter()
-            rank = comm.rank_of(target, timeout=timeout_s)
-            t1 = time.perf_counter()
-            remote = comm.lookup_blocks("first", rank, timeout=timeout_s)
-            t2 = time.perf_counter()
-            x = comm.prepare_blocks(tw.READ, small, remote, transport="nixl")
-            t3 = time.perf_counter()
-            x.post(ids, ids)
-            x.wait(timeout=_WAIT_S)
-            t4 = time.perf_counter()
-            state["transfers"].append(x)
-            if not torch.equal(state["landing"][torch.as_tensor(ids)], _expected(ids, block_bytes, member * 1000)):
-                raise TransferError(f"bench fleet: the first READ from {target} landed wrong bytes")
-            again = HostClock().time_calls(lambda x=x: (x.post(ids, ids), x.wait(timeout=_WAIT_S)), 5)
-            out.append({"rank_of_ms": (t1 - t0) * 1e3, "lookup_ms": (t2 - t1) * 1e3, "prepare_ms": (t3 - t2) * 1e3,
-                        "read_ms": (t4 - t3) * 1e3, "total_ms": (t4 - t0) * 1e3,
-                        "again_us": sorted(again)[2] * 1e6})
-        return out
+        t0 = time.perf_counter()
+        rank = self.comm.rank_of(target, timeout=self.timeout_s)
+        t1 = time.perf_counter()
+        remote = self.comm.lookup_blocks("first", rank, timeout=self.timeout_s)
+        t2 = time.perf_counter()
+        x = self.comm.prepare_blocks(tw.READ, self.small, remote, transport="nixl")
+        t3 = time.perf_counter()
+        x.post(ids, ids)
+        x.wait(timeout=_WAIT_S)
+        t4 = time.perf_counter()
+        self.transfers.append(x)
+        if not torch.equal(self.landing[torch.as_tensor(ids)], _expected(ids, block_bytes, member * 1000)):
+            raise TransferError(f"bench fleet: the first READ from {target} landed wrong bytes")
+        again = HostClock().time_calls(lambda: (x.post(ids, ids), x.wait(timeout=_WAIT_S)), 5)
+        return {"rank_of_ms": (t1 - t0) * 1e3, "lookup_ms": (t2 - t1) * 1e3, "prepare_ms": (t3 - t2) * 1e3,
+                "read_ms": (t4 - t3) * 1e3, "total_ms": (t4 - t0) * 1e3, "again_us": sorted(again)[2] * 1e6}
 
-    def steady(source: str, blocks: int, block_bytes: int, transports: tuple[str, ...]) -> None:
-        comm = state["comm"]
-        remote = comm.lookup_blocks("steady", comm.rank_of(source, timeout=timeout_s), timeout=timeout_s)
-        state["steady"] = _SteadyRead(comm, remote, blocks, block_bytes, _STEADY_OWNER, transports)
+    def steady(self, source: str, blocks: int, block_bytes: int, transports: tuple[str, ...]) -> None:
+        """Set up the steady-state READ of ``blocks`` from member ``source``."""
+        remote = self.comm.lookup_blocks("steady", self.comm.rank_of(source, timeout=self.timeout_s),
+                                         timeout=self.timeout_s)
+        self.steady_read = _SteadyRead(self.comm, remote, blocks, block_bytes, _STEADY_OWNER, transports)
 
-    def stop() -> dict[str, int]:
+    def stop(self) -> dict[str, int]:
+        """Close everything (in the order it depends on); the fds before that."""
         seen = descriptors()
-        if "steady" in state:
-            state["steady"].close()
-        for x in state["transfers"]:
+        if self.steady_read is not None:
+            self.steady_read.close()
+        for x in self.transfers:
             x.close()
-        if "comm" in state:
-            state["small"].close()
-            state["comm"].close()
+        if self.comm is not None:
+            self.small.close()
+            self.comm.close()
         return seen
 
-    _serve(conn, env, lambda: {
-        "join": join, "first": first, "steady": steady, "fds": descriptors, "stop": stop,
-        "warm": lambda transport: state["steady"].warm(transport),
-        "round": lambda transport, reps: state["steady"].round(transport, reps),
-        "check": lambda transport: state["steady"].check(transport)})
+
+def reader(conn: Any, env: dict[str, str], directory: str, name: str, timeout_s: float) -> None:
+    """``name``: a fleet member that reads from the others (``_Reader``'s requests), until ``stop``."""
+    _serve(conn, env, lambda: _Reader(directory, name, timeout_s).handlers())
 
 
 # --- the launcher world ------------------------------------------------------------------------------------------

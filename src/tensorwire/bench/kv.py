@@ -356,6 +356,9 @@ def run(config: KvBenchConfig) -> list[Record]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``tensorwire bench kv``, spelled and checked as in the other benchmarks."""
+    parser.epilog = ("Needs: the nixl package for the raw NIXL reference (--no-raw leaves it out); for --memory cuda, "
+                     "a CUDA device torch sees; room in /dev/shm for the pools (host memory). Starts its two ranks as "
+                     "local processes on 127.0.0.1.")
     defaults = KvBenchConfig()
     parser.add_argument("--memory", choices=MEMORY_CHOICES, default="all",
                         help="memory to benchmark; 'all' (default) is cpu plus cuda when torch sees a GPU")

@@ -404,6 +404,9 @@ HELP = "MoE dispatch/combine per engine between local ranks, beside a copy of th
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``tensorwire bench moe``."""
+    parser.epilog = ("Needs: per engine, what it runs on (nixl: the nixl package; torch: Gloo, or NCCL on GPUs; cuda: "
+                     "a CUDA device, Triton and CUDA IPC between the ranks); an engine this machine lacks is skipped, "
+                     "saying why. Starts its ranks as local processes on 127.0.0.1.")
     parser.description = ("MoE dispatch and combine per engine between local ranks, each beside a copy of the "
                           "same bytes inside rank 0 and made by every rank at once.")
     add_common_arguments(parser, graphs_help="GPU: also time the cuda engine's dispatch and combine captured in "

@@ -60,6 +60,7 @@ from .command import (
     at_least,
     check_plot,
     header_lines,
+    header_on_screen,
     memories,
     parse_sizes,
     require_nixl,
@@ -154,6 +155,8 @@ HELP = "READ/WRITE between two local ranks beside raw NIXL and a local copy (the
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``tensorwire bench p2p`` (also those of plain ``tensorwire bench``)."""
+    parser.epilog = ("Needs: the nixl package (pip install 'tensorwire[nixl]': raw NIXL is the reference); for "
+                     "--memory cuda, a CUDA device torch sees. Starts its two ranks as local processes on 127.0.0.1.")
     parser.description = ("Point-to-point READ/WRITE from rank 0 to rank 1 (two local processes), each size timed "
                           "for tensorwire, a bare NIXL agent pair and a local copy of the same bytes.")
     add_common_arguments(parser, graphs_help="GPU: also time transfers captured in CUDA graphs and replayed")
@@ -212,7 +215,7 @@ def main(args: argparse.Namespace) -> int:
     interrupted = result is None
     if interrupted:
         result = replace(unfinished, records=so_far)
-    print(report.format_report(result, head, config), flush=True)
+    print(report.format_report(result, head, config, with_header=not header_on_screen(args.quiet)), flush=True)
     if args.json is not None:
         write_json(args.json, {**report.to_json(result, head, config), "interrupted": interrupted})
     if args.plot is not None and result.records:

@@ -180,9 +180,10 @@ def _gpu_eager_lines(cases: dict[tuple[str, str, int], dict[str, Record]]) -> li
     return lines
 
 
-def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig) -> str:
-    """The aligned table, the idle line and, last, the summary lines."""
-    out = _setup_lines(result, head, config) + [""] + _table_lines(result.records)
+def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig, with_header: bool = True) -> str:
+    """The header (unless ``with_header`` is False), the aligned table, the idle line and, last, the summary
+    lines."""
+    out = (_setup_lines(result, head, config) + [""] if with_header else []) + _table_lines(result.records)
     out += [
         "",
         "  BW/copy = tensorwire GB/s / copy GB/s (higher is better); time/raw = tensorwire us / raw nixl us",

@@ -265,6 +265,11 @@ def plot_vllm(records: list[Record], path: Path, title: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = VllmBenchConfig()
     parser.description = HELP + ". About 10 minutes on a 2-core machine with the defaults."
+    from .vllm_parties import PYTHON_ENV, default_vllm_python
+
+    parser.epilog = (f"Needs: an interpreter with vLLM (its CPU build is enough) and tensorwire and nixl installed in "
+                     f"it. Looks for it at ${PYTHON_ENV}, else at {default_vllm_python()} (the checkout's "
+                     ".venv-vllm); fails at once, naming the path it tried, where neither imports vLLM.")
     parser.add_argument("--lengths", type=list_of(int, minimum=1), default=defaults.lengths, metavar="N,N",
                         help="prompt lengths in tokens (default 256,512,992)")
     parser.add_argument("--concurrency", type=list_of(int, minimum=1), default=defaults.concurrency,

@@ -17,8 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PartyError", "Party", "vllm_python", "start_directory", "start_instance", "start_server", "wait_ready",
-           "ask_server", "make_model", "VLLM_ENV", "PYTHON_ENV"]
+from .. import config
+
+__all__ = ["PartyError", "Party", "vllm_python", "default_vllm_python", "start_directory", "start_instance",
+           "start_server", "wait_ready", "ask_server", "make_model", "VLLM_ENV", "PYTHON_ENV"]
 
 PYTHON_ENV = "TENSORWIRE_VLLM_PYTHON"  # the interpreter with vLLM (default: .venv-vllm/bin/python of the checkout)
 VLLM_ENV = {  # vLLM's CPU build on a small shared box (see the README's "Use it from vLLM")
@@ -30,13 +32,18 @@ VLLM_ENV = {  # vLLM's CPU build on a small shared box (see the README's "Use it
 _REPO = Path(__file__).resolve().parents[3]
 
 
+def default_vllm_python() -> str:
+    """Where ``bench vllm`` looks for vLLM's interpreter when ``TENSORWIRE_VLLM_PYTHON`` is unset."""
+    return str(_REPO / ".venv-vllm" / "bin" / "python")
+
+
 class PartyError(RuntimeError):
     """A party died, stopped answering, or answered with something else than JSON."""
 
 
 def vllm_python() -> tuple[str | None, str]:
     """(the interpreter with vLLM, or None; why not / which one)."""
-    path = os.environ.get(PYTHON_ENV) or str(_REPO / ".venv-vllm" / "bin" / "python")
+    path = config.vllm_python() or default_vllm_python()
     if not os.path.exists(path):
         return None, (f"no interpreter with vLLM at {path}; install vLLM's CPU build there (see .ci/run) or set "
                       f"{PYTHON_ENV}")

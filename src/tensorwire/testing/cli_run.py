@@ -1,8 +1,11 @@
 """A ``tensorwire`` command run as a user runs it, for the tests that interrupt or kill it: a subprocess with SIGINT
-at its default (a shell's background job would ignore it), its stderr read line by line on a thread."""
+at its default (a shell's background job would ignore it) in a process group of its own, as a terminal's
+foreground job is (``signal_group`` sends a signal to it and every process it started, as Ctrl-C does), its
+stderr read line by line on a thread."""
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import subprocess
@@ -20,7 +23,7 @@ class CommandRun:
     def __init__(self, *args: str, wait_s: float = 120.0) -> None:
         self.wait_s = wait_s
         self.process = subprocess.Popen([sys.executable, "-m", "tensorwire", *args], stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True,
+                                        stderr=subprocess.PIPE, text=True, start_new_session=True,
                                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.lines: queue.Queue[str] = queue.Queue()
         self.stderr: list[str] = []
@@ -30,6 +33,11 @@ class CommandRun:
     def _read(self) -> None:
         for line in self.process.stderr:
             self.lines.put(line)
+
+    def signal_group(self, number: int) -> None:
+        """Send signal ``number`` to the command's process group: the command and the processes it started (Ctrl-C
+        in a terminal is SIGINT to the group)."""
+        os.killpg(self.process.pid, number)
 
     def wait_for(self, text: str) -> str:
         """The first stderr line that contains ``text``; AssertionError (with the stderr so far) if the command

@@ -5,10 +5,13 @@ Each child gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, 
 ``TENSORWIRE_JOB_TOKEN`` shared by the job's ranks only (the launching process's environment is not changed).
 The first rank to fail (exception or non-zero exit) stops every rank, and its traceback is raised here.
 
-The launching process owns its ranks: Ctrl-C reaches it alone (the ranks ignore SIGINT, so a rank is never
-cut half-way through its own cleanup) and it stops them all; a rank dies with the launching process even when
-that is killed with SIGKILL (Linux: ``PR_SET_PDEATHSIG``). Once its ranks are gone the launcher removes the
-``/dev/shm`` files they left (``shared_memory.remove_orphans``).
+The launching process owns its ranks: Ctrl-C, which a terminal sends to the whole process group, stops the
+launcher, and it stops them all (the ranks ignore SIGINT: a rank in the middle of a transfer is never cut
+half-way through its own cleanup; the launcher kills it, then removes its files). SIGTERM to the group ends the
+launcher the same way (while ``launch`` waits, SIGTERM raises ``SystemExit(143)`` in it, where nobody else
+handles SIGTERM), and a rank's own SIGTERM removes the files it created (``shared_memory``). A rank dies with
+the launching process even when that is killed with SIGKILL (Linux: ``PR_SET_PDEATHSIG``). Once its ranks are
+gone the launcher removes the ``/dev/shm`` files they left (``shared_memory.remove_orphans``).
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ import pickle
 import secrets
 import signal
 import socket
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ..errors import TensorwireError, WaitTimeoutError
-from ..shared_memory import remove_orphans
+from ..shared_memory import remove_orphans, remove_own_files
 
 __all__ = ["launch", "free_port", "RankFailedError"]
 
@@ -73,10 +78,32 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, env: d
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent
         conn.send_bytes(pickle.dumps(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
         conn.close()
+        remove_own_files()  # the traceback holds the tensors, and os._exit runs no finalizer
         os._exit(1)
     conn.close()
+    remove_own_files()
     # Skip interpreter teardown: backend threads must not be able to hang a finished rank.
     os._exit(0)
+
+
+def _raise_exit(number: int, _frame: object) -> None:
+    raise SystemExit(128 + number)
+
+
+@contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """While the launcher waits, SIGTERM raises ``SystemExit(143)`` so that it still stops its ranks and removes
+    their files (the default action would end it at once). Left alone off the main thread and where someone
+    installed a SIGTERM handler of their own."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) not in (
+            signal.SIG_DFL, _raise_exit):
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _exit_code(proc: Any) -> int | None:
@@ -101,12 +128,13 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     The free port is picked before the ranks start, so another process can take it meanwhile: a job that
     fails because rank 0 found its port taken is started again on a new port (at most twice more).
     """
-    for attempt in range(3):
-        try:
-            return _launch_once(fn, world_size, args, timeout, env, may_die)
-        except RankFailedError as e:
-            if "EADDRINUSE" not in str(e) or attempt == 2:
-                raise
+    with _sigterm_as_exit():
+        for attempt in range(3):
+            try:
+                return _launch_once(fn, world_size, args, timeout, env, may_die)
+            except RankFailedError as e:
+                if "EADDRINUSE" not in str(e) or attempt == 2:
+                    raise
     raise AssertionError("unreachable")
 
 
