@@ -71,6 +71,10 @@ def _parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
                            help="address to listen on, one of this machine's (default 127.0.0.1)")
     directory.add_argument("--port", type=at_least(int, 0), default=29700,
                            help="port to listen on; 0 picks a free one (default 29700)")
+    directory.add_argument("--grace", type=at_least(float), default=None, metavar="S",
+                           help="seconds after the start in which joins wait while the members of a restarted "
+                                "directory put their ranks back (default: twice TENSORWIRE_LIVENESS_S, the members' "
+                                "lease; 0 for a directory that no member has met yet)")
     directory.set_defaults(handler=_directory, parser=directory)
 
     bench = commands.add_parser(
@@ -119,7 +123,7 @@ def _doctor(args: argparse.Namespace) -> int:
 def _directory(args: argparse.Namespace) -> int:
     from .meeting.directory import serve
 
-    serve(args.host, args.port, lambda line: print(line, flush=True))
+    serve(args.host, args.port, lambda line: print(line, flush=True), grace_s=args.grace)
     return 0
 
 
