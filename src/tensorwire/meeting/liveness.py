@@ -108,6 +108,15 @@ class _Incoming:
         self.probe = b""  # a question's kind (``listener_queries``), not a rank's connection
 
 
+def _collected(pending: _Incoming, size: int) -> bytes | _Handshake:
+    """The ``size`` bytes ``pending`` sent, once all arrived; else PENDING (more to come) or REFUSED (closed)."""
+    received = read_up_to(pending.sock, pending.received, size)
+    if received is None:
+        return _Handshake.REFUSED
+    pending.received = received
+    return received if len(received) >= size else _Handshake.PENDING
+
+
 class _Outgoing:
     """A connection this rank opened, until the listener accepted its answer (with a token)."""
 
@@ -388,12 +397,9 @@ class Liveness:
         return outcome is not _Handshake.PENDING
 
     def _take_hello(self, pending: _Incoming) -> _Handshake:
-        received = read_up_to(pending.sock, pending.received, _HELLO.size)
-        if received is None:
-            return _Handshake.REFUSED
-        pending.received = received
-        if len(received) < _HELLO.size:
-            return _Handshake.PENDING
+        received = _collected(pending, _HELLO.size)
+        if isinstance(received, _Handshake):
+            return received
         magic, rank = _HELLO.unpack(received)
         if magic == WAKE and rank == self.rank:
             if self._token is None:  # an unauthenticated job: a wake is taken as it is
@@ -417,12 +423,9 @@ class Liveness:
         return _Handshake.PENDING
 
     def _take_answer(self, pending: _Incoming) -> _Handshake:
-        received = read_up_to(pending.sock, pending.received, _ANSWER_BYTES)
-        if received is None:
-            return _Handshake.REFUSED
-        pending.received = received
-        if len(received) < _ANSWER_BYTES:
-            return _Handshake.PENDING
+        received = _collected(pending, _ANSWER_BYTES)
+        if isinstance(received, _Handshake):
+            return received
         if not hmac.compare_digest(received, _answer(self._token, pending.nonce, pending.rank, self.rank)):
             return _Handshake.REFUSED  # replayed, or made without this job's token
         send_now(pending.sock, _ACCEPTED)
@@ -434,12 +437,9 @@ class Liveness:
     def _take_wake(self, pending: _Incoming) -> _Handshake:
         """A poke's proof: a time (ms) and its MAC under the token, within a minute of this host's clock (a wake
         from a stranger, or an old one replayed, wakes the thread once but keeps it from polling for a second)."""
-        received = read_up_to(pending.sock, pending.received, _WAKE_PROOF.size + _ANSWER_BYTES)
-        if received is None:
-            return _Handshake.REFUSED
-        pending.received = received
-        if len(received) < _WAKE_PROOF.size + _ANSWER_BYTES:
-            return _Handshake.PENDING
+        received = _collected(pending, _WAKE_PROOF.size + _ANSWER_BYTES)
+        if isinstance(received, _Handshake):
+            return received
         (sent_ms,) = _WAKE_PROOF.unpack_from(received)
         fresh = abs(time.time() * 1000 - sent_ms) < 60_000
         if fresh and hmac.compare_digest(received[_WAKE_PROOF.size:], _wake_mac(self._token, self.rank, sent_ms)):
@@ -449,12 +449,9 @@ class Liveness:
     def _take_probe(self, pending: _Incoming) -> _Handshake:
         """Answer a question (``listener_queries``: who runs this listener, or its map epoch), bound to its nonce
         under the token."""
-        received = read_up_to(pending.sock, pending.received, _NONCE_BYTES)
-        if received is None:
-            return _Handshake.REFUSED
-        pending.received = received
-        if len(received) < _NONCE_BYTES:
-            return _Handshake.PENDING
+        received = _collected(pending, _NONCE_BYTES)
+        if isinstance(received, _Handshake):
+            return received
         payload = self._who if pending.probe == PROBE else struct.pack("<I", self.map_epoch())
         send_now(pending.sock, answer(pending.probe, self._token, received, self.rank, payload))
         return _Handshake.PROBED
