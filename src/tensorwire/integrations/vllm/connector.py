@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -10,6 +10,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+
+import tensorwire as tw
 
 from .handoff import Plan
 from .layout import fingerprint
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["TensorwireConnector", "TensorwireConnectorMetadata"]
+
+log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: printed with its lines
 
 
 class TensorwireConnectorMetadata(KVConnectorMetadata):
@@ -69,12 +73,14 @@ class TensorwireConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer_config = vllm_config.kv_transfer_config
         self._settings = Settings.from_extra_config(transfer_config.kv_connector_extra_config,
-                                                    transfer_config.engine_id, os.environ.get("TENSORWIRE_NAME"))
+                                                    transfer_config.engine_id, tw.fleet_from_environment())
         layout = fingerprint(vllm_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self._settings, layout)
+            self._scheduler = SchedulerSide(
+                self._settings, layout, role=transfer_config.kv_role, block_size=vllm_config.cache_config.block_size,
+                policy=getattr(transfer_config, "kv_load_failure_policy", "fail"), sealed=_job_can_seal())
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -131,3 +137,15 @@ class TensorwireConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
+
+
+def _job_can_seal() -> bool:
+    """Whether handoffs are sealed (the job has a token); without one any client can name any blocks: said once."""
+    try:
+        tw.seal_for_job("tensorwire.integrations.vllm/probe", b"")
+        return True
+    except tw.AuthenticationError:
+        log.warning("TensorwireConnector: no TENSORWIRE_JOB_TOKEN: handoffs are not sealed, so a client can make the "
+                    "decode instance read any producer blocks it names (other users' KV); set the same token on "
+                    "both instances")
+        return False

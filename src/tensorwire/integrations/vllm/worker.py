@@ -26,7 +26,7 @@ class StatsLog:
     """Observations since the last ``take``, one entry per load (lists, like NixlConnector's stats). Thread-safe."""
 
     FIELDS = ("transfer_duration", "contact_duration", "bytes_transferred", "num_blocks", "num_requests",
-              "num_failed_transfers", "num_kv_expired_reqs")
+              "num_failed_transfers", "num_kv_expired_reqs", "failure_reasons", "refused_handoffs")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -36,11 +36,17 @@ class StatsLog:
         with self._lock:
             if result.error is not None:
                 self._data["num_failed_transfers"].append(len(result.loads))
+                self._data["failure_reasons"].append(result.reason or "unknown")
                 return
             for key, value in (("transfer_duration", result.transfer_s), ("contact_duration", result.contact_s),
                                ("bytes_transferred", result.num_bytes), ("num_blocks", result.num_blocks),
                                ("num_requests", len(result.loads))):
                 self._data[key].append(value)
+
+    def record_refused(self, reasons: list[str]) -> None:
+        """Handoffs refused by the scheduler's checks (recomputed, or failed as loads too)."""
+        with self._lock:
+            self._data["refused_handoffs"].extend(reasons)
 
     def record_expired(self, count: int) -> None:
         with self._lock:
@@ -68,6 +74,7 @@ class WorkerSide:
         self._holds: dict[str, float] = {}  # producer: request id -> monotonic deadline of its blocks
         self._read_early: set[str] = set()  # read before this worker learnt of the hold (a step apart)
         self._load_errors: set[int] = set()
+        self._failed: list[LoadResult] = []  # loads that failed before reaching the loader, for ``finished``
         self.stats = StatsLog()
         self.transports: set[str] = set()  # what moved the loads' bytes so far ("" for a failed one)
 
@@ -75,38 +82,60 @@ class WorkerSide:
         """Join the fleet, register the KV cache as one block pool and publish it. Blocks (directory, pinning)."""
         views = pool_views(kv_caches, num_blocks)
         name = self._settings.member_name(self._tp_rank, self._tp_size)
+        if self._settings.directory is None:
+            raise tw.InvalidArgumentError(
+                "TensorwireConnector: no fleet to join; give kv_connector_extra_config={'directory': "
+                "'tcp://HOST:PORT', ...} or set TENSORWIRE_DIRECTORY (a `tensorwire directory`)")
         self._comm = tw.init(directory=self._settings.directory, name=name, timeout=self._settings.timeout_s)
         self._pool = self._comm.register_blocks(views)
         self._comm.publish_blocks(POOL_KEY, self._pool)
         if self._role != "kv_producer":
             self._loader = Loader(self._comm, self._pool, self._layout, self._tp_rank, self._tp_size,
-                                  self._settings.timeout_s)
+                                  self._settings.timeout_s, self._settings.contact_s)
         log.info("TensorwireConnector: %s is rank %d, %d views x %d blocks of %d bytes", name, self._comm.rank,
                  len(views), self._pool.num_blocks, sum(self._pool.block_bytes))
 
     def start(self, plan: Plan) -> None:
-        """Queue this step's loads (one job per producer) and note its holds. Never blocks."""
-        now = time.monotonic()
-        for request_id, hold_s in plan.holds.items():
-            if request_id in self._read_early:
-                self._read_early.discard(request_id)
-                self._holds[request_id] = 0.0  # reported as sent at the next get_finished
-            else:
-                self._holds[request_id] = now + hold_s
+        """Queue this step's loads (one job per producer) and note its holds. Never blocks, never raises: a load
+        that cannot start fails (reported by ``finished``), so vLLM never waits for it in vain."""
+        try:
+            self.stats.record_refused(plan.refused)
+            now = time.monotonic()
+            for request_id, hold_s in plan.holds.items():
+                if request_id in self._read_early:
+                    self._read_early.discard(request_id)
+                    self._holds[request_id] = 0.0  # reported as sent at the next get_finished
+                else:
+                    self._holds[request_id] = now + hold_s
+            self._submit(plan.loads)
+        except Exception as e:  # noqa: BLE001 - raised into vLLM's worker, it would be fatal
+            log.exception("TensorwireConnector: starting this step's loads failed")
+            self._failed.extend(LoadResult([load], f"{type(e).__name__}: {e}", reason="internal")
+                                for load in plan.loads)
+
+    def _submit(self, loads: list[Load]) -> None:
         by_producer: dict[str, list[Load]] = defaultdict(list)
-        for load in plan.loads:
-            by_producer[load.handoff.member].append(load)
-        for producer, loads in by_producer.items():
-            if self._loader is None:
-                raise tw.InvalidArgumentError(f"TensorwireConnector: a {self._role} was asked to load from "
-                                              f"{producer!r}; start the decode instance with kv_role='kv_consumer'")
-            self._loader.submit(producer, loads)
+        for load in loads:
+            if load.refusal:  # refused by the scheduler's checks, under kv_load_failure_policy="fail"
+                self._failed.append(LoadResult([load], f"kv_transfer_params refused ({load.refusal})",
+                                               reason=f"refused:{load.refusal}"))
+            elif self._loader is None:
+                log.warning("TensorwireConnector: a %s was asked to load request %s from %r; it loads nothing (start "
+                            "the decode instance with kv_role='kv_consumer')", self._role, load.request_id,
+                            load.handoff.member)
+                self._failed.append(LoadResult([load], f"a {self._role} loads nothing", reason="role"))
+            else:
+                by_producer[load.handoff.member].append(load)
+        for producer, producer_loads in by_producer.items():
+            self._loader.submit(producer, producer_loads)
 
     def finished(self) -> tuple[set[str], set[str]]:
         """(requests whose held blocks may be freed, requests whose load ended). A failed load's blocks go to
         ``load_errors``. Never blocks."""
         recving = set()
-        for result in self._loader.results() if self._loader is not None else ():
+        results, self._failed = self._failed, []
+        results += self._loader.take_results() if self._loader is not None else []
+        for result in results:
             self.transports.add(result.transport)
             self.stats.record(result)
             # A load of no blocks only told the producer (vLLM is not waiting for it): not reported.
