@@ -196,3 +196,56 @@ def _wait_results(loader, count, timeout_s=10.0):
         time.sleep(0.01)
     assert len(results) == count, results
     return results
+
+
+def test_first_contact_is_asked_again_while_the_producer_is_listed():
+    """Under a 2-core box's load a producer's first answer can miss its bound: the lane asks again (only it
+    waits); a producer no longer listed fails at once."""
+    import tensorwire as tw
+
+    class Transfer:
+        bytes_per_block, transport = 16, "fake"
+
+        def post(self, local, remote, notify):
+            self.posted = (list(local), list(remote))
+
+        def wait(self, timeout):
+            pass
+
+        def close(self):
+            pass
+
+    class Comm:
+        def __init__(self):
+            self.misses, self.listed = 1, True
+
+        def rank_of(self, name, timeout):
+            if not self.listed:
+                raise tw.WaitTimeoutError("gone")
+            return 3
+
+        def lookup_blocks(self, key, rank, timeout):
+            if self.misses:
+                self.misses -= 1
+                raise tw.WaitTimeoutError("not answered after 10s")
+            return "desc"
+
+        def prepare_blocks(self, op, pool, remote):
+            return Transfer()
+
+    comm = Comm()
+    loader = Loader(comm, None, LAYOUT, 0, 1, timeout_s=30, contact_s=2.0)
+    loader.submit("prefill-0", [Load("a", (1, 2), Handoff("prefill-0", (7, 8), "p", 192, LAYOUT))])
+    (result,) = _wait_results(loader, 1)
+    assert result.error is None and result.num_blocks == 2 and result.num_bytes == 32
+    comm2 = Comm()
+    comm2.misses = 10**6
+    loader2 = Loader(comm2, None, LAYOUT, 0, 1, timeout_s=30, contact_s=2.0)
+    loader2.submit("prefill-0", [Load("a", (1,), Handoff("prefill-0", (7,), "p", 96, LAYOUT))])
+    time.sleep(0.3)
+    comm2.listed = False
+    started = time.monotonic()
+    (result,) = _wait_results(loader2, 1)
+    assert result.reason == "timeout" and time.monotonic() - started < 2.0
+    loader.close(5)
+    loader2.close(5)

@@ -34,6 +34,9 @@ log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: printed with
 POOL_KEY = "vllm-kv"  # under which each worker publishes its block pool
 MAX_LANES = 64  # producers this consumer reaches at once; loads naming more fail ("lanes")
 _PRESENCE_S = 0.2  # how long a departed producer's name is looked up before its job fails
+# A lost producer still listed under its rank is taken as gone this long: the directory forgets a dead member
+# within TENSORWIRE_LIVENESS_S, so one listed after this is alive (its loss was a false alarm) and is contacted again.
+_DEPARTED_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class _Lane:
         self.transfer: tw.BlockTransfer | None = None
         self.rank = -1  # its rank at the last contact
         self.departed_rank: int | None = None  # the rank it had when it left (-1: never found)
+        self.departed_at = 0.0  # monotonic time it was found gone
         self.jobs: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name=f"tensorwire-vllm-load-{instance}"[:60], daemon=True)
         self.thread.start()
@@ -118,21 +122,44 @@ class _Lane:
             rank = loader.comm.rank_of(self.member, timeout=bound)
         except tw.WaitTimeoutError:
             self.departed_rank = -1 if self.departed_rank is None else self.departed_rank
+            self.departed_at = time.monotonic()
             raise LoadFailed("unreachable", f"no member {self.member!r} in the fleet within {bound:g}s; is the "
                              "producer running, under that name, in this directory?") from None
-        if rank == self.departed_rank:
+        if rank == self.departed_rank and time.monotonic() - self.departed_at < _DEPARTED_S:
             raise LoadFailed("departed", f"producer {self.member!r} (rank {rank}) left; its handoffs are recomputed "
                              "until it is started again")
-        remote = loader.comm.lookup_blocks(POOL_KEY, rank, timeout=loader.contact_s)
-        transfer = loader.comm.prepare_blocks(tw.READ, loader.pool, remote)
-        self.departed_rank = None
-        self.rank = rank
+        transfer = self._prepare(rank)
+        self.departed_rank, self.rank = None, rank
         return transfer
+
+    def _prepare(self, rank: int) -> tw.BlockTransfer:
+        """The READ to ``rank``'s pool. First contact asks the producer itself (liveness, its map's epoch); on a
+        2-core box running several engines its answer can miss the bound (a load failed so under CI's load), so a
+        producer still listed under its name is asked again until ``timeout_s``: only this lane waits."""
+        loader = self.loader
+        deadline = time.monotonic() + loader.timeout_s
+        while True:
+            try:
+                remote = loader.comm.lookup_blocks(POOL_KEY, rank, timeout=loader.contact_s)
+                return loader.comm.prepare_blocks(tw.READ, loader.pool, remote)
+            except (tw.WaitTimeoutError, tw.PeerLostError) as e:
+                if time.monotonic() >= deadline or not self._listed(rank):
+                    raise
+                log.info("TensorwireConnector: first contact with %r (rank %d) failed, again: %s", self.member,
+                         rank, e)
+                time.sleep(0.5)  # a dead producer refuses at once: do not spin until the directory forgets it
+
+    def _listed(self, rank: int) -> bool:
+        """Whether the directory still lists ``rank`` under the producer's name."""
+        try:
+            return self.loader.comm.rank_of(self.member, timeout=_PRESENCE_S) == rank
+        except tw.WaitTimeoutError:
+            return False
 
     def _failed(self, loads: list[Load], error: BaseException) -> LoadResult:
         reason = _reason(error)
         if reason == "lost":
-            self.departed_rank = self.rank
+            self.departed_rank, self.departed_at = self.rank, time.monotonic()
         if reason in ("lost", "timeout", "transfer", "internal"):
             self._drop()  # contacted afresh by the next job
         log.warning("TensorwireConnector: loading %d request(s) from %r failed (%s): %s: %s", len(loads),
