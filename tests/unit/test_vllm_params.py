@@ -249,3 +249,24 @@ def test_first_contact_is_asked_again_while_the_producer_is_listed():
     assert result.reason == "timeout" and time.monotonic() - started < 2.0
     loader.close(5)
     loader2.close(5)
+
+
+def test_a_producer_leaving_waits_until_its_handoffs_are_read():
+    from tensorwire.integrations.vllm.handoff import Plan, read_message
+
+    class Comm:
+        def __init__(self):
+            self.started, self.closed = time.monotonic(), False
+
+        def poll_notifications(self):
+            return [(1, read_message(["r1"]))] if time.monotonic() - self.started > 0.3 else []
+
+        def close(self):
+            self.closed = True
+
+    worker = WorkerSide(_side("prefill-0", "kv_producer")._settings, "kv_producer", LAYOUT, 0, 1)
+    worker._comm = comm = Comm()
+    worker.start(Plan(holds={"r1": 60.0}))
+    started = time.monotonic()
+    worker.close()
+    assert comm.closed and 0.25 < time.monotonic() - started < 5.0

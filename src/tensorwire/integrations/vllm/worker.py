@@ -144,6 +144,18 @@ class WorkerSide:
                 self._load_errors.update(b for load in result.loads for b in load.local_block_ids)
         return self._released(), recving
 
+    def _drain(self, bound_s: float) -> None:
+        deadline = time.monotonic() + bound_s
+        try:
+            while self._holds and self._comm is not None and time.monotonic() < deadline:
+                self._released()
+                time.sleep(0.05)
+        except Exception as e:  # noqa: BLE001 - leaving must go on
+            log.warning("TensorwireConnector: waiting for handed-off blocks to be read failed: %s", e)
+        if self._holds:
+            log.warning("TensorwireConnector: leaving with %d handed-off request(s) not read (waited %.0fs)",
+                        len(self._holds), bound_s)
+
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -169,7 +181,10 @@ class WorkerSide:
         return released
 
     def close(self) -> None:
-        """Finish queued loads (bounded), then leave the fleet. Idempotent."""
+        """Finish queued loads (bounded); a producer first waits (bounded by ``timeout_s``) until the blocks it
+        handed off are read or expire, so a consumer's READ under way is not cut by the producer leaving. Then
+        leave the fleet. Idempotent."""
+        self._drain(self._settings.timeout_s)
         if self._loader is not None:
             self._loader.close(self._settings.timeout_s)
             self._loader = None
