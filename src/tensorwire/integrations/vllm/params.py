@@ -113,7 +113,7 @@ def check_params(params: Any, prompt_token_ids: list[int], block_size: int, layo
     """The handoff of a consumer request's ``kv_transfer_params``, checked against its prompt (token ids), this
     engine's ``block_size`` and ``layout``, and (``sealed``: the job has a token) verified: the sealed handoff
     opens, agrees with every plaintext field, was issued for this prompt and has not expired at ``now`` (wall
-    clock). Raises ``HandoffRefused``; nothing else. Pure: no I/O."""
+    clock). Raises ``HandoffRefused``; nothing else. No I/O (the job token is read from the environment)."""
     if not isinstance(params, dict):
         raise HandoffRefused("params", "kv_transfer_params", params, "give a JSON object")
     claimed = _plaintext(params, prompt_token_ids, block_size, layout)
