@@ -270,3 +270,25 @@ def test_a_producer_leaving_waits_until_its_handoffs_are_read():
     started = time.monotonic()
     worker.close()
     assert comm.closed and 0.25 < time.monotonic() - started < 5.0
+
+
+def test_a_read_that_comes_before_its_hold_frees_it_at_once_and_stale_ones_are_forgotten(monkeypatch):
+    from tensorwire.integrations.vllm import worker as worker_module
+    from tensorwire.integrations.vllm.handoff import Plan, read_message
+
+    monkeypatch.setattr(worker_module, "_READ_EARLY_S", 0.0)  # every early read is stale at once
+
+    class Comm:
+        messages = [(1, read_message([f"stale-{i}" for i in range(2000)] + ["r1"]))]
+
+        def poll_notifications(self):
+            taken, self.messages = self.messages, []
+            return taken
+
+    worker = WorkerSide(_side("prefill-0", "kv_producer")._settings, "kv_producer", LAYOUT, 0, 1)
+    worker._comm = Comm()
+    worker.start(Plan(holds={"r0": 60.0}))  # a hold not read yet: the producer polls
+    assert worker.finished()[0] == set()
+    worker.start(Plan(holds={"r1": 60.0}))
+    assert worker.finished()[0] == {"r1"}
+    assert len(worker._read_early) < 1024

@@ -21,6 +21,8 @@ __all__ = ["WorkerSide", "StatsLog"]
 
 log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: printed with its lines
 
+_READ_EARLY_S = 60.0  # a hold follows its read by one engine step: a minute is ample
+
 
 class StatsLog:
     """Observations since the last ``take``, one entry per load (lists, like NixlConnector's stats). Thread-safe."""
@@ -72,7 +74,8 @@ class WorkerSide:
         self._pool: tw.BlockPool | None = None
         self._loader: Loader | None = None
         self._holds: dict[str, float] = {}  # producer: request id -> monotonic deadline of its blocks
-        self._read_early: set[str] = set()  # read before this worker learnt of the hold (a step apart)
+        # read before this worker learnt of the hold (a step apart): request id -> when; kept a while only
+        self._read_early: dict[str, float] = {}
         self._load_errors: set[int] = set()
         self._failed: list[LoadResult] = []  # loads that failed before reaching the loader, for ``finished``
         self.stats = StatsLog()
@@ -102,8 +105,7 @@ class WorkerSide:
             self.stats.record_refused(plan.refused)
             now = time.monotonic()
             for request_id, hold_s in plan.holds.items():
-                if request_id in self._read_early:
-                    self._read_early.discard(request_id)
+                if self._read_early.pop(request_id, None) is not None:
                     self._holds[request_id] = 0.0  # reported as sent at the next get_finished
                 else:
                     self._holds[request_id] = now + hold_s
@@ -168,7 +170,7 @@ class WorkerSide:
                 if request_id in self._holds:
                     self._holds[request_id] = 0.0
                 else:
-                    self._read_early.add(request_id)
+                    self._note_read_early(request_id)
         now = time.monotonic()
         released = {r for r, deadline in self._holds.items() if deadline <= now}
         expired = sum(1 for r in released if self._holds[r] > 0.0)
@@ -179,6 +181,14 @@ class WorkerSide:
         for request_id in released:
             del self._holds[request_id]
         return released
+
+    def _note_read_early(self, request_id: str) -> None:
+        """Remember a read of a hold not started yet; a consumer naming requests that never come (a stale or
+        repeated message) must not grow this without bound: entries older than a minute are forgotten."""
+        now = time.monotonic()
+        if len(self._read_early) >= 1024:
+            self._read_early = {r: t for r, t in self._read_early.items() if now - t < _READ_EARLY_S}
+        self._read_early[request_id] = now
 
     def close(self) -> None:
         """Finish queued loads (bounded); a producer first waits (bounded by ``timeout_s``) until the blocks it
