@@ -197,3 +197,32 @@ def _a_correct_load_follows(servers, prompt: list[int], computed: list[int]) -> 
     assert loaded["choices"][0]["token_ids"] == computed
     assert stats.get("num_blocks") == [len(params["remote_block_ids"])] and not stats.get("num_failed_transfers"), (
         stats, servers["decode-0"][0].tail())
+
+
+def test_a_client_through_the_example_proxy_gets_the_loaded_continuation(servers, reference):
+    """The README's deployment: clients talk to ``examples/vllm_proxy.py``, which does the two-request flow."""
+    import importlib.util
+    import threading
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "vllm_proxy.py"
+    spec = importlib.util.spec_from_file_location("vllm_proxy", path)
+    proxy_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(proxy_module)
+    urls = {name: f"http://127.0.0.1:{servers[name][1]}" for name in ("prefill-0", "decode-0")}
+    proxy = proxy_module.serve(urls["prefill-0"], urls["decode-0"], "127.0.0.1", 0)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        prompt, computed, _ = reference
+        take_stats(servers["decode-0"][0].stats_path)
+        _, _, model = servers["decode-0"]
+        answer = ask_server(proxy.server_address[1], "/v1/completions",
+                            {"model": model, "prompt": prompt, "temperature": 0, "max_tokens": MAX_TOKENS,
+                             "return_token_ids": True, "kv_transfer_params": {"remote_member": "decode-0"}},
+                            ANSWER_S)
+        stats = take_stats(servers["decode-0"][0].stats_path)
+        assert answer["choices"][0]["token_ids"] == computed, answer
+        assert stats.get("num_blocks") and not stats.get("num_failed_transfers"), (stats, servers["decode-0"][0].tail())
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
