@@ -292,3 +292,23 @@ def test_a_read_that_comes_before_its_hold_frees_it_at_once_and_stale_ones_are_f
     worker.start(Plan(holds={"r1": 60.0}))
     assert worker.finished()[0] == {"r1"}
     assert len(worker._read_early) < 1024
+
+
+def test_a_producer_lost_at_first_contact_is_remembered_as_departed():
+    import tensorwire as tw
+
+    class Comm:  # the directory still lists rank 5, which refuses every contact (killed)
+        def rank_of(self, name, timeout):
+            return 5
+
+        def lookup_blocks(self, key, rank, timeout):
+            raise tw.PeerLostError("rank 5: connection refused")
+
+    loader = Loader(Comm(), None, LAYOUT, 0, 1, timeout_s=1.0, contact_s=1.0)
+    handoff = Handoff("prefill-0", (7,), "p", 96, LAYOUT)
+    loader.submit("prefill-0", [Load("a", (1,), handoff)])
+    assert [r.reason for r in _wait_results(loader, 1)] == ["lost"]
+    started = time.monotonic()
+    loader.submit("prefill-0", [Load("b", (2,), handoff)])
+    assert [r.reason for r in _wait_results(loader, 1)] == ["departed"] and time.monotonic() - started < 0.5
+    loader.close(5)

@@ -89,7 +89,7 @@ class _Lane:
         while (loads := self.jobs.get()) is not None:
             try:
                 result = self._load(loads)
-            except BaseException as e:  # noqa: BLE001 - a lane never dies: this job fails, the next ones run
+            except Exception as e:  # noqa: BLE001 - a lane never dies: this job fails, the next ones run
                 result = self._failed(loads, e)
             self.loader.results.put(result)
         self._drop()
@@ -128,8 +128,9 @@ class _Lane:
         if rank == self.departed_rank and time.monotonic() - self.departed_at < _DEPARTED_S:
             raise LoadFailed("departed", f"producer {self.member!r} (rank {rank}) left; its handoffs are recomputed "
                              "until it is started again")
+        self.rank = rank  # if it is lost during the contact, this rank is the one that left
         transfer = self._prepare(rank)
-        self.departed_rank, self.rank = None, rank
+        self.departed_rank = None
         return transfer
 
     def _prepare(self, rank: int) -> tw.BlockTransfer:
