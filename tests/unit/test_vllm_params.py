@@ -117,9 +117,10 @@ def test_forged_altered_other_prompt_and_expired_handoffs_are_refused():
     for reason, bad in cases:
         answer, plan = _judged(copy.deepcopy(bad))
         assert answer == (0, False) and plan.refused == [reason], (reason, plan)
-    with pytest.raises(HandoffRefused) as refused:
-        check_params(params, PROMPT, BLOCK, LAYOUT, sealed=True, now=time.time() + 3600)
-    assert refused.value.reason == "expired"
+    for now in (time.time() + 3600, params["remote_expires_at"] - 3.0):  # expired, or too close to it to read
+        with pytest.raises(HandoffRefused) as refused:
+            check_params(params, PROMPT, BLOCK, LAYOUT, sealed=True, now=now)
+        assert refused.value.reason == "expired"
     unsealed = _handed_off(sealed=False)
     assert "remote_seal" not in unsealed
     with pytest.raises(HandoffRefused) as refused:  # a sealing consumer believes no unsealed handoff

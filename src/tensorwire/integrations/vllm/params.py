@@ -22,11 +22,14 @@ import tensorwire as tw
 
 from .handoff import SEAL_CONTEXT, Handoff, prompt_hash
 
-__all__ = ["HandoffRefused", "check_params", "MAX_BLOCK_ID"]
+__all__ = ["HandoffRefused", "check_params", "MAX_BLOCK_ID", "EXPIRY_MARGIN_S"]
 
 MAX_BLOCK_ID = 2**31 - 1  # no engine has more blocks; ids past it are refused before any arithmetic
 _MAX_NAME_CHARS = 256
 _MAX_SEAL_CHARS = 1 << 20  # a sealed handoff of 2 k blocks is ~20 KiB
+# A handoff this close to its expiry is refused: the producer frees the blocks at expiry (and reuses them), and
+# the READ comes a few engine steps after the check.
+EXPIRY_MARGIN_S = 5.0
 
 
 class HandoffRefused(tw.InvalidArgumentError):
@@ -118,7 +121,7 @@ def check_params(params: Any, prompt_token_ids: list[int], block_size: int, layo
         raise HandoffRefused("params", "kv_transfer_params", params, "give a JSON object")
     claimed = _plaintext(params, prompt_token_ids, block_size, layout)
     if not sealed:
-        if claimed.expires_at and claimed.expires_at <= now:
+        if claimed.expires_at and claimed.expires_at <= now + EXPIRY_MARGIN_S:
             raise HandoffRefused("expired", "remote_expires_at", claimed.expires_at, "the producer may have freed "
                                  "these blocks; send the prompt to the producer again")
         return claimed
@@ -134,8 +137,9 @@ def check_params(params: Any, prompt_token_ids: list[int], block_size: int, layo
     issued_at = fields.get("issued_at")
     if isinstance(issued_at, bool) or not isinstance(issued_at, (int, float)):
         raise HandoffRefused("forged", "remote_seal", params.get("remote_seal"), "the sealed handoff has no issue time")
-    if claimed.expires_at <= now:
+    if claimed.expires_at <= now + EXPIRY_MARGIN_S:
         raise HandoffRefused("expired", "remote_expires_at", claimed.expires_at,
-                             f"it expired {now - claimed.expires_at:.1f}s ago and the producer may have freed its "
-                             "blocks; send the prompt to the producer again")
+                             f"it expires {claimed.expires_at - now:.1f}s from now (less than {EXPIRY_MARGIN_S:g}s "
+                             "left): the producer may free its blocks before they are read; send the prompt to the "
+                             "producer again")
     return Handoff(**{**claimed.sealed_fields(), "block_ids": claimed.block_ids, "issued_at": float(issued_at)})

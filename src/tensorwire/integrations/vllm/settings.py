@@ -5,8 +5,8 @@ Keys (all optional): ``directory`` (``tcp://HOST:PORT`` of a ``tensorwire direct
 ``vllm-<engine id>``; a tensor-parallel worker appends ``-tp<rank>``), ``timeout_s`` (bound of one load's READ and
 of joining the fleet; default 30), ``contact_s`` (bound of finding a producer that is not known yet or has left:
 its loads fail after it, others' loads go on meanwhile; default 5), ``hold_s`` (how long a producer keeps blocks
-nobody read, and how long its handoff is good for; default 120, as vLLM's NixlConnector holds them until
-``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``).
+nobody read, and how long its handoff is good for: a consumer refuses one within 5 s of expiry; default 120, as
+vLLM's NixlConnector holds them until ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``).
 """
 
 from __future__ import annotations
