@@ -313,3 +313,40 @@ def test_a_producer_lost_at_first_contact_is_remembered_as_departed():
     loader.submit("prefill-0", [Load("b", (2,), handoff)])
     assert [r.reason for r in _wait_results(loader, 1)] == ["departed"] and time.monotonic() - started < 0.5
     loader.close(5)
+
+
+def test_a_first_read_that_fails_is_made_once_more_on_a_fresh_transfer():
+    import tensorwire as tw
+
+    class Transfer:
+        bytes_per_block, transport, made = 16, "fake", 0
+
+        def __init__(self):
+            Transfer.made += 1
+            self.fails = Transfer.made == 1  # the first transfer's READ fails (its connection missed its bound)
+
+        def post(self, local, remote, notify):
+            if self.fails:
+                raise tw.TransferError("nixl: connection setup timed out")
+
+        def wait(self, timeout):
+            pass
+
+        def close(self):
+            pass
+
+    class Comm:
+        def rank_of(self, name, timeout):
+            return 3
+
+        def lookup_blocks(self, key, rank, timeout):
+            return "desc"
+
+        def prepare_blocks(self, op, pool, remote):
+            return Transfer()
+
+    loader = Loader(Comm(), None, LAYOUT, 0, 1, timeout_s=30, contact_s=2.0)
+    loader.submit("prefill-0", [Load("a", (1,), Handoff("prefill-0", (7,), "p", 96, LAYOUT))])
+    (result,) = _wait_results(loader, 1)
+    assert result.error is None and Transfer.made == 2
+    loader.close(5)

@@ -97,17 +97,32 @@ class _Lane:
     def _load(self, loads: list[Load]) -> LoadResult:
         started = time.perf_counter()
         contact_s = 0.0
-        if self.transfer is None:
+        first = self.transfer is None
+        if first:
             self.transfer = self._contact(loads[0].handoff.layout)
             contact_s = time.perf_counter() - started
         local = np.fromiter((b for load in loads for b in load.local_block_ids), dtype=np.int64)
         remote = np.fromiter((b for load in loads for b in load.remote_block_ids()), dtype=np.int64)
         posted = time.perf_counter()
-        self.transfer.post(local, remote, notify=read_message([ld.handoff.request_id for ld in loads]))
-        self.transfer.wait(timeout=self.loader.timeout_s)
+        try:
+            self._read(local, remote, loads)
+        except tw.TensorwireError as e:
+            # The first READ to a producer sets up its transport's connection; on a loaded box that can miss its
+            # bound while the producer is fine. Once more on a fresh transfer, if it is still listed: a READ
+            # only rewrites our own blocks of these requests, so repeating it is harmless.
+            if not first or time.perf_counter() - started >= self.loader.timeout_s or not self._listed(self.rank):
+                raise
+            log.info("TensorwireConnector: the first READ from %r failed, once more: %s", self.member, e)
+            self._drop()
+            self.transfer = self._prepare(self.rank)
+            self._read(local, remote, loads)
         transfer_s = time.perf_counter() - posted
         return LoadResult(loads, None, len(local), len(local) * self.transfer.bytes_per_block, transfer_s,
                           contact_s, self.transfer.transport)
+
+    def _read(self, local: np.ndarray, remote: np.ndarray, loads: list[Load]) -> None:
+        self.transfer.post(local, remote, notify=read_message([ld.handoff.request_id for ld in loads]))
+        self.transfer.wait(timeout=self.loader.timeout_s)
 
     def _contact(self, their_layout: str) -> tw.BlockTransfer:
         """First contact: refuse a producer of another layout, then find its worker (bounded by ``contact_s``;

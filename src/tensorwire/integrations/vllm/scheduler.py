@@ -39,7 +39,7 @@ class SchedulerSide:
         self._block_size, self._policy, self._sealed = block_size, policy, sealed
         self._plan = Plan()
         self._verdicts: dict[str, Handoff | HandoffRefused] = {}  # request id -> its judged params, until alloc
-        self._served: dict[tuple[str, str], float] = {}  # (producer, its request id) -> until when: no replay
+        self._served: dict[tuple, float] = {}  # (producer, its request id, issue time) -> until when: no replay
 
     # --- consumer -------------------------------------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -85,7 +85,7 @@ class SchedulerSide:
         now = time.time()
         if len(self._served) > 1024:  # forget the expired ones, amortized over many requests
             self._served = {key: until for key, until in self._served.items() if until > now}
-        key = (handoff.member, handoff.request_id)
+        key = (handoff.member, handoff.request_id, handoff.issued_at)  # a producer started again may reuse ids
         if self._served.get(key, 0.0) > now:
             raise HandoffRefused("replayed", "remote_request_id", handoff.request_id,
                                  f"a request already used the handoff of {handoff.member!r}; each serves one request")
