@@ -29,10 +29,11 @@ from .errors import (
     TransferError,
     WaitTimeoutError,
 )
-from .joining import init
+from .joining import fleet_from_environment, init
 from .meeting.membership import Member
 from .moe import all_to_all_v
 from .registration import Registration
+from .sealing import open_for_job, seal_for_job
 from .shared_memory import shared_empty
 from .transfer import Transfer
 
@@ -57,5 +58,6 @@ __all__ = [
     "MemoryKind", "BackendInfo", "backends", "testing", "TensorwireError", "TensorwireWarning", "InvalidArgumentError",
     "ClosedError", "BackendUnavailableError", "TransferError", "WaitTimeoutError", "PeerLostError",
     "RevokedError",
-    "AuthenticationError", "moe", "all_to_all_v", "Member", "shared_empty",
+    "AuthenticationError", "moe", "all_to_all_v", "Member", "shared_empty", "seal_for_job", "open_for_job",
+    "fleet_from_environment",
 ]

@@ -18,7 +18,7 @@ from .errors import InvalidArgumentError
 from .meeting import meet
 from .shared_memory import remove_orphans
 
-__all__ = ["init"]
+__all__ = ["init", "fleet_from_environment"]
 
 
 def init(
@@ -54,8 +54,9 @@ def init(
     timeout_s = cfg.timeout_s if timeout is None else float(timeout)
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         raise InvalidArgumentError(f"init: timeout={timeout!r}; give a positive, finite number of seconds")
-    if directory is None and name is None and rank is None and world_size is None:
-        directory, name = cfg.directory, cfg.name
+    if rank is None and world_size is None:  # a fleet's: each of directory and name the environment's if not given
+        directory = cfg.directory if directory is None else directory
+        name = cfg.name if name is None else name
     env = resolve_environment(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
                               directory=directory, name=name)
     if device is None:
@@ -65,3 +66,11 @@ def init(
             device = torch.device("cpu")
     remove_orphans()  # what killed tensorwire processes of this host left in /dev/shm
     return Communicator(meet(env, cfg, timeout_s, store), torch.device(device), cfg, timeout_s)
+
+
+def fleet_from_environment() -> tuple[str | None, str | None]:
+    """``(directory, name)`` that ``init`` joins a fleet with where its keywords leave them out:
+    ``TENSORWIRE_DIRECTORY`` and ``TENSORWIRE_NAME`` (None where unset). For code that needs them before joining,
+    e.g. to hand its member name to others."""
+    cfg = config_module.load()
+    return cfg.directory, cfg.name

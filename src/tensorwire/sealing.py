@@ -23,7 +23,7 @@ import struct
 
 from .errors import AuthenticationError
 
-__all__ = ["seal", "unseal", "SEALED_OVERHEAD"]
+__all__ = ["seal", "unseal", "seal_for_job", "open_for_job", "SEALED_OVERHEAD"]
 
 _MAGIC = b"TWE"
 _VERSION = 2
@@ -94,3 +94,27 @@ def unseal(token: bytes | None, key: str, blob: bytes) -> bytes:
             f"store value {key!r} ({len(blob)} bytes) does not open with this job's token: written by a process "
             f"without it (or with another job's), altered, or copied from another key; it was not used: {_FIX_TOKEN}"
         ) from None
+
+
+def _job_token(fn: str) -> bytes:
+    from . import config
+
+    token = config.load().job_token
+    if token is None:
+        raise AuthenticationError(f"{fn}: this process has no TENSORWIRE_JOB_TOKEN, so nothing can be sealed for the "
+                                  f"job; {_FIX_TOKEN}")
+    return token
+
+
+def seal_for_job(context: str, value: bytes) -> bytes:
+    """``value`` encrypted and authenticated with this job's token (``TENSORWIRE_JOB_TOKEN``), bound to
+    ``context`` (a name of what the value is, e.g. ``"myapp/ticket/v1"``): only a process of the job opens it, with
+    ``open_for_job`` and the same ``context``. For values a job hands out through parties outside it (a client, a
+    router) and must get back unaltered. Raises ``AuthenticationError`` where the process has no job token."""
+    return seal(_job_token("seal_for_job"), "job-value/" + context, value)
+
+
+def open_for_job(context: str, blob: bytes) -> bytes:
+    """The value ``seal_for_job(context, value)`` sealed in this job; ``AuthenticationError`` for a blob that does
+    not open (forged, altered, sealed for another context or job) or where the process has no job token."""
+    return unseal(_job_token("open_for_job"), "job-value/" + context, blob)

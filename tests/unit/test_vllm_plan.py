@@ -14,6 +14,7 @@ import tensorwire as tw
 from tensorwire.integrations.vllm.handoff import Handoff, Load, parse_read_message, read_message
 from tensorwire.integrations.vllm.layout import pool_views
 from tensorwire.integrations.vllm.loader import Loader
+from tensorwire.integrations.vllm.params import check_params
 from tensorwire.integrations.vllm.scheduler import SchedulerSide
 from tensorwire.integrations.vllm.settings import Settings
 from tensorwire.integrations.vllm.worker import StatsLog
@@ -27,18 +28,16 @@ def _settings(**extra) -> Settings:
 
 def test_settings_defaults_and_refusals():
     s = _settings()
-    assert (s.name, s.timeout_s, s.hold_s) == ("vllm-engine-1", 30.0, 120.0)
+    assert (s.name, s.timeout_s, s.hold_s, s.contact_s) == ("vllm-engine-1", 30.0, 120.0, 5.0)
+    from_env = Settings.from_extra_config({}, "e", ("tcp://127.0.0.1:1", "prefill-7"))
+    assert (from_env.directory, from_env.name) == ("tcp://127.0.0.1:1", "prefill-7")
     assert _settings(name="prefill").member_name(1, 2) == "prefill-tp1"
     for bad in ({"directory": "127.0.0.1:1"}, {"timeout_s": 0}, {"hold_s": "1"}, {"directory_": "x"}):
         with pytest.raises(tw.InvalidArgumentError):
             Settings.from_extra_config(bad, "e", None)
 
 
-def test_handoff_round_trip_and_bad_params():
-    handoff = Handoff("prefill-0", (4, 5, 6), "req-1", 250, LAYOUT)
-    assert Handoff.from_params(handoff.to_params()) == handoff
-    with pytest.raises(tw.InvalidArgumentError, match="remote_member"):
-        Handoff.from_params({"do_remote_prefill": True, "remote_block_ids": [1]})
+def test_read_messages():
     assert parse_read_message(read_message(["a", "b,c"])) == ["a", "b,c"]
     assert parse_read_message(b"something else") is None
 
@@ -49,17 +48,19 @@ def _request(params, prompt_len=250, status="FINISHED_LENGTH_CAPPED"):
 
 
 def test_producer_holds_the_blocks_and_hands_them_off():
-    side = SchedulerSide(_settings(name="prefill-0", hold_s=7), LAYOUT)
-    delay, params = side.request_finished(_request({"do_remote_decode": True}), [3, 4, 5])
-    assert delay and Handoff.from_params(params) == Handoff("prefill-0", (3, 4, 5), "r1", 250, LAYOUT)
+    side = SchedulerSide(_settings(name="prefill-0", hold_s=7), LAYOUT, role="kv_producer", block_size=96)
+    delay, params = side.request_finished(_request({"do_remote_decode": True}), [3, 4, 5, 6])
+    handoff = check_params(params, list(range(250)), 96, LAYOUT, sealed=False, now=time.time())
+    assert delay and (handoff.member, handoff.block_ids, handoff.request_id, handoff.num_tokens) == (
+        "prefill-0", (3, 4, 5), "r1", 250)  # the blocks of the prompt's 250 tokens, not the sampled one's
     assert side.build_plan().holds == {"r1": 7}
     assert side.request_finished(_request({"do_remote_decode": True}, status="FINISHED_ABORTED"), [3]) == (False,
                                                                                                            None)
 
 
 def test_consumer_plans_one_load_per_request_into_its_new_blocks():
-    side = SchedulerSide(_settings(name="decode"), LAYOUT)
-    params = Handoff("prefill-0", (3, 4, 5), "p-1", 250, LAYOUT).to_params()
+    side = SchedulerSide(_settings(name="decode"), LAYOUT, role="kv_consumer", block_size=96)
+    params = Handoff("prefill-0", (3, 4, 5), "p-1", 250, LAYOUT).to_params(sealed=False)
     request = _request(params)
     assert side.num_new_matched_tokens(request, 96) == (154, True)
     side.after_alloc(request, SimpleNamespace(get_unhashed_block_ids=lambda: [8, 9]), 154)
@@ -87,11 +88,12 @@ def test_a_producer_of_another_layout_is_refused_naming_both():
     loader.submit("prefill-9", [Load("r1", (1,), Handoff("prefill-9", (2,), "p", 96, other))])
     deadline, results = time.monotonic() + 10, []
     while not results and time.monotonic() < deadline:
-        results = loader.results()
+        results = loader.take_results()
         time.sleep(0.01)
     loader.close(5)
     (result,) = results
     assert "block_size=128" in result.error and "block_size=96" in result.error and "prefill-9" in result.error
     log = StatsLog()
     log.record(result)
-    assert log.take()["num_failed_transfers"] == [1] and log.take() is None
+    taken = log.take()
+    assert taken["num_failed_transfers"] == [1] and taken["failure_reasons"] == ["layout"] and log.take() is None

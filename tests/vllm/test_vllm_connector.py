@@ -155,7 +155,7 @@ def test_a_producer_killed_before_the_read(fleet):
     assert sum(stats["num_failed_transfers"]) == 1, (stats, _connector_lines(fleet["decode"]))
 
     failed = _decode(fleet["decode-fail"], prompts, params)
-    assert failed[0]["finish_reason"] == "error", failed
+    assert failed[0]["finish_reason"] == "error", (failed, _connector_lines(fleet["decode-fail"]))
     again = [_prompt(250, seed=31)]
     assert not _same(_decode(fleet["decode-fail"], again, _prefill(fleet["prefill-0"], again)),
-                     _plain(fleet, again))
+                     _plain(fleet, again)), _connector_lines(fleet["decode-fail"])

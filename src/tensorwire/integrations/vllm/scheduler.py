@@ -1,15 +1,22 @@
-"""The connector's scheduler side (vLLM's EngineCore process): plans loads on the consumer, hands finished
-prefills off on the producer. No tensorwire communication happens here: the plan travels to the workers in the
-connector metadata, and everything that moves bytes runs there."""
+"""The connector's scheduler side (vLLM's EngineCore process): checks and plans loads on the consumer, hands
+finished prefills off (sealed) on the producer. No tensorwire communication happens here: the plan travels to the
+workers in the connector metadata, and everything that moves bytes runs there.
+
+An exception raised from these hooks is fatal to vLLM's EngineCore, and a request told to wait for a load that
+is never reported stays parked for ever with its blocks held: so each hook catches everything, and a request's
+``kv_transfer_params`` are judged once, in ``num_new_matched_tokens``, before vLLM is told "async". A refused one
+is recomputed here (``kv_load_failure_policy="recompute"``) or planned as a load that fails at once (``"fail"``).
+"""
 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from typing import Any
 
-import tensorwire as tw
-
-from .handoff import Handoff, Load, Plan
+from .handoff import Handoff, Load, Plan, prompt_hash
+from .params import HandoffRefused, check_params
 from .settings import Settings
 
 __all__ = ["SchedulerSide"]
@@ -18,62 +25,137 @@ log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: printed with
 
 # A prefill whose request ended this way holds the KV its consumer needs (a cut-off or aborted one does not).
 _HANDED_OFF = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+_UNSEALED_KEEP_S = 3600.0  # how long an unsealed handoff (no expiry) is remembered against replays
 
 
 class SchedulerSide:
-    """Hooks of ``KVConnectorBase_V1``'s scheduler role; ``layout`` is ``layout.fingerprint(vllm_config)``."""
+    """Hooks of ``KVConnectorBase_V1``'s scheduler role. ``layout``: ``layout.fingerprint(vllm_config)``; ``role``:
+    ``kv_producer`` / ``kv_consumer`` / ``kv_both``; ``policy``: ``kv_load_failure_policy``; ``sealed``: the job
+    has a token (handoffs are sealed by producers and must open at consumers)."""
 
-    def __init__(self, settings: Settings, layout: str) -> None:
-        self._settings = settings
-        self._layout = layout
+    def __init__(self, settings: Settings, layout: str, *, role: str = "kv_both", block_size: int = 16,
+                 policy: str = "fail", sealed: bool = False) -> None:
+        self._settings, self._layout, self._role = settings, layout, role
+        self._block_size, self._policy, self._sealed = block_size, policy, sealed
         self._plan = Plan()
+        self._verdicts: dict[str, Handoff | HandoffRefused] = {}  # request id -> its judged params, until alloc
+        self._served: dict[tuple, float] = {}  # (producer, its request id, issue time) -> until when: no replay
 
+    # --- consumer -------------------------------------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Consumer: every prompt token past ``num_computed_tokens`` comes from the producer, loaded
-        asynchronously. Anything else: none."""
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        asynchronously, if the request's handoff passes ``check_params``. Anything else: none. Never raises."""
+        try:
+            params = request.kv_transfer_params
+            if not params or not isinstance(params, dict) or params.get("do_remote_prefill") in (None, False):
+                return 0, False
+            verdict = self._verdicts.get(request.request_id)
+            if verdict is None:
+                verdict = self._verdicts[request.request_id] = self._judge(request, params)
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            if count <= 0 or (isinstance(verdict, HandoffRefused) and self._policy != "fail"):
+                return 0, False
+            return count, True  # a refused one under "fail": after_alloc plans a load that fails at once
+        except Exception:
+            log.exception("TensorwireConnector: request %s: judging kv_transfer_params failed; computed here",
+                          getattr(request, "request_id", "?"))
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+
+    def _judge(self, request: Any, params: dict) -> Handoff | HandoffRefused:
+        """The request's handoff, or why it is refused (logged once, counted in the stats)."""
+        try:
+            if self._role == "kv_producer":
+                raise HandoffRefused("role", "do_remote_prefill", params.get("do_remote_prefill"),
+                                     "this instance is a producer (kv_role='kv_producer') and loads nothing; send "
+                                     "the producer's output params to the decode instance")
+            handoff = check_params(params, list(request.prompt_token_ids or ()), self._block_size, self._layout,
+                                   sealed=self._sealed, now=time.time())
+            if handoff.member == self._settings.name:
+                raise HandoffRefused("params", "remote_member", handoff.member, "it names this consumer itself")
+            self._claim(handoff)
+            return handoff
+        except HandoffRefused as refused:
+            what = "failed (kv_load_failure_policy='fail')" if self._policy == "fail" else "computed here"
+            log.warning("request %s: %s; %s", request.request_id, refused, what)
+            self._plan.refused.append(refused.reason)
+            return refused
+
+    def _claim(self, handoff: Handoff) -> None:
+        """Remember a handoff until it expires; a second request with it is a replay, refused."""
+        now = time.time()
+        if len(self._served) > 1024:  # forget the expired ones, amortized over many requests
+            self._served = {key: until for key, until in self._served.items() if until > now}
+        key = (handoff.member, handoff.request_id, handoff.issued_at)  # a producer started again may reuse ids
+        if self._served.get(key, 0.0) > now:
+            raise HandoffRefused("replayed", "remote_request_id", handoff.request_id,
+                                 f"a request already used the handoff of {handoff.member!r}; each serves one request")
+        self._served[key] = handoff.expires_at if handoff.expires_at > now else now + _UNSEALED_KEEP_S
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Consumer: plan the load into the blocks just allocated for the external tokens (none on a full local
         prefix hit: the load then only tells the producer it may free its blocks). Only once per request."""
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
-            return
-        params["do_remote_prefill"] = False
         try:
-            handoff = Handoff.from_params(params)
-        except tw.InvalidArgumentError as e:
-            log.warning("request %s: computed here, not loaded: %s", request.request_id, e)
-            return
-        local = tuple(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else ()
-        self._plan.loads.append(Load(request.request_id, local, handoff))
+            verdict = self._verdicts.pop(request.request_id, None)
+            if verdict is None:
+                return
+            request.kv_transfer_params["do_remote_prefill"] = False  # judged and planned: never again
+            local = tuple(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else ()
+            if isinstance(verdict, Handoff) and len(local) > len(verdict.block_ids):
+                log.warning("TensorwireConnector: request %s: %d blocks allocated for %d handed off; failed",
+                            request.request_id, len(local), len(verdict.block_ids))
+                verdict = HandoffRefused("params", "remote_block_ids", list(verdict.block_ids), "too few blocks")
+            if isinstance(verdict, HandoffRefused):
+                if local:
+                    self._plan.loads.append(Load(request.request_id, local, None, verdict.reason))
+                return
+            self._plan.loads.append(Load(request.request_id, local, verdict))
+        except Exception:
+            log.exception("TensorwireConnector: request %s: planning its load failed", request.request_id)
 
     def build_plan(self) -> Plan:
         """This step's loads and holds for the workers; starts the next step's."""
         plan, self._plan = self._plan, Plan()
         return plan
 
+    # --- both -----------------------------------------------------------------------------------------------
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Producer: keep a finished prefill's blocks (delay_free) until its consumer read them, and hand the
-        consumer what it needs in ``kv_transfer_params``. Consumer: a request that ended before its load was
-        planned still tells the producer (a load of no blocks), so the producer's blocks are freed."""
+        consumer the sealed handoff in ``kv_transfer_params``. Consumer: a verified request that ended before its
+        load was planned still tells the producer (a load of no blocks), so the producer's blocks are freed.
+        Never raises."""
+        try:
+            return self._finished(request, block_ids)
+        except Exception:
+            log.exception("TensorwireConnector: request %s: finishing it failed; its blocks are freed",
+                          getattr(request, "request_id", "?"))
+            return False, None
+
+    def _finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
-        if not params:
+        verdict = self._verdicts.pop(request.request_id, None)
+        if not params or not isinstance(params, dict):
             return False, None
-        if params.get("do_remote_prefill"):
+        if params.get("do_remote_prefill") not in (None, False):
             params["do_remote_prefill"] = False
-            try:
-                self._plan.loads.append(Load(request.request_id, (), Handoff.from_params(params)))
-            except tw.InvalidArgumentError:
-                pass  # nothing names a producer to tell
+            if isinstance(verdict, Handoff):
+                self._plan.loads.append(Load(request.request_id, (), verdict))
             return False, None
-        if not params.get("do_remote_decode") or request.status.name not in _HANDED_OFF or not block_ids:
+        if (self._role == "kv_consumer" or params.get("do_remote_decode") is not True
+                or request.status.name not in _HANDED_OFF or not block_ids):
+            return False, None
+        handoff = self._handoff(request, block_ids)
+        if handoff is None:
             return False, None
         self._plan.holds[request.request_id] = self._settings.hold_s
-        handoff = Handoff(self._settings.name, tuple(block_ids), request.request_id, request.num_computed_tokens,
-                          self._layout)
-        return True, handoff.to_params()
+        return True, handoff.to_params(self._sealed)
+
+    def _handoff(self, request: Any, block_ids: list[int]) -> Handoff | None:
+        """What the producer computed for the request: its prompt's tokens (not the sampled one) and their blocks."""
+        prompt = list(request.prompt_token_ids or ())
+        num_tokens = min(request.num_computed_tokens, len(prompt))
+        blocks = tuple(block_ids[:math.ceil(num_tokens / self._block_size)])
+        if num_tokens <= 0 or len(blocks) * self._block_size < num_tokens:
+            return None
+        now = time.time()
+        return Handoff(self._settings.name, blocks, request.request_id, num_tokens, self._layout,
+                       prompt_hash(prompt[:num_tokens]), now, now + self._settings.hold_s)

@@ -1,10 +1,11 @@
 """``get_kv_connector_stats``: what the connector reports to vLLM's metrics, comparable with NixlConnector's
 (``transfer_duration`` in seconds, ``bytes_transferred`` per transfer, failures), plus blocks and requests per
-transfer and the first-contact time."""
+transfer, the first-contact time, and why loads failed or handoffs were refused (counts per reason)."""
 
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -40,6 +41,10 @@ class TensorwireKVConnectorStats(KVConnectorStats):
             "Num failed transfers": sum(self.data["num_failed_transfers"]),
             "Num KV expired reqs": sum(self.data["num_kv_expired_reqs"]),
         }
+        # Why loads failed and why handoffs were refused, counted per reason (e.g. "Failed loads (lost)": 2).
+        for key, label in (("failure_reasons", "Failed loads"), ("refused_handoffs", "Refused handoffs")):
+            for reason, count in sorted(Counter(self.data.get(key, ())).items()):
+                summary[f"{label} ({reason})"] = count
         if durations:
             summary.update({
                 "Avg xfer time (ms)": round(statistics.fmean(durations) * 1e3, 3),
