@@ -234,7 +234,10 @@ class _Fleet:
         return env
 
     def directory(self, port: int = 0) -> str:
-        process = subprocess.Popen([sys.executable, "-m", "tensorwire", "directory", "--port", str(port)],
+        """A ``tensorwire directory``: a new one lets members join at once; started again on its ``port``, it
+        gives the members it had its default grace period to put their ranks back first."""
+        grace = [] if port else ["--grace", "0"]
+        process = subprocess.Popen([sys.executable, "-m", "tensorwire", "directory", "--port", str(port), *grace],
                                    env=self.env(), stdout=subprocess.PIPE, text=True)
         self.processes.append(process)
         self.directory_process = process

@@ -145,9 +145,10 @@ def _environment(extra: dict[str, str]) -> dict[str, str]:
 
 
 def start_directory(token: str, timeout_s: float = 60.0) -> tuple[Party, str]:
-    """A ``tensorwire directory`` on a free port of 127.0.0.1, and its address."""
+    """A new ``tensorwire directory`` on a free port of 127.0.0.1, and its address (no grace period: no member has
+    met there before, so none has a rank to put back)."""
     party = Party("directory", [sys.executable, "-m", "tensorwire", "directory", "--host", "127.0.0.1", "--port",
-                                "0"], _environment({"TENSORWIRE_JOB_TOKEN": token}))
+                                "0", "--grace", "0"], _environment({"TENSORWIRE_JOB_TOKEN": token}))
     line = party.read_line(timeout_s)
     address = next((w for w in line.split() if w.startswith("tcp://")), None)
     if address is None:
