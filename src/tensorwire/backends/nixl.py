@@ -42,7 +42,8 @@ import torch
 from ..descriptors import MemoryKind
 from ..errors import AuthenticationError, BackendUnavailableError, PeerLostError, TensorwireWarning, TransferError
 from .base import BackendContext, Capabilities, Op, Poster, Segment, Status
-from .block_copy import BlockBindings, BlockLayout
+from .block_copy import BlockLayout
+from .nixl_blocks import BlockRequest, strided_rows
 from .nixl_names import agent_name, member_rank
 from .nixl_setup import _error_classes, import_nixl, info, make_agent, nixl_installed, quiet_nixl_logging
 
@@ -263,7 +264,7 @@ class NixlBackend:
         return request
 
     # --- block transfers ----------------------------------------------------------------------
-    def prepare_blocks(self, op: Op, local: BlockLayout, remote: BlockLayout, peer: int) -> _BlockRequest:
+    def prepare_blocks(self, op: Op, local: BlockLayout, remote: BlockLayout, peer: int) -> BlockRequest:
         """Both pools as prepped descriptor lists, made once: one strided row per region (NIXL expands it
         to a descriptor per block, index ``region * num_blocks + block``)."""
         for layout in (local, remote):
@@ -271,19 +272,19 @@ class NixlBackend:
                 raise TransferError(f"nixl: {len(layout.regions)} views x {layout.num_blocks} blocks exceed NIXL's "
                                     "int32 descriptor indices; register fewer blocks or views per pool")
         try:
-            local_list = self.agent.prep_xfer_dlist("", _strided_rows(local), _MEM_TYPE[local.kind])
+            local_list = self.agent.prep_xfer_dlist("", strided_rows(local), _MEM_TYPE[local.kind])
             try:
-                remote_list = self.agent.prep_xfer_dlist(self._name_of(peer), _strided_rows(remote),
+                remote_list = self.agent.prep_xfer_dlist(self._name_of(peer), strided_rows(remote),
                                                          _MEM_TYPE[remote.kind])
             except Exception:
                 self.agent.release_dlist_handle(local_list)
                 raise
         except Exception as e:  # noqa: BLE001
             raise self._translate(e, f"preparing block lists for a {op.value} with rank {peer}", peer=peer) from e
-        return _BlockRequest(self.agent, op, local_list, remote_list, local.num_blocks, remote.num_blocks,
+        return BlockRequest(self.agent, op, local_list, remote_list, local.num_blocks, remote.num_blocks,
                              len(local.regions))
 
-    def bind_blocks(self, request: _BlockRequest, local_ids: np.ndarray, remote_ids: np.ndarray,
+    def bind_blocks(self, request: BlockRequest, local_ids: np.ndarray, remote_ids: np.ndarray,
                     notify: bytes | None) -> None:
         """One NIXL request for these ids (every region of each block): ``make_prepped_xfer`` with int32
         index arrays; NIXL merges descriptors that are adjacent in memory."""
@@ -295,7 +296,7 @@ class NixlBackend:
             raise self._translate(e, f"building a {request.op.value} of {len(local_ids)} blocks") from e
         request.bindings.bind((handle, notify or b""))
 
-    def _post_blocks(self, request: _BlockRequest) -> Any:
+    def _post_blocks(self, request: BlockRequest) -> Any:
         """Post the next bound NIXL request (the one it replaces has completed: a transfer is not re-posted
         while in flight); returns NIXL's code."""
         request.bindings.advance()
@@ -306,7 +307,7 @@ class NixlBackend:
     # directly rather than nixl_agent's wrappers, which only map the same status codes to strings.
     def post(self, request: Any, notify: bytes | None, stream: Any = None) -> Status:
         try:
-            if isinstance(request, _BlockRequest):
+            if isinstance(request, BlockRequest):
                 code = self._post_blocks(request)
             else:
                 code = self._bound.postXferReq(request._handle, notify or b"")
@@ -318,7 +319,7 @@ class NixlBackend:
         """``post`` unbundled for ``Transfer``'s hot path: the NIXL call with its arguments resolved once,
         the raw code that means DONE, and the slow mapping for every other outcome. A re-post then costs
         one C call and one comparison (a 4 KiB WRITE is ~1.5 us inside NIXL)."""
-        if isinstance(request, _BlockRequest):
+        if isinstance(request, BlockRequest):
             call = functools.partial(self._post_blocks, request)
         else:
             call = functools.partial(self._bound.postXferReq, request._handle, notify or b"")
@@ -411,46 +412,3 @@ class NixlBackend:
         if kind in self._errors:
             return TransferError(f"nixl: {what}{where} failed with {kind}: {error}")
         return TransferError(f"nixl: {what}{where} failed: {kind}: {error}")
-
-
-def _strided_rows(layout: BlockLayout) -> np.ndarray:
-    """NIXL's compressed descriptor list: per region ``(address, block bytes, device, stride, blocks)``."""
-    device = max(layout.device_index, 0)
-    return np.array([(r.addr, r.block_bytes, device, r.stride, layout.num_blocks) for r in layout.regions],
-                    dtype=np.uint64)
-
-
-class _BlockRequest:
-    """A block transfer over NIXL: the two prepped lists, and the NIXL requests bound for the posts to come
-    (``_handle`` is the current one's, for ``status``)."""
-
-    takes_device_ids = False  # ids become NIXL descriptor indices on the host
-
-    def __init__(self, agent: Any, op: Op, local_list: Any, remote_list: Any, local_blocks: int,
-                 remote_blocks: int, num_regions: int) -> None:
-        self._agent, self.op = agent, op
-        self.local_list, self.remote_list = local_list, remote_list
-        self.local_blocks, self.remote_blocks = local_blocks, remote_blocks
-        self._region_starts = None if num_regions == 1 else np.arange(num_regions, dtype=np.int64)[:, None]
-        self.bindings = BlockBindings(on_drop=lambda binding: binding[0].release())
-
-    def indices(self, ids: np.ndarray, num_blocks: int) -> np.ndarray:
-        """Descriptor indices of ``ids`` in every region, region-major (adjacent blocks stay adjacent)."""
-        if self._region_starts is None:
-            return ids.astype(np.int32)
-        return (self._region_starts * num_blocks + ids[None, :]).astype(np.int32).ravel()
-
-    @property
-    def _handle(self) -> Any:
-        return self.bindings.current[0]._handle
-
-    def release(self) -> None:
-        """Release the bound requests and both lists, then let go of the agent: a request kept past its release
-        (by its user, or a cycle) must not keep the agent, its threads and sockets, past the communicator's
-        close."""
-        self.bindings.clear()
-        for dlist in (self.local_list, self.remote_list):
-            if dlist is not None:
-                self._agent.release_dlist_handle(dlist)
-        self.local_list = self.remote_list = None
-        self._agent = None
