@@ -15,16 +15,7 @@ already poll (``wait_until``'s sleeping loop, the progress thread's watches, the
 and ``lookup``): no thread of its own, so an idle communicator costs nothing. Pending connections are
 accepted from those same calls (the kernel completes the handshake without ``accept``).
 
-The handshake. The connecting rank sends a hello (``b"TWL"``, its rank). Without a job token the listener counts
-the connection for that rank at once. With one (``TENSORWIRE_JOB_TOKEN``) the listener answers with a fresh
-random nonce, the connecting rank returns ``HMAC-SHA256(token, label | nonce | its rank | the listener's rank)``,
-and the listener checks it (``hmac.compare_digest``) before it counts the connection, then says so with one byte;
-a connection that fails, or does not finish within ``liveness_s``, is closed. So a hello and answer sniffed from
-one connection do not open another (nor one to another rank), and a process without the token is never counted
-as a rank: neither can make a rank look gone to the listener by closing its connection. Each side moves the
-handshake on from its own polling calls, never blocking on the other: a connecting rank that did not answer in
-time (it was busy outside tensorwire) finds its connection closed before the acceptance and simply reconnects;
-a peer that is gone refuses that (``ECONNREFUSED``) or does not answer it, and only then counts as gone.
+The handshake (``liveness_handshake.py``): a connection counts for a rank only once it proved the job token.
 
 Local trouble is not a verdict. A peer counts as gone only on evidence from its side: end-of-file, a reset, a
 refused connection or a timeout on its connection. Failing to open a socket here (no descriptor to spare,
@@ -45,9 +36,7 @@ peer that is alive but stuck (e.g. stopped with SIGSTOP) counts as alive: its wa
 
 from __future__ import annotations
 
-import enum
 import errno
-import hashlib
 import hmac
 import os
 import secrets
@@ -61,69 +50,24 @@ from collections.abc import Callable
 from ..environment import hostname
 from ..errors import PeerLostError, TransferError
 from .listener_queries import HELLO, MAP_EPOCH, NONCE_BYTES, PROBE, WAKE, answer
+from .liveness_handshake import (
+    ACCEPTED,
+    ANSWER_BYTES,
+    MAGIC,
+    WAKE_PROOF,
+    Handshake,
+    Incoming,
+    Outgoing,
+    answer_mac,
+    collected,
+    wake_mac,
+)
 from .peer_sockets import broken, from_peer, local_trouble, read_up_to, send_now, tune
 
 __all__ = ["Liveness", "tune"]
 
-_HELLO = HELLO  # magic, the connecting rank: a claim, verified by the answer below (a question: its kind)
-_MAGIC = b"TWL"
-_NONCE_BYTES = NONCE_BYTES  # the listener's challenge
-_ANSWER_BYTES = 32  # HMAC-SHA256(token, _ANSWER_LABEL | nonce | connecting rank u32 | listening rank u32)
-_ANSWER_LABEL = b"tensorwire liveness answer/"
-_ACCEPTED = b"K"  # the listener verified the answer: from now on end-of-file means it is gone
 _CHECK_PERIOD_S = 0.01  # a peer's socket is looked at no more often than this
 _MAX_PENDING = 64  # accepted connections whose handshake has not finished, per listener: beyond, the oldest goes
-
-
-_WAKE_PROOF = struct.Struct("<Q")  # a poke's time in ms, then its MAC
-_WAKE_LABEL = b"tensorwire liveness wake/"
-
-
-def _wake_mac(token: bytes, rank: int, sent_ms: int) -> bytes:
-    return hmac.new(token, _WAKE_LABEL + struct.pack("<IQ", rank, sent_ms), hashlib.sha256).digest()
-
-
-def _answer(token: bytes, nonce: bytes, connecting: int, listening: int) -> bytes:
-    """The connecting rank's answer to ``nonce``: bound to this challenge, to who connects and to whom (an answer
-    seen on one connection opens no other)."""
-    message = _ANSWER_LABEL + nonce + struct.pack("<II", connecting, listening)
-    return hmac.new(token, message, hashlib.sha256).digest()
-
-
-class _Handshake(enum.Enum):
-    PENDING = "pending"  # waiting for the other end's next message
-    COUNTED = "counted"  # verified: the connection counts for its rank
-    REFUSED = "refused"  # closed: not a rank of this job, a wrong answer, end-of-file or silent too long
-    PROBED = "probed"  # a question for this listener's own rank (``listener_queries``), answered and closed
-
-
-class _Incoming:
-    """A connection accepted by the listener, until its hello (and, with a token, its answer) has arrived."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.since = sock, time.monotonic()
-        self.received = b""
-        self.rank: int | None = None  # claimed by the hello
-        self.nonce = b""  # the challenge sent (with a token)
-        self.probe = b""  # a question's kind (``listener_queries``), not a rank's connection
-
-
-def _collected(pending: _Incoming, size: int) -> bytes | _Handshake:
-    """The ``size`` bytes ``pending`` sent, once all arrived; else PENDING (more to come) or REFUSED (closed)."""
-    received = read_up_to(pending.sock, pending.received, size)
-    if received is None:
-        return _Handshake.REFUSED
-    pending.received = received
-    return received if len(received) >= size else _Handshake.PENDING
-
-
-class _Outgoing:
-    """A connection this rank opened, until the listener accepted its answer (with a token)."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.received = b""
-        self.answered = False
 
 
 class Liveness:
@@ -141,8 +85,8 @@ class Liveness:
         self._listener.setblocking(False)
         self.address = (host, self._listener.getsockname()[1])
         self._sockets: dict[int, list[socket.socket]] = {}  # accepted ones once verified; opened ones at once
-        self._incoming: list[_Incoming] = []  # accepted, not verified yet
-        self._outgoing: dict[socket.socket, _Outgoing] = {}  # opened, not accepted by the listener yet (token)
+        self._incoming: list[Incoming] = []  # accepted, not verified yet
+        self._outgoing: dict[socket.socket, Outgoing] = {}  # opened, not accepted by the listener yet (token)
         self._offered: set[int] = set()  # ranks whose connection to this one verified (every hello, unauthenticated)
         self._opened: set[int] = set()  # ranks this one opened a connection to (it is among their callers)
         self._lost: dict[int, str] = {}
@@ -281,10 +225,10 @@ class Liveness:
         proof = b""
         if self._token is not None:
             sent_ms = int(time.time() * 1000)
-            proof = _WAKE_PROOF.pack(sent_ms) + _wake_mac(self._token, rank, sent_ms)
+            proof = WAKE_PROOF.pack(sent_ms) + wake_mac(self._token, rank, sent_ms)
         try:
             with socket.create_connection(address, timeout=self.liveness_s) as sock:
-                sock.sendall(_HELLO.pack(WAKE, rank) + proof)
+                sock.sendall(HELLO.pack(WAKE, rank) + proof)
         except OSError:
             pass  # gone: nothing to wake; its liveness connection tells the waiters
 
@@ -336,7 +280,7 @@ class Liveness:
         try:
             sock = socket.create_connection(address, timeout=self.liveness_s)
             tune(sock, self.liveness_s)
-            sock.sendall(_HELLO.pack(_MAGIC, self.rank))
+            sock.sendall(HELLO.pack(MAGIC, self.rank))
             sock.setblocking(False)
         except OSError as e:
             if sock is not None:
@@ -351,7 +295,7 @@ class Liveness:
         self._sockets.setdefault(rank, []).append(sock)
         self._opened.add(rank)
         if self._token is not None:
-            self._outgoing[sock] = _Outgoing(rank)
+            self._outgoing[sock] = Outgoing(rank)
 
     def _handshake(self) -> None:
         """Move every handshake on as far as what has arrived allows, without blocking: accept pending
@@ -370,11 +314,11 @@ class Liveness:
             except OSError:  # BlockingIOError: none pending; EMFILE and the like: later
                 return
             sock.setblocking(False)
-            self._incoming.append(_Incoming(sock))
+            self._incoming.append(Incoming(sock))
             if len(self._incoming) > _MAX_PENDING:
                 self._incoming.pop(0).sock.close()
 
-    def _verify(self, pending: _Incoming) -> bool:
+    def _verify(self, pending: Incoming) -> bool:
         """One step of an accepted connection's handshake; True once it is settled (counted for its rank, or
         closed). Without a token the hello is taken as it is; with one, the listener sends a fresh nonce and
         counts the connection only when the answer is the HMAC of that nonce and both ranks under the token:
@@ -389,74 +333,74 @@ class Liveness:
             else:
                 outcome = self._take_answer(pending)
         except OSError:
-            outcome = _Handshake.REFUSED
-        if outcome is _Handshake.PENDING and time.monotonic() - pending.since > self.liveness_s:
-            outcome = _Handshake.REFUSED  # silent too long: a rank that was busy elsewhere reconnects
-        if outcome in (_Handshake.REFUSED, _Handshake.PROBED):
+            outcome = Handshake.REFUSED
+        if outcome is Handshake.PENDING and time.monotonic() - pending.since > self.liveness_s:
+            outcome = Handshake.REFUSED  # silent too long: a rank that was busy elsewhere reconnects
+        if outcome in (Handshake.REFUSED, Handshake.PROBED):
             pending.sock.close()
-        return outcome is not _Handshake.PENDING
+        return outcome is not Handshake.PENDING
 
-    def _take_hello(self, pending: _Incoming) -> _Handshake:
-        received = _collected(pending, _HELLO.size)
-        if isinstance(received, _Handshake):
+    def _take_hello(self, pending: Incoming) -> Handshake:
+        received = collected(pending, HELLO.size)
+        if isinstance(received, Handshake):
             return received
-        magic, rank = _HELLO.unpack(received)
+        magic, rank = HELLO.unpack(received)
         if magic == WAKE and rank == self.rank:
             if self._token is None:  # an unauthenticated job: a wake is taken as it is
                 self._verified_events += 1
-                return _Handshake.PROBED
+                return Handshake.PROBED
             pending.rank, pending.received, pending.probe = rank, b"", magic
-            return _Handshake.PENDING  # its proof follows
+            return Handshake.PENDING  # its proof follows
         if magic in (PROBE, MAP_EPOCH) and rank == self.rank:
             pending.rank, pending.received, pending.probe = rank, b"", magic
-            return _Handshake.PENDING  # its nonce follows
-        if magic != _MAGIC or not 0 <= rank < self.world_size or rank == self.rank:
-            return _Handshake.REFUSED  # not a rank of this job
+            return Handshake.PENDING  # its nonce follows
+        if magic != MAGIC or not 0 <= rank < self.world_size or rank == self.rank:
+            return Handshake.REFUSED  # not a rank of this job
         pending.rank, pending.received = rank, b""
         if self._token is None:  # an unauthenticated job: the hello is all there is to believe
             self._verified_events += 1
             self._offered.add(rank)
             self._sockets.setdefault(rank, []).append(pending.sock)
-            return _Handshake.COUNTED
-        pending.nonce = secrets.token_bytes(_NONCE_BYTES)
+            return Handshake.COUNTED
+        pending.nonce = secrets.token_bytes(NONCE_BYTES)
         send_now(pending.sock, pending.nonce)
-        return _Handshake.PENDING
+        return Handshake.PENDING
 
-    def _take_answer(self, pending: _Incoming) -> _Handshake:
-        received = _collected(pending, _ANSWER_BYTES)
-        if isinstance(received, _Handshake):
+    def _take_answer(self, pending: Incoming) -> Handshake:
+        received = collected(pending, ANSWER_BYTES)
+        if isinstance(received, Handshake):
             return received
-        if not hmac.compare_digest(received, _answer(self._token, pending.nonce, pending.rank, self.rank)):
-            return _Handshake.REFUSED  # replayed, or made without this job's token
-        send_now(pending.sock, _ACCEPTED)
+        if not hmac.compare_digest(received, answer_mac(self._token, pending.nonce, pending.rank, self.rank)):
+            return Handshake.REFUSED  # replayed, or made without this job's token
+        send_now(pending.sock, ACCEPTED)
         self._verified_events += 1
         self._offered.add(pending.rank)  # only now: a stranger's hello claiming a rank makes no caller to wait for
         self._sockets.setdefault(pending.rank, []).append(pending.sock)
-        return _Handshake.COUNTED
+        return Handshake.COUNTED
 
-    def _take_wake(self, pending: _Incoming) -> _Handshake:
+    def _take_wake(self, pending: Incoming) -> Handshake:
         """A poke's proof: a time (ms) and its MAC under the token, within a minute of this host's clock (a wake
         from a stranger, or an old one replayed, wakes the thread once but keeps it from polling for a second)."""
-        received = _collected(pending, _WAKE_PROOF.size + _ANSWER_BYTES)
-        if isinstance(received, _Handshake):
+        received = collected(pending, WAKE_PROOF.size + ANSWER_BYTES)
+        if isinstance(received, Handshake):
             return received
-        (sent_ms,) = _WAKE_PROOF.unpack_from(received)
+        (sent_ms,) = WAKE_PROOF.unpack_from(received)
         fresh = abs(time.time() * 1000 - sent_ms) < 60_000
-        if fresh and hmac.compare_digest(received[_WAKE_PROOF.size:], _wake_mac(self._token, self.rank, sent_ms)):
+        if fresh and hmac.compare_digest(received[WAKE_PROOF.size:], wake_mac(self._token, self.rank, sent_ms)):
             self._verified_events += 1
-        return _Handshake.PROBED
+        return Handshake.PROBED
 
-    def _take_probe(self, pending: _Incoming) -> _Handshake:
+    def _take_probe(self, pending: Incoming) -> Handshake:
         """Answer a question (``listener_queries``: who runs this listener, or its map epoch), bound to its nonce
         under the token."""
-        received = _collected(pending, _NONCE_BYTES)
-        if isinstance(received, _Handshake):
+        received = collected(pending, NONCE_BYTES)
+        if isinstance(received, Handshake):
             return received
         payload = self._who if pending.probe == PROBE else struct.pack("<I", self.map_epoch())
         send_now(pending.sock, answer(pending.probe, self._token, received, self.rank, payload))
-        return _Handshake.PROBED
+        return Handshake.PROBED
 
-    def _answer_challenge(self, sock: socket.socket, outgoing: _Outgoing) -> None:
+    def _answer_challenge(self, sock: socket.socket, outgoing: Outgoing) -> None:
         """One step of this rank's side of a handshake it opened (with a token): answer the nonce, then wait for
         the listener's acceptance. End-of-file before the acceptance is no proof that the peer is gone (it
         refused the answer, or closed the connection after ``liveness_s`` unanswered because this rank did not
@@ -465,13 +409,13 @@ class Liveness:
         rank = outgoing.rank
         try:
             if not outgoing.answered:
-                received = read_up_to(sock, outgoing.received, _NONCE_BYTES)
-                if received is not None and len(received) == _NONCE_BYTES:
-                    send_now(sock, _answer(self._token, received, self.rank, rank))
+                received = read_up_to(sock, outgoing.received, NONCE_BYTES)
+                if received is not None and len(received) == NONCE_BYTES:
+                    send_now(sock, answer_mac(self._token, received, self.rank, rank))
                     outgoing.answered, received = True, b""
             else:
-                received = read_up_to(sock, outgoing.received, len(_ACCEPTED))
-                if received == _ACCEPTED:
+                received = read_up_to(sock, outgoing.received, len(ACCEPTED))
+                if received == ACCEPTED:
                     del self._outgoing[sock]  # verified: from now on watched like any connection
                     return
                 if received:
