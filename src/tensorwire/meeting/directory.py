@@ -167,6 +167,8 @@ class _Server:
                     self.keys.end(session)
         except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, asyncio.CancelledError):
             pass  # gone, silent past its lease, or the directory stops: the session ends
+        except Exception as e:  # noqa: BLE001 - a request no check foresaw ends its session, never the directory
+            self.refused("a session", f"from {host}: {type(e).__name__}: {e}")
         finally:
             self.connections -= 1
             writer.close()
