@@ -542,9 +542,11 @@ def _stopped_holder(directory: str, then: str):
         x = comm.prepare(tw.WRITE, src, comm.lookup("target", owner, timeout=WAIT))
         x.post()
         x.wait(timeout=WAIT)
-        with open(os.path.join(directory, "holder-pid"), "w") as f:
-            f.write(str(os.getpid()))
         comm.barrier(timeout=WAIT)
+        # Written once out of the barrier's store calls: the stop must not land inside one (see below).
+        with open(os.path.join(directory, "holder-pid.tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(os.path.join(directory, "holder-pid.tmp"), os.path.join(directory, "holder-pid"))
         # Stopped and continued in here, outside tensorwire: a store call in flight across a stop would be cut by
         # its watchdog on waking (the stop outlasts its bound), which is not what this test is about.
         _wait_for_file(os.path.join(directory, "continued"))
@@ -555,6 +557,7 @@ def _stopped_holder(directory: str, then: str):
     reg = comm.register(target)
     comm.publish("target", reg.descs)
     comm.barrier(timeout=WAIT)
+    _wait_for_file(os.path.join(directory, "holder-pid"))
     with open(os.path.join(directory, "holder-pid")) as f:
         holder = int(f.read())
     os.kill(holder, signal.SIGSTOP)
