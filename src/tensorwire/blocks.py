@@ -19,7 +19,11 @@ pool (stream-ordered, graph-capturable with ids in device tensors); ``nixl`` mak
 descriptor lists prepared once per transfer; ``shm`` and ``local`` (host) copy with one ``memmove`` per run of
 consecutive blocks. This module holds the pools, their descriptors and the checks of a pair of pools.
 
-Non-goals: heterogeneous layouts (different block sizes or view counts on the two sides), partial blocks.
+A transfer between parts of blocks (the heads one tensor-parallel rank holds of a peer's wider block) pairs
+narrowed pools: ``pool.narrow(offsets, sizes)`` and ``desc.narrow(offsets, sizes)`` keep bytes ``[offset, offset +
+size)`` of every block of each view (one range per block, so the heads must be outermost inside a block).
+
+Non-goals: different block sizes or view counts on the two sides.
 """
 
 from __future__ import annotations
@@ -82,6 +86,14 @@ class BlockPoolDesc:
     def layout(self) -> BlockLayout:
         return BlockLayout(tuple(BlockRegion(a, s, b) for a, s, b, _ in self.regions), self.num_blocks, self.kind,
                            self.device_index)
+
+    def narrow(self, offsets: int | Sequence[int], sizes: int | Sequence[int]) -> BlockPoolDesc:
+        """The same pool reduced to bytes ``[offsets[v], offsets[v] + sizes[v])`` of every block of view ``v`` (one
+        int: the same for every view). A peer's ``prepare_blocks`` still checks the whole span against the
+        owner's map. Raises ``InvalidArgumentError`` for a range outside a block."""
+        ranges = narrowed_ranges(self.block_bytes, offsets, sizes, "BlockPoolDesc.narrow")
+        return BlockPoolDesc(self.rank, self.kind, self.device_index, self.num_blocks,
+                             tuple((a + o, st, n, e) for (a, st, _, e), (o, n) in zip(self.regions, ranges)))
 
     def spans(self) -> list[TensorDesc]:
         """Each region's bytes as a descriptor of the registration it lies in (checked against the owner's map)."""
@@ -179,6 +191,7 @@ class BlockPool(Closeable):
         # The BlockTransfers prepared on it, weakly: a transfer refers to its pool, and a strong set back would make
         # a cycle that keeps a dropped transfer (and the NIXL agent its request holds) alive until a gc pass.
         self.transfers: weakref.WeakSet = weakref.WeakSet()
+        self._parts: weakref.WeakSet = weakref.WeakSet()  # narrowed pools over these views: closed with this one
         self.closed = False
 
     @property
@@ -207,6 +220,8 @@ class BlockPool(Closeable):
         if self.closed:
             return
         self.closed = True
+        for part in list(self._parts):
+            part.close()
         for transfer in list(self.transfers):
             transfer.close()
         if self._owned is not None:
@@ -214,6 +229,20 @@ class BlockPool(Closeable):
         if self._own_epoch is not None:
             self._withdraw(self._own_epoch)
         self.views = []
+
+    def narrow(self, offsets: int | Sequence[int], sizes: int | Sequence[int]) -> BlockPool:
+        """A pool of bytes ``[offsets[v], offsets[v] + sizes[v])`` of every block of view ``v`` (one int: the same for
+        every view), sharing this pool's registration: for ``prepare_blocks`` with a ``BlockPoolDesc.narrow`` of a
+        peer's pool (a consumer rank reading its heads of a producer's block). Closed with this pool; closing it
+        releases only its transfers. Raises ``InvalidArgumentError`` for a range outside a block."""
+        self.check_open("narrow")
+        ranges = narrowed_ranges(self.block_bytes, offsets, sizes, "BlockPool.narrow")
+        layout = BlockLayout(tuple(BlockRegion(r.addr + o, r.stride, n) for r, (o, n) in zip(self.layout.regions,
+                                                                                            ranges)),
+                             self.num_blocks, self.layout.kind, self.layout.device_index)
+        part = BlockPool(self._runtime, self.views, layout, self._holders, None, self._expose, self._withdraw)
+        self._parts.add(part)
+        return part
 
     @property
     def holders(self) -> frozenset[Registration]:
@@ -258,6 +287,23 @@ def check_pool(pool: BlockPool, runtime: Runtime, fn: str) -> None:
     if not isinstance(pool, BlockPool) or pool._runtime is not runtime:
         raise InvalidArgumentError(f"{fn}: pass a BlockPool from this communicator's register_blocks(), got {pool!r}")
     pool.check_open(fn)
+
+
+def narrowed_ranges(block_bytes: tuple[int, ...], offsets: int | Sequence[int], sizes: int | Sequence[int],
+                    fn: str) -> list[tuple[int, int]]:
+    """``(offset, size)`` per view, checked to lie inside that view's blocks."""
+    count = len(block_bytes)
+    offsets = [offsets] * count if isinstance(offsets, int) and not isinstance(offsets, bool) else list(offsets)
+    sizes = [sizes] * count if isinstance(sizes, int) and not isinstance(sizes, bool) else list(sizes)
+    if len(offsets) != count or len(sizes) != count:
+        raise InvalidArgumentError(f"{fn}: {len(offsets)} offsets and {len(sizes)} sizes for {count} views; give one "
+                                   "int, or one per view")
+    for view, (offset, size, length) in enumerate(zip(offsets, sizes, block_bytes)):
+        if (isinstance(offset, bool) or isinstance(size, bool) or not isinstance(offset, int)
+                or not isinstance(size, int) or offset < 0 or size < 1 or offset + size > length):
+            raise InvalidArgumentError(f"{fn}: view {view}: bytes [{offset!r}, +{size!r}) of a {length}-byte block; "
+                                       "give 0 <= offset and 1 <= size with offset + size <= the block's bytes")
+    return list(zip(offsets, sizes))
 
 
 def _desc_holding(registration: Registration, span: Segment) -> TensorDesc:

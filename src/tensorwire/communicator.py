@@ -93,6 +93,7 @@ class Communicator:
         tells askers its map epoch; with a token, its prepares ask the owners (``freshness.py``)."""
         runtime = self._runtime
         runtime.channel(REVOCATION_CHANNEL, self._revocations.handle)
+        runtime.reach = self._revocations.reach
         runtime.liveness.map_epoch = lambda: self._memory.epoch
         if cfg.job_token is not None:
             self._peers.current_epoch = Freshness(runtime).current_epoch

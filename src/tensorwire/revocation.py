@@ -98,7 +98,7 @@ class Revocations:
             if kind == _REVOKE_CLOSING:
                 return
             try:
-                self._reach(sender)  # holds nothing of it maybe, but the owner waits for the answer
+                self.reach(sender)  # holds nothing of it maybe, but the owner waits for the answer
                 self._messenger.send_notification(sender, _message(_ACK, epochs))
             except Exception:  # noqa: BLE001 - the owner is gone or unreachable: nothing to tell
                 pass
@@ -219,7 +219,7 @@ class Revocations:
                     continue  # closing: no store round trips for ranks this one never talked to
                 if self._runtime.peer_lost(target, fresh=True) is not None:
                     continue  # gone: it posts nothing more (and NIXL would log a failed send)
-                self._reach(target)
+                self.reach(target)
                 kind = _REVOKE if wait else _REVOKE_CLOSING
                 with self._lock:
                     pending.add(target)
@@ -275,7 +275,7 @@ class Revocations:
         self._await_answers(key)
         return True
 
-    def _reach(self, rank: int) -> None:
+    def reach(self, rank: int) -> None:
         """Load ``rank``'s NIXL metadata once if it is not loaded (a store round trip, bounded by the liveness
         period), so a notification can be sent to it."""
         if rank not in self._messenger.loaded_peers():

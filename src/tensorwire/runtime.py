@@ -50,6 +50,11 @@ class Channel:
     def try_pop(self, sender: int) -> bytes | None:
         return self._inbox.try_pop(sender, self.prefix)
 
+    def take_all(self) -> list[tuple[int, bytes]]:
+        """Every queued message of the channel, from any sender, as ``(sender, message)``, each sender's in order,
+        after one poll of the message channels. Never blocks (for a receiver that cannot name its senders)."""
+        return self._inbox.take_all(self.prefix)
+
     def send(self, peer: int, message: bytes) -> None:
         if not message.startswith(self.prefix):
             raise InvalidArgumentError(f"Channel.send: {message[:16]!r} does not start with this channel's prefix "
@@ -83,6 +88,8 @@ class Runtime:
         self.transfers: weakref.WeakSet = weakref.WeakSet()
         self.outbox = Outbox(self.engine, self.send_notification)
         self.between_polls: Callable[[], None] = lambda: None
+        # Makes a peer reachable by a standalone message (NIXL needs its metadata loaded): the communicator's.
+        self.reach: Callable[[int], None] = lambda rank: None
         self.dependents: weakref.WeakSet = weakref.WeakSet()
         self._extensions: dict[str, Any] = {}
         self.closed = False
@@ -101,7 +108,14 @@ class Runtime:
         if not isinstance(prefix, bytes) or not prefix:
             raise InvalidArgumentError(f"channel: prefix={prefix!r}; give non-empty bytes, e.g. b'myext'")
         self.inbox.open_channel(prefix, handler)
-        return Channel(prefix, self.inbox, self.send_notification)
+        return Channel(prefix, self.inbox, self._send_reaching)
+
+    def _send_reaching(self, peer: int, message: bytes) -> None:
+        """A channel's message: to a peer never contacted, after loading what its messages need (a store round trip,
+        once); blocks only then."""
+        if peer != self.rank:
+            self.reach(peer)
+        self.send_notification(peer, message)
 
     def close_with(self, dependent: Any) -> None:
         """Close ``dependent`` (anything with ``close()``) when the communicator closes, before its transfers and

@@ -36,9 +36,11 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("launcher and test data", ["tensorwire.testing", "tensorwire.testing.launch", "tensorwire.testing.data",
                                 "tensorwire.testing.netns"]),
     ("public API", ["tensorwire"]),
+    ("kv", ["tensorwire.kv", "tensorwire.kv.*"]),
     ("integrations", ["tensorwire.integrations", "tensorwire.integrations.*"]),
     ("tool support", ["tensorwire.machine", "tensorwire.testing.suite", "tensorwire.testing.scenarios",
-                      "tensorwire.testing.moe_reference", "tensorwire.testing.cli_run"]),
+                      "tensorwire.testing.moe_reference", "tensorwire.testing.cli_run",
+                      "tensorwire.testing.kv_pools"]),
     ("tools", ["tensorwire.doctor", "tensorwire.doctor_probe", "tensorwire.ucx_protocols", "tensorwire.bench",
                "tensorwire.bench.*"]),
     ("command", ["tensorwire.cli", "tensorwire.__main__"]),
@@ -230,14 +232,18 @@ def test_the_reach_check_sees_a_reach():
 _TRANSFER_NAMES = {"owner", "_owner", "core", "_core", "transfer", "_transfer"}
 
 
-def test_integrations_use_the_public_api_only(graph):
-    """An integration imports ``tensorwire`` itself and its own modules, nothing else of tensorwire; and no module
-    below it imports one (``import tensorwire`` must never import a serving engine)."""
+def test_integrations_and_kv_use_the_public_api_only(graph):
+    """``tensorwire.kv`` imports ``tensorwire`` itself and its own modules, an integration those and
+    ``tensorwire.kv``, nothing else of tensorwire; and no module below an integration imports one (``import
+    tensorwire`` must never import a serving engine)."""
     integrations = {m for m in graph if m.startswith("tensorwire.integrations")}
-    private = {m: sorted(t for t in graph[m] if t != "tensorwire" and t not in integrations) for m in integrations}
-    assert not any(private.values()), f"integrations reaching below the public API: {private}"
+    kv = {m for m in graph if m == "tensorwire.kv" or m.startswith("tensorwire.kv.")}
+    private = {m: sorted(t for t in graph[m] if t != "tensorwire" and t not in integrations | kv)
+               for m in integrations | kv}
+    assert not any(private.values()), f"integrations or kv reaching below the public API: {private}"
+    assert not any(graph[m] & integrations for m in kv), "tensorwire.kv imports an engine adapter"
     for name, (path, _) in _modules().items():
-        if name in integrations:
+        if name in integrations | kv:
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "tw":
                     assert not node.attr.startswith("_"), f"{name} uses tw.{node.attr}, a private name"

@@ -6,11 +6,11 @@ tensorwire fleet (``tensorwire directory``), one block request per load.
                      kv_connector_extra_config={"directory": "tcp://HOST:PORT", "name": "prefill-0"})
 
 ``TensorwireConnector`` (connector.py) is what vLLM loads; it imports vLLM, so it is imported on first use of the
-name: ``settings`` / ``handoff`` / ``params`` / ``layout`` (plain values) can be used without vLLM installed.
-Modules: settings.py (kv_connector_extra_config), handoff.py (what travels between the two instances and from
-the scheduler to the workers), params.py (the checks of a client's kv_transfer_params), layout.py (the KV cache
-as a block pool, and the fingerprint both sides compare), scheduler.py (the scheduler-side hooks), loader.py (the
-consumer's loads, one thread per producer), worker.py (the worker-side hooks), stats.py
+name: ``settings`` / ``plan`` / ``layout`` (plain values) can be used without vLLM installed. Everything that is
+not vLLM's (handoffs, their checks and single use, holds, loads, heterogeneous TP) is ``tensorwire.kv``.
+Modules: settings.py (kv_connector_extra_config), plan.py (the scheduler's per-step plan for the workers),
+layout.py (the KV cache as block views, the fingerprint both sides compare, the heads' sharding), scheduler.py
+(the scheduler-side hooks: vLLM's request states), worker.py (the worker-side hooks), stats.py
 (``get_kv_connector_stats``), connector.py (the ``KVConnectorBase_V1``).
 """
 

@@ -13,8 +13,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import tensorwire as tw
 
-from .handoff import Plan
-from .layout import fingerprint
+from .layout import fingerprint, sharding
+from .plan import Plan
 from .scheduler import SchedulerSide
 from .settings import Settings
 from .stats import TensorwireKVConnectorStats
@@ -40,12 +40,15 @@ class TensorwireConnector(KVConnectorBase_V1):
     blocks from the prefill instance (``kv_producer``) that computed them, both members of a tensorwire fleet
     (``kv_connector_extra_config={"directory": "tcp://HOST:PORT", "name": ...}``, see ``settings.py``). On one
     host with GPU caches the READ is one Triton kernel over CUDA IPC, across hosts one NIXL request, on the CPU
-    one NIXL request: always one request for all layers of all blocks of a step's requests from one producer.
+    one NIXL request: always one request for all layers of all blocks of a step's requests from one producer rank.
+    Prefill and decode may run different tensor-parallel sizes (and MLA models): each decode rank reads its heads
+    from the prefill ranks that hold them (``tensorwire.kv``).
 
     The client sends a prompt to the producer with ``kv_transfer_params={"do_remote_decode": True}`` and
     ``max_tokens=1``, then to the consumer with the producer output's ``kv_transfer_params`` (``handoff.py``):
     the handoff, sealed with the job token. The client is not trusted: ``params.py`` checks every field, and the
-    consumer reads only blocks of a handoff it opened, for the prompt it serves, once, before it expires.
+    consumer reads only blocks of a handoff it opened, for the prompt it serves, before it expires, and only once
+    the producer granted it the handoff: each handoff is read once, by one consumer.
     No hook raises: a hostile or broken request is recomputed or failed (``kv_load_failure_policy``), never
     left waiting, and never stops the engine.
 
@@ -81,18 +84,19 @@ class TensorwireConnector(KVConnectorBase_V1):
         self._settings = Settings.from_extra_config(transfer_config.kv_connector_extra_config,
                                                     transfer_config.engine_id, tw.fleet_from_environment())
         layout = fingerprint(vllm_config)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 self._settings, layout, role=transfer_config.kv_role, block_size=vllm_config.cache_config.block_size,
-                policy=getattr(transfer_config, "kv_load_failure_policy", "fail"), sealed=_job_can_seal())
+                policy=getattr(transfer_config, "kv_load_failure_policy", "fail"), sealed=_job_can_seal(),
+                tp_size=tp_size)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            tp_size = vllm_config.parallel_config.tensor_parallel_size
             self._worker = WorkerSide(self._settings, transfer_config.kv_role, layout,
-                                      get_tensor_model_parallel_rank() if tp_size > 1 else 0, tp_size)
+                                      get_tensor_model_parallel_rank() if tp_size > 1 else 0, sharding(vllm_config))
 
     # --- worker side --------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -6,6 +6,8 @@ An exception raised from these hooks is fatal to vLLM's EngineCore, and a reques
 is never reported stays parked for ever with its blocks held: so each hook catches everything, and a request's
 ``kv_transfer_params`` are judged once, in ``num_new_matched_tokens``, before vLLM is told "async". A refused one
 is recomputed here (``kv_load_failure_policy="recompute"``) or planned as a load that fails at once (``"fail"``).
+Each load carries a claim made here, once for all workers: the producer grants a handoff to one claim, so a
+replayed request (here or at another consumer, or after a restart) fails its load instead of reading reused blocks.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import math
 import time
 from typing import Any
 
-from .handoff import Handoff, Load, Plan, prompt_hash
-from .params import HandoffRefused, check_params
+from tensorwire.kv import Handoff, HandoffRefused, Load, check_params, new_claim, prompt_hash
+
+from .plan import Plan
 from .settings import Settings
 
 __all__ = ["SchedulerSide"]
@@ -25,21 +28,20 @@ log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: printed with
 
 # A prefill whose request ended this way holds the KV its consumer needs (a cut-off or aborted one does not).
 _HANDED_OFF = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
-_UNSEALED_KEEP_S = 3600.0  # how long an unsealed handoff (no expiry) is remembered against replays
 
 
 class SchedulerSide:
     """Hooks of ``KVConnectorBase_V1``'s scheduler role. ``layout``: ``layout.fingerprint(vllm_config)``; ``role``:
     ``kv_producer`` / ``kv_consumer`` / ``kv_both``; ``policy``: ``kv_load_failure_policy``; ``sealed``: the job
-    has a token (handoffs are sealed by producers and must open at consumers)."""
+    has a token (handoffs are sealed by producers and must open at consumers); ``tp_size``: this engine's tensor
+    parallelism (named in its handoffs)."""
 
     def __init__(self, settings: Settings, layout: str, *, role: str = "kv_both", block_size: int = 16,
-                 policy: str = "fail", sealed: bool = False) -> None:
+                 policy: str = "fail", sealed: bool = False, tp_size: int = 1) -> None:
         self._settings, self._layout, self._role = settings, layout, role
-        self._block_size, self._policy, self._sealed = block_size, policy, sealed
+        self._block_size, self._policy, self._sealed, self._tp_size = block_size, policy, sealed, tp_size
         self._plan = Plan()
         self._verdicts: dict[str, Handoff | HandoffRefused] = {}  # request id -> its judged params, until alloc
-        self._served: dict[tuple, float] = {}  # (producer, its request id, issue time) -> until when: no replay
 
     # --- consumer -------------------------------------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -72,24 +74,12 @@ class SchedulerSide:
                                    sealed=self._sealed, now=time.time())
             if handoff.member == self._settings.name:
                 raise HandoffRefused("params", "remote_member", handoff.member, "it names this consumer itself")
-            self._claim(handoff)
             return handoff
         except HandoffRefused as refused:
             what = "failed (kv_load_failure_policy='fail')" if self._policy == "fail" else "computed here"
             log.warning("request %s: %s; %s", request.request_id, refused, what)
             self._plan.refused.append(refused.reason)
             return refused
-
-    def _claim(self, handoff: Handoff) -> None:
-        """Remember a handoff until it expires; a second request with it is a replay, refused."""
-        now = time.time()
-        if len(self._served) > 1024:  # forget the expired ones, amortized over many requests
-            self._served = {key: until for key, until in self._served.items() if until > now}
-        key = (handoff.member, handoff.request_id, handoff.issued_at)  # a producer started again may reuse ids
-        if self._served.get(key, 0.0) > now:
-            raise HandoffRefused("replayed", "remote_request_id", handoff.request_id,
-                                 f"a request already used the handoff of {handoff.member!r}; each serves one request")
-        self._served[key] = handoff.expires_at if handoff.expires_at > now else now + _UNSEALED_KEEP_S
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Consumer: plan the load into the blocks just allocated for the external tokens (none on a full local
@@ -108,7 +98,7 @@ class SchedulerSide:
                 if local:
                     self._plan.loads.append(Load(request.request_id, local, None, verdict.reason))
                 return
-            self._plan.loads.append(Load(request.request_id, local, verdict))
+            self._plan.loads.append(Load(request.request_id, local, verdict, claim=new_claim()))
         except Exception:
             log.exception("TensorwireConnector: request %s: planning its load failed", request.request_id)
 
@@ -138,7 +128,7 @@ class SchedulerSide:
         if params.get("do_remote_prefill") not in (None, False):
             params["do_remote_prefill"] = False
             if isinstance(verdict, Handoff):
-                self._plan.loads.append(Load(request.request_id, (), verdict))
+                self._plan.loads.append(Load(request.request_id, (), verdict, claim=new_claim()))
             return False, None
         if (self._role == "kv_consumer" or params.get("do_remote_decode") is not True
                 or request.status.name not in _HANDED_OFF or not block_ids):
@@ -146,7 +136,7 @@ class SchedulerSide:
         handoff = self._handoff(request, block_ids)
         if handoff is None:
             return False, None
-        self._plan.holds[request.request_id] = self._settings.hold_s
+        self._plan.holds.append(handoff)
         return True, handoff.to_params(self._sealed)
 
     def _handoff(self, request: Any, block_ids: list[int]) -> Handoff | None:
@@ -158,4 +148,4 @@ class SchedulerSide:
             return None
         now = time.time()
         return Handoff(self._settings.name, blocks, request.request_id, num_tokens, self._layout,
-                       prompt_hash(prompt[:num_tokens]), now, now + self._settings.hold_s)
+                       prompt_hash(prompt[:num_tokens]), now, now + self._settings.hold_s, self._tp_size)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import tensorwire as tw
+from tensorwire.kv import member_name
 
 __all__ = ["Settings"]
 
@@ -54,10 +55,6 @@ class Settings:
     def member_name(self, tp_rank: int, tp_size: int) -> str:
         """This worker's name in the fleet: one member per tensor-parallel rank."""
         return member_name(self.name, tp_rank, tp_size)
-
-
-def member_name(instance: str, tp_rank: int, tp_size: int) -> str:
-    return instance if tp_size == 1 else f"{instance}-tp{tp_rank}"
 
 
 def _seconds(extra: dict[str, Any], key: str, default: float) -> float:

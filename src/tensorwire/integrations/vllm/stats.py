@@ -48,6 +48,7 @@ class TensorwireKVConnectorStats(KVConnectorStats):
         if durations:
             summary.update({
                 "Avg xfer time (ms)": round(statistics.fmean(durations) * 1e3, 3),
+                "Avg claim time (ms)": round(statistics.fmean(self.data.get("claim_duration") or [0.0]) * 1e3, 3),
                 "P90 xfer time (ms)": round(_quantile(durations, 0.9) * 1e3, 3),
                 "Avg MB per transfer": round(total_bytes / len(durations) / 2**20, 3),
                 "Throughput (MB/s)": round(total_bytes / 2**20 / max(sum(durations), 1e-9), 3),

@@ -1,13 +1,15 @@
-"""The checks of a consumer request's ``kv_transfer_params``: everything in them comes from the HTTP client.
+"""The checks of a consumer request's handoff params (``Handoff.to_params``): everything in them comes from the
+client.
 
-``check_params`` runs where vLLM first hands the params over (``get_num_new_matched_tokens``), before the
-scheduler is told to wait for a load: a value of the wrong type, out of range, inconsistent with the prompt or the
+``check_params`` runs where the engine first hands the params over (vLLM: ``get_num_new_matched_tokens``), before
+the scheduler is told to wait for a load: a value of the wrong type, out of range, inconsistent with the prompt or the
 block size, of another layout, or a handoff that does not open with the job token, was altered, was issued for
 another prompt or has expired raises ``HandoffRefused`` naming the field, the value and the reason (a short word
 for the stats). Nothing else escapes: the hooks turn a refusal into a recompute or a failed request.
 
 What the consumer then uses is the sealed handoff, never the plaintext fields: those only have to agree with it.
-Replays (one handoff used twice) are refused by the scheduler (``scheduler.py``), which remembers what it served.
+Replays (one handoff used twice, by this consumer or another one) are refused by the producer, which grants each
+handoff to one claim (``producer.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .handoff import SEAL_CONTEXT, Handoff, prompt_hash
 __all__ = ["HandoffRefused", "check_params", "MAX_BLOCK_ID", "EXPIRY_MARGIN_S"]
 
 MAX_BLOCK_ID = 2**31 - 1  # no engine has more blocks; ids past it are refused before any arithmetic
+MAX_TP_SIZE = 4096  # tensor-parallel sizes past it are refused before any arithmetic
 _MAX_NAME_CHARS = 256
 _MAX_SEAL_CHARS = 1 << 20  # a sealed handoff of 2 k blocks is ~20 KiB
 # A handoff this close to its expiry is refused: the producer frees the blocks at expiry (and reuses them), and
@@ -39,7 +42,7 @@ class HandoffRefused(tw.InvalidArgumentError):
     def __init__(self, reason: str, field: str, value: Any, why: str) -> None:
         shown = repr(value)
         shown = shown if len(shown) <= 120 else shown[:117] + "..."
-        super().__init__(f"TensorwireConnector: kv_transfer_params {field}={shown} refused ({reason}): {why}")
+        super().__init__(f"KV handoff: kv_transfer_params {field}={shown} refused ({reason}): {why}")
         self.reason, self.field = reason, field
 
 
@@ -82,18 +85,19 @@ def _plaintext(params: dict, prompt_token_ids: list[int], block_size: int, layou
     their_layout = _string(params, "remote_layout", 4096)
     if their_layout != layout:
         raise HandoffRefused("layout", "remote_layout", their_layout,
-                             f"this consumer serves {layout!r}; start both instances with the same model, dtype, "
-                             "block size and tensor parallelism")
+                             f"this consumer serves {layout!r}; start both instances with the same model, KV dtype "
+                             "and block size")
     num_tokens = _integer(params, "remote_num_tokens", 1, max(len(prompt_token_ids), 1))
     if num_tokens != len(prompt_token_ids):
         raise HandoffRefused("prompt", "remote_num_tokens", num_tokens,
                              f"this request's prompt has {len(prompt_token_ids)} tokens; send the same prompt to both")
     blocks = _block_ids(params, math.ceil(num_tokens / block_size))
+    producer_tp = _integer(params, "remote_tp_size", 1, MAX_TP_SIZE) if "remote_tp_size" in params else 1
     expires_at = params.get("remote_expires_at", 0.0)
     if isinstance(expires_at, bool) or not isinstance(expires_at, (int, float)) or not math.isfinite(expires_at):
         raise HandoffRefused("params", "remote_expires_at", expires_at, "give the producer's value, a finite number")
     return Handoff(member, blocks, request_id, num_tokens, layout, prompt_hash(prompt_token_ids), 0.0,
-                   float(expires_at))
+                   float(expires_at), producer_tp)
 
 
 def _opened(params: dict) -> dict[str, Any]:

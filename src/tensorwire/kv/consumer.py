@@ -1,0 +1,264 @@
+"""The consumer's loads, off the engine's thread so that its steps never wait for a producer.
+
+A job is one engine step's loads from one producer instance. Each producer instance has a lane: a thread of its own
+running its jobs in order and owning its transfers (a transfer is driven from one thread), so a producer slow to
+answer or to be found delays only its own loads. Results come back through one queue that the engine drains
+without blocking.
+
+A job, at consumer rank d of an engine at tensor parallelism D, from a producer at P (the handoff says which):
+  1. the head map (``heads.HeadMap``) says which producer ranks hold d's heads (``reads``) and which it only
+     releases; each is found in the fleet at first contact (bounded by ``contact_s``; one that left fails at once
+     until a member under its name is listed again);
+  2. one CLAIM to each of them (``messages.py``), the GRANTs awaited together: the producer grants each handoff to
+     one claim, so a replayed or second consumer's load fails here (``replayed``), before any byte moves;
+  3. one block READ per source for all the job's granted requests, each of a head range when the TP sizes differ
+     (``BlockPool.narrow``: one descriptor per block per source), its notification the DONE that lets the producer
+     free the blocks once every consumer rank reported.
+
+A lane never dies: any exception becomes the failure of that job, with a reason (a short word, counted in the
+stats) and one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+import tensorwire as tw
+
+from .handoff import Load
+from .heads import HeadMap, Sharding
+from .member import KVMember
+from .messages import TO_CONSUMER, TO_PRODUCER, Claim, Done, Grant, parse
+from .sources import LoadFailed, Source
+
+__all__ = ["Consumer", "LoadResult", "LoadFailed", "MAX_LANES"]
+
+log = logging.getLogger(__name__)
+
+MAX_LANES = 64  # producer instances this consumer reaches at once; loads naming more fail ("lanes")
+_REFUSED = {"taken": "replayed", "spent": "replayed", "unknown": "unknown"}
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """The outcome of one job: ``error`` is None on success (then the blocks hold the producer's KV)."""
+
+    loads: list[Load]
+    error: str | None
+    num_blocks: int = 0
+    num_bytes: int = 0
+    transfer_s: float = 0.0  # post + wait of the READs
+    contact_s: float = 0.0  # finding the producer ranks and preparing the transfers (first contact only; else 0)
+    claim_s: float = 0.0  # the claims' round trip (what single use costs a load)
+    transport: str = ""  # what moved the bytes: "cuda_ipc" (GPU caches, one host), "nixl", "shm"
+    reason: str = ""  # a failure's kind, for the stats: "layout", "replayed", "departed", "lost", "timeout"...
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, LoadFailed):
+        return error.reason
+    if isinstance(error, tw.PeerLostError):
+        return "lost"
+    if isinstance(error, tw.WaitTimeoutError):
+        return "timeout"
+    return "transfer" if isinstance(error, tw.TensorwireError) else "internal"
+
+
+class _Lane:
+    """One producer instance's jobs, in order, on a thread of its own; everything here is that thread's only."""
+
+    def __init__(self, consumer: Consumer, instance: str) -> None:
+        self.consumer, self.instance = consumer, instance
+        self.sources: dict[tuple[int, int], Source] = {}  # (producer TP, producer rank) -> its source
+        self.jobs: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name=f"tensorwire-kv-load-{instance}"[:60], daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (loads := self.jobs.get()) is not None:
+            try:
+                result = self._load(loads)
+            except Exception as e:  # noqa: BLE001 - a lane never dies: this job fails, the next ones run
+                result = self._failed(loads, e)
+            self.consumer.results.put(result)
+        for source in self.sources.values():
+            source.drop()
+
+    def _load(self, loads: list[Load]) -> LoadResult:
+        consumer = self.consumer
+        started = time.perf_counter()
+        head_map = self._head_map(loads)
+        rank = consumer.member.tp_rank
+        reads = head_map.reads(rank)
+        contacts = sorted({r.producer_rank for r in reads} | set(head_map.releases(rank)))
+        first = any((loads[0].handoff.producer_tp, p) not in self.sources for p in contacts)
+        sources = {p: self._source(loads[0].handoff.producer_tp, p) for p in contacts}
+        for source in sources.values():
+            source.contact(loads[0].handoff.layout)
+        contact_s = time.perf_counter() - started if first else 0.0
+        claimed = time.perf_counter()
+        granted, refused = self._claim(loads, sources, {r.producer_rank for r in reads})
+        claim_s = time.perf_counter() - claimed
+        posted = time.perf_counter()
+        moved = self._read(granted, reads, sources) if granted else 0
+        transfer_s = time.perf_counter() - posted
+        if refused:
+            raise LoadFailed(refused[0], f"the producer refused {len(refused)} of {len(loads)} handoffs "
+                             f"({', '.join(sorted(set(refused)))}): each is read once, by one consumer")
+        blocks = sum(len(ld.local_block_ids) for ld in loads)
+        transport = next((s.transport for s in sources.values() if s.transport), "")
+        return LoadResult(loads, None, blocks, moved, transfer_s, contact_s, claim_s, transport)
+
+    def _head_map(self, loads: list[Load]) -> HeadMap:
+        member = self.consumer.member
+        handoff = loads[0].handoff
+        if handoff.layout != member.layout:
+            raise LoadFailed("layout", f"producer {self.instance!r} serves {handoff.layout!r}, this consumer "
+                             f"{member.layout!r}; start both with the same model, KV dtype and block size")
+        own = member.sharding
+        try:
+            return HeadMap(Sharding(handoff.producer_tp, own.total_heads, own.replicated), own)
+        except tw.InvalidArgumentError as e:
+            raise LoadFailed("tp", str(e)) from None
+
+    def _source(self, producer_tp: int, producer_rank: int) -> Source:
+        key = (producer_tp, producer_rank)
+        if key not in self.sources:
+            consumer = self.consumer
+            self.sources[key] = Source(consumer.member, consumer.to_producers, (consumer.timeout_s, consumer.contact_s),
+                                       self.instance, producer_rank, producer_tp)
+        return self.sources[key]
+
+    def _claim(self, loads: list[Load], sources: dict[int, Source], readers: set[int]) -> tuple[list[Load], list]:
+        """Claim every load at every source (a release where this rank reads nothing from it, or the load needs
+        no blocks); wait for all grants. Returns (loads granted everywhere, reasons of the refused ones)."""
+        member = self.consumer.member
+        tickets: dict[str, int] = {}
+        for p, source in sources.items():
+            for read in (True, False):
+                chosen = [ld for ld in loads if read == (p in readers and bool(ld.local_block_ids))]
+                if chosen:
+                    ticket = secrets.token_hex(8)
+                    claim = Claim(ticket, tuple((ld.handoff.request_id, ld.handoff.issued_at, ld.claim)
+                                                for ld in chosen), read, member.sharding.tp_size, member.tp_rank)
+                    source.send(claim.encode())
+                    tickets[ticket] = p
+        verdicts: dict[str, list[str]] = {}
+        for grant in self._grants(tickets, sources):
+            for request_id, verdict in grant.verdicts.items():
+                verdicts.setdefault(request_id, []).append(verdict)
+            sources[tickets[grant.ticket]].heads_outermost = grant.heads_outermost
+        granted, refused = [], []
+        for ld in loads:
+            bad = [v for v in verdicts.get(ld.handoff.request_id, ["unknown"]) if v != "granted"]
+            if bad:
+                refused.append(_REFUSED[bad[0]])
+            elif ld.local_block_ids:
+                granted.append(ld)
+        return granted, refused
+
+    def _grants(self, tickets: dict[str, int], sources: dict[int, Source]) -> list[Grant]:
+        """The grants of ``tickets`` (ticket -> producer rank), in any order. Sleeps between polls; bounded by the
+        consumer's ``timeout_s`` (``LoadFailed("timeout")``), a source gone fails at once (``lost``)."""
+        consumer = self.consumer
+        deadline = time.monotonic() + consumer.timeout_s
+        waiting, grants, pause = dict(tickets), [], 2e-5
+        while waiting:
+            for p in set(waiting.values()):
+                message = consumer.channel.try_pop(sources[p].rank)
+                grant = parse(message) if message is not None else None
+                if isinstance(grant, Grant) and grant.ticket in waiting:
+                    grants.append(grant)
+                    del waiting[grant.ticket]
+            if not waiting:
+                break
+            if time.monotonic() >= deadline:
+                for p in set(waiting.values()):
+                    sources[p].check_alive()
+                raise LoadFailed("timeout", f"{len(waiting)} claim(s) to {self.instance!r} not answered within "
+                                 f"{consumer.timeout_s:g}s")
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+        return grants
+
+    def _read(self, loads: list[Load], reads: list, sources: dict[int, Source]) -> int:
+        """READ every source's heads of ``loads``' blocks (posted together, then waited); returns the bytes."""
+        local = np.fromiter((b for ld in loads for b in ld.local_block_ids), dtype=np.int64)
+        remote = np.fromiter((b for ld in loads for b in ld.remote_block_ids()), dtype=np.int64)
+        rank = self.consumer.member.tp_rank
+        posted = []
+        for read in reads:
+            source = sources[read.producer_rank]
+            done = Done(tuple((ld.handoff.request_id, ld.claim) for ld in loads), rank).encode()
+            posted.append(source.post(read, local, remote, done))
+        return sum(source.wait(moved) for source, moved in posted)
+
+    def _failed(self, loads: list[Load], error: BaseException) -> LoadResult:
+        reason = _reason(error)
+        if reason in ("lost", "timeout", "transfer", "internal"):
+            for source in self.sources.values():
+                source.failed(reason)
+        log.warning("KV consumer: loading %d request(s) from %r failed (%s): %s: %s", len(loads), self.instance,
+                    reason, type(error).__name__, error)
+        return LoadResult(loads, f"{type(error).__name__}: {error}", reason=reason)
+
+
+class Consumer:
+    """Runs load jobs for ``member``'s pool, in order per producer instance, on one thread per instance.
+    ``submit`` and ``take_results`` never block; ``load`` does (for a plain program)."""
+
+    def __init__(self, member: KVMember, *, timeout_s: float = 30.0, contact_s: float = 5.0) -> None:
+        self.member, self.timeout_s, self.contact_s = member, timeout_s, contact_s
+        self.channel = member.comm.runtime.channel(TO_CONSUMER)  # grants come here
+        self.to_producers = member.comm.runtime.channel(TO_PRODUCER)  # claims go there
+        self.results: queue.Queue = queue.Queue()
+        self._lanes: dict[str, _Lane] = {}  # by producer instance name; the submitting thread's only
+
+    def submit(self, loads: list[Load]) -> None:
+        """Queue ``loads`` (each with a handoff), one job per producer instance."""
+        by_instance: dict[str, list[Load]] = {}
+        for ld in loads:
+            by_instance.setdefault(ld.handoff.member, []).append(ld)
+        for instance, jobs in by_instance.items():
+            lane = self._lanes.get(instance)
+            if lane is None:
+                if len(self._lanes) >= MAX_LANES:
+                    log.warning("KV consumer: loading %d request(s) from %r failed (lanes): this consumer already "
+                                "reaches %d producers", len(jobs), instance, MAX_LANES)
+                    self.results.put(LoadResult(jobs, f"more than {MAX_LANES} producers", reason="lanes"))
+                    continue
+                lane = self._lanes[instance] = _Lane(self, instance)
+            lane.jobs.put(jobs)
+
+    def take_results(self) -> list[LoadResult]:
+        """Every job finished since the last call. Never blocks."""
+        done = []
+        while True:
+            try:
+                done.append(self.results.get_nowait())
+            except queue.Empty:
+                return done
+
+    def load(self, loads: list[Load]) -> list[LoadResult]:
+        """``submit`` and wait for these jobs' results (bounded: each job is). Blocks."""
+        self.submit(loads)
+        expected = len({ld.handoff.member for ld in loads})
+        results = []
+        while len(results) < expected:
+            results.append(self.results.get(timeout=self.timeout_s * 4 + self.contact_s))
+        return results
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Finish the queued jobs (each bounded), then release the transfers; waits at most ``timeout_s``."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        for lane in self._lanes.values():
+            lane.jobs.put(None)
+        for lane in self._lanes.values():
+            lane.thread.join(max(deadline - time.monotonic(), 0.0))

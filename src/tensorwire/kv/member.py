@@ -1,0 +1,70 @@
+"""One engine rank's KV cache in a fleet: its communicator, its cache registered once as a published block pool, and
+its place in the engine's tensor parallelism (which KV heads its blocks hold)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+import tensorwire as tw
+
+from .handoff import member_name
+from .heads import Sharding
+
+__all__ = ["KVMember", "POOL_KEY"]
+
+POOL_KEY = "kv-cache"  # under which each rank publishes its block pool
+
+
+class KVMember:
+    """One rank of a serving engine, as a fleet member holding a KV cache.
+
+    ``views``: the cache as block views (``[num_blocks, ...]`` each, one device; block i of the pool = block i of
+    every view, e.g. one view per layer); ``instance``: the engine's name in the fleet (rank ``tp_rank`` joins as
+    ``member_name(instance, tp_rank, sharding.tp_size)``); ``sharding``: how the model's KV heads are spread over
+    the engine's ranks (``heads.Sharding``); ``heads_outermost``: a block of every view holds its heads outermost
+    (``[heads, ...]``), so the heads one peer rank needs are one byte range (needed to read across TP sizes);
+    ``layout``: the fingerprint that must match between producer and consumer (model, KV heads, dtype, block size;
+    not TP). ``comm``: a communicator to use (not closed here); otherwise one is made with
+    ``tw.init(directory=, name=, timeout=)``. Blocks while joining and registering; ``close()`` is idempotent."""
+
+    def __init__(self, views: Sequence[torch.Tensor], *, instance: str, tp_rank: int, sharding: Sharding,
+                 layout: str, heads_outermost: bool, directory: str | None = None, timeout_s: float = 30.0,
+                 comm: tw.Communicator | None = None) -> None:
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < sharding.tp_size:
+            raise tw.InvalidArgumentError(f"KVMember: tp_rank={tp_rank!r} for tensor parallelism "
+                                          f"{sharding.tp_size}; give the rank in [0, {sharding.tp_size})")
+        self.instance, self.tp_rank, self.sharding = instance, tp_rank, sharding
+        self.layout, self.heads_outermost = layout, heads_outermost
+        self.name = member_name(instance, tp_rank, sharding.tp_size)
+        self._owns_comm = comm is None
+        if comm is None:
+            if directory is None:
+                raise tw.InvalidArgumentError("KVMember: no fleet to join; give directory='tcp://HOST:PORT' (a "
+                                              "`tensorwire directory`) or set TENSORWIRE_DIRECTORY")
+            comm = tw.init(directory=directory, name=self.name, timeout=timeout_s)
+        self.comm = comm
+        try:
+            self.pool = comm.register_blocks(list(views))
+            comm.publish_blocks(POOL_KEY, self.pool)
+        except BaseException:
+            self._close_comm()
+            raise
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """The KV heads this rank's blocks hold, ``[start, stop)`` of the model's."""
+        return self.sharding.heads(self.tp_rank)
+
+    def close(self) -> None:
+        """Release the pool and leave the fleet (a communicator given to the constructor stays open)."""
+        pool, self.pool = getattr(self, "pool", None), None
+        if pool is not None:
+            pool.close()
+        self._close_comm()
+
+    def _close_comm(self) -> None:
+        comm, self.comm = getattr(self, "comm", None), None
+        if comm is not None and self._owns_comm:
+            comm.close()

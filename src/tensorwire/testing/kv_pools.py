@@ -1,0 +1,200 @@
+"""A producer and a consumer engine of any tensor parallelism, each rank a process of one fleet, over KV caches whose
+values encode (layer, block, head, token, element): the multi-process KV tests and ``bench kv --tp`` run it.
+
+Each rank's cache is one view per layer, ``[num_blocks, its heads, TOKENS, DIM]`` float32 (heads outermost in a
+block, as vLLM's CPU backend), or ``[num_blocks, TOKENS, DIM]`` for MLA (every rank holds it whole). Producer ranks
+fill their blocks with ``code(...)`` (never 0); consumer ranks start from zeros and check, after their load, that each
+of their heads of each loaded block holds the producer's code and nothing else was written.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+import tensorwire as tw
+from tensorwire import kv
+
+__all__ = ["PairSpec", "code", "run_pair", "LAYOUT"]
+
+LAYERS, TOKENS, DIM = 2, 4, 8
+LAYOUT = "testing-kv layers=2 tokens=4 dim=8 float32"
+_WAIT_S = 120.0
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """Producer TP, consumer TP, the model's KV heads (1 with ``mla``), host memory in shared files (``shm``: the
+    ``shm`` transport between ranks of one host) or not (NIXL), and the blocks a request moves."""
+
+    producer_tp: int
+    consumer_tp: int
+    total_heads: int
+    mla: bool = False
+    shm: bool = False
+    num_blocks: int = 16
+    remote_ids: tuple[int, ...] = (7, 3, 12, 0, 9)
+    local_ids: tuple[int, ...] = (1, 2, 15, 4, 10)
+
+    def sharding(self, tp_size: int) -> kv.Sharding:
+        return kv.Sharding(tp_size, 1 if self.mla else self.total_heads, replicated=self.mla)
+
+
+def code(spec: PairSpec, layer: int, block: int, head: int, token: int, element: int) -> int:
+    """The value at (layer, block, head, token, element) of the producer's cache: unique, exact in float32, > 0."""
+    heads = 1 if spec.mla else spec.total_heads
+    return ((((layer * spec.num_blocks + block) * heads + head) * TOKENS + token) * DIM + element) + 1
+
+
+def _views(spec: PairSpec, tp_rank: int, tp_size: int, fill: bool) -> list[torch.Tensor]:
+    start, stop = spec.sharding(tp_size).heads(tp_rank)
+    shape = (spec.num_blocks, TOKENS, DIM) if spec.mla else (spec.num_blocks, stop - start, TOKENS, DIM)
+    views = []
+    for layer in range(LAYERS):
+        view = tw.shared_empty(shape) if spec.shm else torch.empty(shape)
+        view.zero_()
+        if fill:
+            index = torch.cartesian_prod(*(torch.arange(n) for n in shape))
+            heads = torch.zeros(len(index), dtype=torch.long) if spec.mla else index[:, 1] + start
+            token, element = index[:, -2], index[:, -1]
+            codes = ((((layer * spec.num_blocks + index[:, 0]) * (1 if spec.mla else spec.total_heads) + heads)
+                      * TOKENS + token) * DIM + element) + 1
+            view.copy_(codes.to(torch.float32).view(shape))
+        views.append(view)
+    return views
+
+
+def _problems(spec: PairSpec, views: list[torch.Tensor], tp_rank: int, loaded: bool) -> list[str]:
+    """What differs from the producer's codes in the loaded blocks, or from zero elsewhere."""
+    start, _ = spec.sharding(spec.consumer_tp).heads(tp_rank)
+    expected = _views(PairSpec(**{**spec.__dict__, "shm": False}), 0, 1, fill=True) if spec.mla else None
+    problems = []
+    for layer, view in enumerate(views):
+        for block in range(spec.num_blocks):
+            got = view[block]
+            if loaded and block in spec.local_ids:
+                remote = spec.remote_ids[spec.local_ids.index(block)]
+                if spec.mla:
+                    want = expected[layer][remote]
+                else:
+                    heads = torch.arange(start, start + got.shape[0]).view(-1, 1, 1)
+                    want = ((((layer * spec.num_blocks + remote) * spec.total_heads + heads) * TOKENS
+                             + torch.arange(TOKENS).view(1, -1, 1)) * DIM + torch.arange(DIM).view(1, 1, -1) + 1)
+                if not torch.equal(got, want.to(torch.float32)):
+                    problems.append(f"layer {layer} block {block}: {got.flatten()[:4].tolist()}... expected "
+                                    f"{want.flatten()[:4].tolist()}...")
+            elif got.abs().sum() != 0:
+                problems.append(f"layer {layer} block {block} was written")
+    return problems
+
+
+def _member(spec: PairSpec, address: str, token: str, instance: str, tp_rank: int, tp_size: int,
+            fill: bool) -> tuple[kv.KVMember, list[torch.Tensor]]:
+    os.environ["TENSORWIRE_JOB_TOKEN"] = token  # this spawned process's own environment
+    views = _views(spec, tp_rank, tp_size, fill)
+    member = kv.KVMember(views, instance=instance, tp_rank=tp_rank, sharding=spec.sharding(tp_size), layout=LAYOUT,
+                         heads_outermost=True, directory=address, timeout_s=30.0)
+    return member, views
+
+
+def handoff_of(spec: PairSpec, issued_at: float) -> kv.Handoff:
+    return kv.Handoff("prefill", spec.remote_ids, "p-1", len(spec.remote_ids) * TOKENS, LAYOUT, "", issued_at,
+                      issued_at + 60.0, spec.producer_tp)
+
+
+def producer_rank(spec: PairSpec, address: str, token: str, tp_rank: int, issued_at: float, out: mp.Queue,
+                  stop: mp.Event) -> None:
+    """A producer rank: hold the request's blocks, say when they were released, stay until ``stop``."""
+    member, _ = _member(spec, address, token, "prefill", tp_rank, spec.producer_tp, fill=True)
+    producer = kv.Producer(member, hold_s=60.0)
+    producer.hold(handoff_of(spec, issued_at))
+    out.put(("ready", tp_rank))
+    released, deadline = set(), time.monotonic() + _WAIT_S
+    while "p-1" not in released and time.monotonic() < deadline:
+        released |= producer.released()
+        time.sleep(0.01)
+    out.put(("released" if "p-1" in released else "held", tp_rank, producer.refused))
+    stop.wait(_WAIT_S)
+    out.put(("refused", tp_rank, producer.refused))
+    producer.close()
+    member.close()
+
+
+def consumer_rank(spec: PairSpec, address: str, token: str, instance: str, tp_rank: int, tp_size: int,
+                  issued_at: float, claim: str, out: mp.Queue) -> None:
+    """A consumer rank: load the request, check every byte, report (rank, error reason, transport, problems)."""
+    consumer_spec = PairSpec(**{**spec.__dict__, "consumer_tp": tp_size})
+    member, views = _member(consumer_spec, address, token, instance, tp_rank, tp_size, fill=False)
+    consumer = kv.Consumer(member, timeout_s=30.0)
+    load = kv.Load("c-1", spec.local_ids, handoff_of(spec, issued_at), claim=claim)
+    (result,) = consumer.load([load])
+    problems = _problems(consumer_spec, views, tp_rank, loaded=result.error is None)
+    out.put(("loaded", tp_rank, result.reason if result.error else "", result.transport, problems, result.claim_s,
+             result.transfer_s))
+    consumer.close()
+    member.close()
+
+
+def run_pair(spec: PairSpec, address: str, token: str, *, replay_tp: int | None = None) -> dict:
+    """Start the producer ranks, then the consumer ranks (and, with ``replay_tp``, a second consumer instance of
+    that TP replaying the same handoff after the first one's read); collect what each reported. Blocks (bounded)."""
+    context = mp.get_context("spawn")
+    out, stop = context.Queue(), context.Event()
+    issued_at = time.time()
+    processes = [context.Process(target=producer_rank, args=(spec, address, token, r, issued_at, out, stop),
+                                 daemon=True) for r in range(spec.producer_tp)]
+    report: dict = {"ready": set(), "released": set(), "held": set(), "loaded": {}, "replayed": {}, "refused": {}}
+    try:
+        for process in processes:
+            process.start()
+        _collect(out, report, lambda: len(report["ready"]) == spec.producer_tp)
+        _consumers(context, spec, address, token, "decode", spec.consumer_tp, issued_at, kv.new_claim(), out,
+                   processes)
+        _collect(out, report, lambda: len(report["loaded"]) == spec.consumer_tp
+                 and len(report["released"] | report["held"]) == spec.producer_tp)
+        if replay_tp is not None:
+            report["replayed"], report["loaded"] = report["loaded"], {}
+            _consumers(context, spec, address, token, "replayer", replay_tp, issued_at, kv.new_claim(), out,
+                       processes)
+            _collect(out, report, lambda: len(report["loaded"]) == replay_tp)
+            report["replayed"], report["loaded"] = report["loaded"], report["replayed"]
+        stop.set()
+        _collect(out, report, lambda: len(report["refused"]) == spec.producer_tp)
+    finally:
+        stop.set()
+        for process in processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+    return report
+
+
+def _consumers(context, spec: PairSpec, address: str, token: str, instance: str, tp_size: int, issued_at: float,
+               claim: str, out: mp.Queue, processes: list) -> None:
+    for r in range(tp_size):
+        process = context.Process(target=consumer_rank, args=(spec, address, token, instance, r, tp_size, issued_at,
+                                                              claim, out), daemon=True)
+        process.start()
+        processes.append(process)
+
+
+def _collect(out: mp.Queue, report: dict, done) -> None:
+    deadline = time.monotonic() + _WAIT_S
+    while not done():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the KV pair did not report within {_WAIT_S:g}s: {report}")
+        item = out.get(timeout=left)
+        kind, rank = item[0], item[1]
+        if kind == "ready":
+            report["ready"].add(rank)
+        elif kind in ("released", "held"):
+            report[kind].add(rank)
+        elif kind == "loaded":
+            report["loaded"][rank] = item[2:]
+        elif kind == "refused":
+            report["refused"][rank] = item[2]

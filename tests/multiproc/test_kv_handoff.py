@@ -1,0 +1,66 @@
+"""``tensorwire.kv`` between real processes: a producer engine and a consumer engine of any tensor parallelism, each
+rank a fleet member (a ``tensorwire directory`` process), over real NIXL (private host memory) and ``shm`` (host
+memory in shared files), with caches whose values encode (layer, block, head, token, element).
+
+Every consumer rank reads its heads of every block from the producer ranks that hold them (head ranges inside each
+block when the TP sizes differ, GQA replication on either side, MLA: one replica read, the others released); every
+byte is checked and nothing else written; every producer rank frees the request once the consumer ranks it expects
+reported. A second consumer replaying the same handoff after the read is refused before any byte moves.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+
+from tensorwire.bench.vllm_parties import start_directory
+from tensorwire.testing.kv_pools import PairSpec, run_pair
+
+CASES = {  # id -> (producer TP, consumer TP, KV heads, MLA)
+    "tp1-to-2": (1, 2, 8, False),
+    "tp2-to-1": (2, 1, 8, False),
+    "tp2-to-4": (2, 4, 8, False),
+    "tp4-to-2": (4, 2, 8, False),
+    "gqa-consumer-replicates": (1, 4, 2, False),  # 4 consumer ranks, 2 heads: each head read by two ranks
+    "gqa-producer-replicates": (4, 1, 2, False),  # 4 producer ranks hold 2 heads: one replica each read
+    "mla-2-to-1": (2, 1, 1, True),
+    "mla-1-to-2": (1, 2, 1, True),
+}
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    token = secrets.token_hex(16)
+    directory, address = start_directory(token)
+    yield address, token
+    directory.close()
+
+
+def _check(report: dict, spec: PairSpec, transport: str) -> None:
+    for rank, (reason, used, problems, _, _) in sorted(report["loaded"].items()):
+        assert reason == "" and not problems, (rank, reason, problems)
+        assert used == transport, (rank, used)
+    assert report["released"] == set(range(spec.producer_tp)), report  # every producer rank heard all it expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("memory", ["nixl", "shm"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_consumer_of_any_tp_reads_exactly_its_heads_once(case, memory, fleet):
+    producer_tp, consumer_tp, heads, mla = CASES[case]
+    spec = PairSpec(producer_tp, consumer_tp, heads, mla=mla, shm=memory == "shm")
+    report = run_pair(spec, *fleet)
+    _check(report, spec, memory)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["tp2-to-1", "mla-2-to-1"])
+def test_a_replayed_handoff_is_refused_before_any_byte_moves(case, fleet):
+    producer_tp, consumer_tp, heads, mla = CASES[case]
+    spec = PairSpec(producer_tp, consumer_tp, heads, mla=mla)
+    report = run_pair(spec, *fleet, replay_tp=1)
+    _check(report, spec, "nixl")
+    for rank, (reason, _, problems, _, _) in report["replayed"].items():
+        assert reason == "replayed" and not problems, (rank, reason, problems)  # its cache still all zeros
+    assert sum(r.get("spent", 0) for r in report["refused"].values()) >= 1, report["refused"]
