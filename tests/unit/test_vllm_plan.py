@@ -11,15 +11,12 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.integrations.vllm.handoff import Handoff, Load, parse_read_message, read_message
-from tensorwire.integrations.vllm.layout import pool_views
-from tensorwire.integrations.vllm.loader import Loader
-from tensorwire.integrations.vllm.params import check_params
+from tensorwire.integrations.vllm.layout import heads_outermost, pool_views
 from tensorwire.integrations.vllm.scheduler import SchedulerSide
 from tensorwire.integrations.vllm.settings import Settings
-from tensorwire.integrations.vllm.worker import StatsLog
+from tensorwire.kv import Handoff, check_params
 
-LAYOUT = "LlamaForCausalLM layers=2 kv_heads=2 head_dim=64 kv_dtype=float32 block_size=96 tp=1"
+LAYOUT = "LlamaForCausalLM layers=2 kv_heads=2 head_dim=64 kv_dtype=float32 block_size=96"
 
 
 def _settings(**extra) -> Settings:
@@ -37,11 +34,6 @@ def test_settings_defaults_and_refusals():
             Settings.from_extra_config(bad, "e", None)
 
 
-def test_read_messages():
-    assert parse_read_message(read_message(["a", "b,c"])) == ["a", "b,c"]
-    assert parse_read_message(b"something else") is None
-
-
 def _request(params, prompt_len=250, status="FINISHED_LENGTH_CAPPED"):
     return SimpleNamespace(request_id="r1", kv_transfer_params=params, prompt_token_ids=list(range(prompt_len)),
                            num_computed_tokens=prompt_len, status=SimpleNamespace(name=status))
@@ -53,7 +45,8 @@ def test_producer_holds_the_blocks_and_hands_them_off():
     handoff = check_params(params, list(range(250)), 96, LAYOUT, sealed=False, now=time.time())
     assert delay and (handoff.member, handoff.block_ids, handoff.request_id, handoff.num_tokens) == (
         "prefill-0", (3, 4, 5), "r1", 250)  # the blocks of the prompt's 250 tokens, not the sampled one's
-    assert side.build_plan().holds == {"r1": 7}
+    (hold,) = side.build_plan().holds
+    assert hold.request_id == "r1" and hold.expires_at - hold.issued_at == 7 and hold.producer_tp == 1
     assert side.request_finished(_request({"do_remote_decode": True}, status="FINISHED_ABORTED"), [3]) == (False,
                                                                                                            None)
 
@@ -82,18 +75,7 @@ def test_pool_views_of_both_cache_layouts():
         pool_views({"layer0": torch.zeros(3, 7, 4)}, 10)
 
 
-def test_a_producer_of_another_layout_is_refused_naming_both():
-    loader = Loader(None, None, LAYOUT, 0, 1, timeout_s=5)  # refused before any communication
-    other = LAYOUT.replace("block_size=96", "block_size=128")
-    loader.submit("prefill-9", [Load("r1", (1,), Handoff("prefill-9", (2,), "p", 96, other))])
-    deadline, results = time.monotonic() + 10, []
-    while not results and time.monotonic() < deadline:
-        results = loader.take_results()
-        time.sleep(0.01)
-    loader.close(5)
-    (result,) = results
-    assert "block_size=128" in result.error and "block_size=96" in result.error and "prefill-9" in result.error
-    log = StatsLog()
-    log.record(result)
-    taken = log.take()
-    assert taken["num_failed_transfers"] == [1] and taken["failure_reasons"] == ["layout"] and log.take() is None
+def test_only_the_cpu_layout_holds_heads_outermost():
+    assert heads_outermost({"a": torch.zeros(10, 2, 32, 128)}, 10, 2)  # [blocks, kv_heads, block, 2 * head_dim]
+    assert not heads_outermost({"a": torch.zeros(2, 10, 32, 2, 64)}, 10, 2)  # FlashAttention: K/V first
+    assert not heads_outermost({"a": torch.zeros(10, 2, 2, 32, 64)}, 10, 2)  # FlashInfer: K/V inside a block

@@ -35,10 +35,11 @@ class LoadFailed(Exception):
 
 class Source:
     """Producer rank ``producer_rank`` of instance ``instance`` (TP ``producer_tp``), as consumer ``member`` reaches
-    it (``channel``: the consumer's channel to producers; ``timeout_s``, ``contact_s``: its bounds); a lane thread's only."""
+    it (``channel``: the consumer's channel to producers; ``bounds``: its ``timeout_s``, ``contact_s``). A lane
+    thread's only."""
 
-    def __init__(self, member: KVMember, channel: Any, bounds: tuple[float, float], instance: str,
-                 producer_rank: int, producer_tp: int) -> None:
+    def __init__(self, member: KVMember, channel: Any, bounds: tuple[float, float], instance: str, producer_rank: int,
+                 producer_tp: int) -> None:
         self.own, self.channel = member, channel
         self.timeout_s, self.contact_s = bounds
         self.producer_rank, self.producer_tp = producer_rank, producer_tp

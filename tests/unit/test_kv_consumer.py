@@ -1,0 +1,216 @@
+"""``kv.Consumer``'s lanes without a fleet: a stand-in member whose communicator finds, refuses, stalls or raises as
+each case needs, and whose producers grant every claim. The real thing runs in tests/multiproc/test_kv_handoff.py."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import tensorwire as tw
+from tensorwire import kv
+from tensorwire.kv.messages import Claim, Grant, parse
+
+LAYOUT = "LlamaForCausalLM layers=2 kv_heads=2 head_dim=64 kv_dtype=float32 block_size=96"
+
+
+class _Channels:
+    """The member's runtime: claims sent to a producer rank are answered at once (``verdict``) on the grant
+    channel; what was sent is kept."""
+
+    def __init__(self, verdict: str = "granted") -> None:
+        self.verdict, self.sent, self.grants = verdict, [], {}
+
+    def channel(self, prefix: bytes):
+        return SimpleNamespace(send=self._send, try_pop=lambda rank: self.grants.get(rank, []).pop(0)
+                               if self.grants.get(rank) else None)
+
+    def _send(self, rank: int, message: bytes) -> None:
+        self.sent.append((rank, parse(message)))
+        claim = parse(message)
+        if isinstance(claim, Claim):
+            grant = Grant(claim.ticket, {r: self.verdict for r, _, _ in claim.requests}, True)
+            self.grants.setdefault(rank, []).append(grant.encode())
+
+
+def _member(comm) -> SimpleNamespace:
+    comm.runtime = getattr(comm, "runtime", None) or _Channels()
+    return SimpleNamespace(comm=comm, tp_rank=0, sharding=kv.Sharding(1, 2), heads=(0, 2), layout=LAYOUT,
+                           heads_outermost=True, pool=None)
+
+
+def _load(request: str, local=(1,), producer: str = "prefill-0", remote=(7,), layout: str = LAYOUT) -> kv.Load:
+    handoff = kv.Handoff(producer, tuple(remote), f"p-{request}", 96 * len(remote), layout, "", 1.0, 2.0)
+    return kv.Load(request, tuple(local), handoff, claim=kv.new_claim())
+
+
+def _results(consumer: kv.Consumer, count: int, timeout_s: float = 10.0) -> list[kv.LoadResult]:
+    deadline, results = time.monotonic() + timeout_s, []
+    while len(results) < count and time.monotonic() < deadline:
+        results += consumer.take_results()
+        time.sleep(0.01)
+    assert len(results) == count, results
+    return results
+
+
+class _Transfer:
+    bytes_per_block, transport = 16, "fake"
+
+    def __init__(self, fail_first_post: bool = False) -> None:
+        self.fails, self.posted = fail_first_post, []
+
+    def post(self, local, remote, notify):
+        self.posted.append((list(local), list(remote), notify))
+
+    def wait(self, timeout):
+        if self.fails:
+            self.fails = False
+            raise tw.TransferError("nixl: connection setup timed out")
+
+    def close(self):
+        pass
+
+
+class _Comm:
+    """Finds every producer at rank 3 and prepares ``_Transfer``s."""
+
+    def __init__(self) -> None:
+        self.transfers: list[_Transfer] = []
+
+    def rank_of(self, name, timeout):
+        return 3
+
+    def lookup_blocks(self, key, rank, timeout):
+        return "desc"
+
+    def prepare_blocks(self, op, pool, remote):
+        self.transfers.append(_Transfer(fail_first_post=not self.transfers and getattr(self, "flaky", False)))
+        return self.transfers[-1]
+
+
+def test_a_load_claims_then_reads_with_the_done_as_its_notification():
+    comm = _Comm()
+    consumer = kv.Consumer(_member(comm), timeout_s=30)
+    consumer.submit([_load("a", (1, 2), remote=(7, 8))])
+    (result,) = _results(consumer, 1)
+    assert result.error is None and result.num_blocks == 2 and result.num_bytes == 32
+    (claim,) = [m for _, m in comm.runtime.sent]
+    assert isinstance(claim, Claim) and claim.read and claim.requests[0][0] == "p-a"
+    (local, remote, notify), = comm.transfers[0].posted
+    assert (local, remote) == ([1, 2], [7, 8]) and parse(notify).requests == (("p-a", claim.requests[0][2]),)
+    consumer.close(5)
+
+
+def test_a_refused_claim_reads_nothing():
+    comm = _Comm()
+    comm.runtime = _Channels(verdict="spent")
+    consumer = kv.Consumer(_member(comm), timeout_s=30)
+    consumer.submit([_load("a")])
+    (result,) = _results(consumer, 1)
+    assert result.reason == "replayed" and "once, by one consumer" in result.error
+    assert all(not t.posted for t in comm.transfers)  # nothing moved
+    consumer.close(5)
+
+
+def test_a_producer_of_another_layout_is_refused_naming_both():
+    consumer = kv.Consumer(_member(_Comm()), timeout_s=5)  # refused before any communication
+    other = LAYOUT.replace("block_size=96", "block_size=128")
+    consumer.submit([_load("r1", producer="prefill-9", layout=other)])
+    (result,) = _results(consumer, 1)
+    consumer.close(5)
+    assert "block_size=128" in result.error and "block_size=96" in result.error and "prefill-9" in result.error
+    assert result.reason == "layout"
+
+
+def test_a_producer_tp_that_does_not_divide_is_refused_naming_both():
+    consumer = kv.Consumer(_member(_Comm()), timeout_s=5)
+    load = _load("r1")
+    load = kv.Load(load.request_id, load.local_block_ids, kv.Handoff(**{**load.handoff.__dict__, "producer_tp": 3}),
+                   claim=load.claim)
+    consumer.submit([load])
+    (result,) = _results(consumer, 1)
+    consumer.close(5)
+    assert result.reason == "tp" and "3" in result.error
+
+
+def test_a_lane_survives_any_exception_and_one_producer_does_not_stall_another():
+    class Comm(_Comm):  # "slow" is never found; "odd" raises something that is no TensorwireError
+        def rank_of(self, name, timeout):
+            if name == "odd":
+                raise OverflowError("Python int too large to convert to C long")
+            time.sleep(timeout)
+            raise tw.WaitTimeoutError(f"no {name}")
+
+    consumer = kv.Consumer(_member(Comm()), timeout_s=30, contact_s=2.0)
+    started = time.monotonic()
+    consumer.submit([_load("a", producer="slow"), _load("b", producer="odd")])
+    assert [r.reason for r in _results(consumer, 1)] == ["internal"] and time.monotonic() - started < 1.5
+    assert [r.reason for r in _results(consumer, 1)] == ["unreachable"]
+    again = time.monotonic()  # remembered: the next load naming it fails within the short presence check
+    consumer.submit([_load("c", producer="slow")])
+    assert [r.reason for r in _results(consumer, 1)] == ["unreachable"] and time.monotonic() - again < 1.0
+    consumer.submit([_load("d", producer="odd")])
+    assert [r.reason for r in _results(consumer, 1)] == ["internal"]  # its lane still runs
+    consumer.close(5)
+
+
+def test_first_contact_is_asked_again_while_the_producer_is_listed():
+    """Under a 2-core box's load a producer's first answer can miss its bound: the lane asks again (only it
+    waits); a producer no longer listed fails at once."""
+
+    class Comm(_Comm):
+        def __init__(self, misses):
+            super().__init__()
+            self.misses, self.listed = misses, True
+
+        def rank_of(self, name, timeout):
+            if not self.listed:
+                raise tw.WaitTimeoutError("gone")
+            return 3
+
+        def lookup_blocks(self, key, rank, timeout):
+            if self.misses:
+                self.misses -= 1
+                raise tw.WaitTimeoutError("not answered after 10s")
+            return "desc"
+
+    consumer = kv.Consumer(_member(Comm(1)), timeout_s=30, contact_s=2.0)
+    consumer.submit([_load("a", (1, 2), remote=(7, 8))])
+    (result,) = _results(consumer, 1)
+    assert result.error is None and result.num_blocks == 2
+    comm = Comm(10**6)
+    stalled = kv.Consumer(_member(comm), timeout_s=30, contact_s=2.0)
+    stalled.submit([_load("a")])
+    time.sleep(0.3)
+    comm.listed = False
+    started = time.monotonic()
+    (result,) = _results(stalled, 1)
+    assert result.reason == "timeout" and time.monotonic() - started < 2.0
+    consumer.close(5)
+    stalled.close(5)
+
+
+def test_a_producer_lost_at_first_contact_is_remembered_as_departed():
+    class Comm(_Comm):  # the directory still lists rank 5, which refuses every contact (killed)
+        def rank_of(self, name, timeout):
+            return 5
+
+        def lookup_blocks(self, key, rank, timeout):
+            raise tw.PeerLostError("rank 5: connection refused")
+
+    consumer = kv.Consumer(_member(Comm()), timeout_s=1.0, contact_s=1.0)
+    consumer.submit([_load("a")])
+    assert [r.reason for r in _results(consumer, 1)] == ["lost"]
+    started = time.monotonic()
+    consumer.submit([_load("b")])
+    assert [r.reason for r in _results(consumer, 1)] == ["departed"] and time.monotonic() - started < 0.5
+    consumer.close(5)
+
+
+def test_a_first_read_that_fails_is_made_once_more_on_a_fresh_transfer():
+    comm = _Comm()
+    comm.flaky = True
+    consumer = kv.Consumer(_member(comm), timeout_s=30, contact_s=2.0)
+    consumer.submit([_load("a")])
+    (result,) = _results(consumer, 1)
+    assert result.error is None and len(comm.transfers) == 2 and comm.transfers[1].posted
+    consumer.close(5)

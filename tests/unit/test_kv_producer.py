@@ -1,0 +1,144 @@
+"""``kv.Producer``'s holds without a fleet: claims and dones pushed into its channel as consumer ranks would send
+them, grants read back. A handoff is granted to one claim, freed after the reads the head map expects, refused as
+spent afterwards, and freed unread at its expiry. The real thing runs in tests/multiproc/test_kv_handoff.py."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from tensorwire import kv
+from tensorwire.kv.messages import Claim, Done, Grant, parse
+
+
+class _Runtime:
+    def __init__(self) -> None:
+        self.inbox: list[tuple[int, bytes]] = []
+        self.replies: list[tuple[int, Grant]] = []
+
+    def channel(self, prefix: bytes):
+        def take_all():
+            taken, self.inbox = self.inbox, []
+            return taken
+
+        return SimpleNamespace(take_all=take_all, send=lambda rank, m: self.replies.append((rank, parse(m))))
+
+
+def _producer(tp_size: int = 1, tp_rank: int = 0, heads: int = 8, hold_s: float = 60.0):
+    runtime = _Runtime()
+    member = SimpleNamespace(comm=SimpleNamespace(runtime=runtime), name="prefill", tp_rank=tp_rank,
+                             sharding=kv.Sharding(tp_size, heads), heads_outermost=True)
+    return kv.Producer(member, hold_s=hold_s), runtime
+
+
+def _handoff(request: str = "r1", issued_at: float = 100.0, hold_s: float = 60.0) -> kv.Handoff:
+    now = time.time()
+    return kv.Handoff("prefill", (1, 2), request, 192, "L", "", issued_at, now + hold_s)
+
+
+def _claim(runtime, sender: int, claim: str, *, request="r1", issued_at=100.0, read=True, tp=1, rank=0) -> Grant:
+    runtime.inbox.append((sender, Claim("t" + claim, ((request, issued_at, claim),), read, tp, rank).encode()))
+    return _reply(runtime, sender)
+
+
+def _reply(runtime, sender: int, timeout_s: float = 5.0) -> Grant:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for i, (rank, _) in enumerate(runtime.replies):
+            if rank == sender:
+                return runtime.replies.pop(i)[1]
+        time.sleep(0.005)
+    raise AssertionError("no grant")
+
+
+def _released(producer, request: str, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if request in producer.released():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_a_handoff_is_granted_to_one_claim_and_spent_after_its_read():
+    producer, runtime = _producer()
+    producer.hold(_handoff())
+    assert _claim(runtime, 5, "A").verdicts == {"r1": "granted"}
+    assert _claim(runtime, 5, "A").verdicts == {"r1": "granted"}  # the same consumer asking again
+    assert _claim(runtime, 6, "B").verdicts == {"r1": "taken"}  # a second consumer, or a restarted one
+    assert producer.released() == set()
+    runtime.inbox.append((6, Done((("r1", "B"),), 0).encode()))  # a done under another claim counts for nothing
+    time.sleep(0.05)
+    assert producer.released() == set()
+    runtime.inbox.append((5, Done((("r1", "A"),), 0).encode()))
+    assert _released(producer, "r1")
+    assert _claim(runtime, 6, "C").verdicts == {"r1": "spent"}  # after reuse: refused before any byte moves
+    assert _claim(runtime, 5, "A").verdicts == {"r1": "spent"}
+    assert producer.refused == {"taken": 1, "spent": 2}
+    producer.close()
+
+
+def test_a_claim_before_the_engine_handed_off_is_held_and_reported_once_handed_off():
+    producer, runtime = _producer()
+    assert _claim(runtime, 5, "A", issued_at=7.0).verdicts == {"r1": "granted"}
+    runtime.inbox.append((5, Done((("r1", "A"),), 0).encode()))
+    time.sleep(0.05)
+    assert producer.released() == set()  # read, but the engine has not handed it off yet: not reported
+    producer.hold(_handoff(issued_at=7.0))
+    assert _released(producer, "r1")
+    producer.close()
+
+
+def test_a_request_id_of_another_handoff_is_unknown():
+    producer, runtime = _producer()
+    producer.hold(_handoff(issued_at=100.0))
+    assert _claim(runtime, 5, "A", issued_at=99.0).verdicts == {"r1": "unknown"}
+    producer.close()
+
+
+def test_every_consumer_rank_the_head_map_names_must_report():
+    # Producer rank 1 of TP 2 (heads 4..7) read by a consumer at TP 4: consumer ranks 2 and 3 read from it.
+    producer, runtime = _producer(tp_size=2, tp_rank=1)
+    producer.hold(_handoff())
+    assert _claim(runtime, 12, "A", tp=4, rank=2).verdicts == {"r1": "granted"}
+    assert _claim(runtime, 13, "A", tp=4, rank=3).verdicts == {"r1": "granted"}  # one consumer, all its ranks
+    runtime.inbox.append((12, Done((("r1", "A"),), 2).encode()))
+    runtime.inbox.append((12, Done((("r1", "A"),), 2).encode()))  # the same rank twice counts once
+    time.sleep(0.05)
+    assert producer.released() == set()
+    runtime.inbox.append((13, Done((("r1", "A"),), 3).encode()))
+    assert _released(producer, "r1")
+    producer.close()
+
+
+def test_a_release_counts_as_done_at_once():
+    # MLA at producer TP 2, consumer TP 1: the consumer reads rank 0 and releases rank 1.
+    runtime = _Runtime()
+    member = SimpleNamespace(comm=SimpleNamespace(runtime=runtime), name="prefill-tp1", tp_rank=1,
+                             sharding=kv.Sharding(2, 1, replicated=True), heads_outermost=True)
+    producer = kv.Producer(member, hold_s=60.0)
+    producer.hold(_handoff())
+    assert _claim(runtime, 9, "A", read=False).verdicts == {"r1": "granted"}
+    assert _released(producer, "r1")
+    producer.close()
+
+
+def test_an_unread_hold_expires_and_malformed_messages_are_ignored():
+    producer, runtime = _producer()
+    producer.hold(_handoff(hold_s=0.2))
+    runtime.inbox += [(5, b"twkv1p {"), (5, b"twkv1p " + b"[" * 100000), (5, b"twkv1p {\"kind\":\"claim\"}"),
+                      (5, Claim("t", (("r1", float("nan"), "A"),), True, 1, 0).encode())]
+    assert _released(producer, "r1") and producer.expired == 1
+    assert runtime.replies == []  # nothing malformed was answered
+    producer.close()
+
+
+def test_a_producer_leaving_waits_until_its_handoffs_are_read():
+    producer, runtime = _producer()
+    producer.hold(_handoff())
+    _claim(runtime, 5, "A")
+    runtime.inbox.append((5, Done((("r1", "A"),), 0).encode()))
+    started = time.monotonic()
+    producer.drain(5.0)
+    assert producer.pending() == 0 and time.monotonic() - started < 5.0
+    producer.close()
