@@ -13,6 +13,7 @@ from __future__ import annotations
 from . import testing
 from .backends import BackendInfo, backends
 from .backends.base import Op, Status
+from .backends.shm import in_shared_file
 from .block_transfer import BlockTransfer
 from .blocks import BlockPool, BlockPoolDesc
 from .communicator import Communicator
@@ -58,6 +59,7 @@ __all__ = [
     "MemoryKind", "BackendInfo", "backends", "testing", "TensorwireError", "TensorwireWarning", "InvalidArgumentError",
     "ClosedError", "BackendUnavailableError", "TransferError", "WaitTimeoutError", "PeerLostError",
     "RevokedError",
-    "AuthenticationError", "moe", "all_to_all_v", "Member", "shared_empty", "seal_for_job", "open_for_job",
+    "AuthenticationError", "moe", "all_to_all_v", "Member", "shared_empty", "in_shared_file", "seal_for_job",
+    "open_for_job",
     "fleet_from_environment",
 ]

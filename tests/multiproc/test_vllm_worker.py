@@ -18,15 +18,18 @@ import time
 import pytest
 import torch
 
+from tensorwire import kv
 from tensorwire.bench.vllm_parties import start_directory
-from tensorwire.integrations.vllm.handoff import Handoff, Load, Plan
+from tensorwire.integrations.vllm.plan import Plan
 from tensorwire.integrations.vllm.settings import Settings
 from tensorwire.integrations.vllm.worker import WorkerSide
+from tensorwire.kv import Handoff, Load
 
-LAYOUT = "LlamaForCausalLM layers=2 kv_heads=2 head_dim=64 kv_dtype=float32 block_size=32 tp=1"
+LAYOUT = "LlamaForCausalLM layers=2 kv_heads=2 head_dim=64 kv_dtype=float32 block_size=32"
+SHARDING = kv.Sharding(1, 2)
 NUM_BLOCKS, LAYERS = 40, 2
 WAIT = 30.0
-
+ISSUED = 1000.0  # the issue time of the producer's one handoff
 
 def _caches(device: str, producer: bool) -> dict[str, torch.Tensor]:
     shape = (NUM_BLOCKS, 2, 32, 128) if device == "cpu" else (2, NUM_BLOCKS, 32, 2, 64)
@@ -46,13 +49,14 @@ def _worker(directory: str, name: str, role: str, token: str) -> WorkerSide:
     os.environ["TENSORWIRE_JOB_TOKEN"] = token  # this spawned process's own environment
     settings = Settings.from_extra_config({"directory": directory, "name": name, "timeout_s": 5, "hold_s": 60},
                                           None, None)
-    return WorkerSide(settings, role, LAYOUT, 0, 1)
+    return WorkerSide(settings, role, LAYOUT, 0, SHARDING)
 
 
 def _producer(directory: str, token: str, device: str, done: mp.Queue) -> None:
     worker = _worker(directory, "prefill", "kv_producer", token)
     worker.register(_caches(device, producer=True), NUM_BLOCKS)
-    worker.start(Plan(holds={"p-1": 60.0}))
+    now = time.time()
+    worker.start(Plan(holds=[Handoff("prefill", (7, 3, 30, 12), "p-1", 100, LAYOUT, "", ISSUED, now + 60)]))
     done.put("ready")
     released, deadline = set(), time.monotonic() + WAIT
     while "p-1" not in released and time.monotonic() < deadline:
@@ -86,12 +90,12 @@ def test_a_load_is_read_freed_and_a_dead_producer_becomes_load_errors(device, mo
         assert done.get(timeout=120) == "ready"
         settings = Settings.from_extra_config({"directory": address, "name": "decode", "timeout_s": 5,
                                                "hold_s": 60}, None, None)
-        consumer = WorkerSide(settings, "kv_consumer", LAYOUT, 0, 1)
+        consumer = WorkerSide(settings, "kv_consumer", LAYOUT, 0, SHARDING)
         caches = _caches(device, producer=False)
         consumer.register(caches, NUM_BLOCKS)
         remote, local = [7, 3, 30, 12], [0, 1, 2, 39]
-        consumer.start(Plan(loads=[Load("c-1", tuple(local), Handoff("prefill", tuple(remote), "p-1", 100,
-                                                                        LAYOUT))]))
+        handoff = Handoff("prefill", tuple(remote), "p-1", 100, LAYOUT, "", ISSUED, time.time() + 60)
+        consumer.start(Plan(loads=[Load("c-1", tuple(local), handoff, claim=kv.new_claim())]))
         assert _finish(consumer, "c-1") == set()
         expected = _caches(device, producer=True)
         for layer in range(LAYERS):
@@ -105,7 +109,8 @@ def test_a_load_is_read_freed_and_a_dead_producer_becomes_load_errors(device, mo
 
         producer.kill()
         producer.join(30)
-        consumer.start(Plan(loads=[Load("c-2", (4, 5), Handoff("prefill", (1, 2), "p-2", 64, LAYOUT))]))
+        handoff = Handoff("prefill", (1, 2), "p-2", 64, LAYOUT, "", ISSUED, time.time() + 60)
+        consumer.start(Plan(loads=[Load("c-2", (4, 5), handoff, claim=kv.new_claim())]))
         assert _finish(consumer, "c-2") == {4, 5}
         assert consumer.stats.take()["num_failed_transfers"] == [1]
     finally:

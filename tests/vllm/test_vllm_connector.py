@@ -94,7 +94,8 @@ def _stats(party) -> dict:
 
 def _connector_lines(party) -> str:
     """What the party's connector logged (its warnings say why a load failed): for assertion messages."""
-    return "\n".join(line for line in party.tail(200_000).splitlines() if "TensorwireConnector" in line)
+    return "\n".join(line for line in party.tail(200_000).splitlines()
+                     if "TensorwireConnector" in line or "KV consumer" in line or "KV producer" in line)
 
 
 @pytest.mark.parametrize("length", [200, 512, 990])

@@ -42,13 +42,17 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from ..descriptors import MemoryKind
 from ..errors import InvalidArgumentError, PeerLostError, TensorwireWarning, TransferError
 from .base import BackendContext, BackendInfo, Capabilities, Op, Poster, Segment, Status
 from .block_copy import BlockBindings, BlockLayout, HostBlockRequest, copy_request
 
-__all__ = ["ShmBackend", "shared_file_of", "removed_file_of", "info"]
+__all__ = ["ShmBackend", "shared_file_of", "removed_file_of", "in_shared_file", "info"]
 
 
 def info() -> BackendInfo:
@@ -146,6 +150,15 @@ def shared_file_of(addr: int, nbytes: int) -> SharedFile | None:
     major, minor = (int(x, 16) for x in fields[3].split(":"))
     file = SharedFile(fields[5], int(fields[2], 16) + (addr - start), os.makedev(major, minor), int(fields[4]))
     return file if file.is_at_path() else None
+
+
+def in_shared_file(tensor: torch.Tensor) -> bool:
+    """Whether a host tensor's bytes lie in one shared mapping of a file that a process of this host can map too
+    (``tw.shared_empty``, ``torch.from_file(..., shared=True)``): what the ``shm`` transport needs of a peer's
+    memory. False for GPU memory, private memory and a removed file. Never blocks (reads ``/proc/self/maps``)."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0 or not os.path.exists("/proc/self/maps"):
+        return False
+    return shared_file_of(tensor.data_ptr(), tensor.numel() * tensor.element_size()) is not None
 
 
 def removed_file_of(addr: int, nbytes: int) -> str | None:

@@ -135,7 +135,7 @@ def serve(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     llm = LLM(model=args.model, dtype="float32", skip_tokenizer_init=True, load_format="auto", enforce_eager=True,
               block_size=args.block_size, max_model_len=2048, kv_cache_memory_bytes=args.kv_mb << 20, seed=0,
-              kv_transfer_config=_transfer_config(args))
+              tensor_parallel_size=args.tp, kv_transfer_config=_transfer_config(args))
     print(json.dumps({"ready": True, "startup_s": time.perf_counter() - started}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--kv-mb", type=int, default=128)
     run.add_argument("--timeout", type=float, default=30.0)
     run.add_argument("--hold", type=float, default=120.0)
+    run.add_argument("--tp", type=int, default=1, help="tensor-parallel size (workers of one instance)")
     args = parser.parse_args(argv)
     if args.command == "make-model":
         make_model(args.directory, args.seed)

@@ -52,6 +52,25 @@ class KVMember:
             self._close_comm()
             raise
 
+    def unreachable(self) -> str | None:
+        """Why no peer process could read this cache (no transport here can carry it), with the fix; None when
+        one can (NIXL; CUDA IPC for GPU memory on one host; ``shm`` for host memory in a shared file)."""
+        available = {name: info for name, info in tw.backends().items() if info.available}
+        if "nixl" in available:
+            return None
+        views = self.pool.views
+        if views[0].device.type == "cuda":
+            if "cuda_ipc" in available:
+                return None
+            where = "GPU memory and CUDA IPC is unavailable here"
+        elif "shm" in available and all(tw.in_shared_file(v) for v in views):
+            return None
+        else:
+            where = "host memory outside a shared file mapping (only NIXL reaches it from another process)"
+        why = tw.backends()["nixl"].reason
+        return (f"no transport can carry this KV cache to a peer: NIXL is unavailable ({why}) and the cache is in "
+                f"{where}; install NIXL where the engine runs (pip install nixl), or every load will fail")
+
     @property
     def heads(self) -> tuple[int, int]:
         """The KV heads this rank's blocks hold, ``[start, stop)`` of the model's."""

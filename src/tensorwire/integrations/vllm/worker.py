@@ -92,6 +92,9 @@ class WorkerSide:
         if self._role != "kv_producer":
             self._consumer = kv.Consumer(self._member, timeout_s=self._settings.timeout_s,
                                          contact_s=self._settings.contact_s)
+        unreachable = self._member.unreachable()
+        if unreachable is not None:  # said once, at start-up: else clients see 200s while nothing is loaded
+            log.warning("TensorwireConnector: %s", unreachable)
         pool = self._member.pool
         log.info("TensorwireConnector: %s is rank %d, heads %d..%d of %d, %d views x %d blocks of %d bytes",
                  self._member.name, self._member.comm.rank, start, stop - 1, self._sharding.total_heads,
