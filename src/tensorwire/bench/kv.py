@@ -55,6 +55,8 @@ from .command import (
 )
 from .kv_raw import raw_block_paths
 from .kv_report import COPY, format_report, plot_kv
+from .kv_tp import format_report as format_tp
+from .kv_tp import parse_pairs, plot_pairs, run_pairs
 from .partial import PartialRecords, measured_records
 from .raw_nixl import RawNixl, init_with_store, release_store
 from .record import Record, compare_with
@@ -379,6 +381,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write every record to PATH")
     parser.add_argument("--plot", type=Path, default=None, metavar="PNG", help="plot GB/s to PNG (needs matplotlib)")
     parser.add_argument("--quiet", action="store_true", help="no header or progress lines on stderr")
+    parser.add_argument("--tp", type=parse_pairs, default=None, metavar="P:D,...",
+                        help="instead: KV handoffs from a producer at TP P to a consumer at TP D (tensorwire.kv), "
+                             "beside D:D, e.g. 2:1,1:2,4:2")
 
 
 def config_from(args: argparse.Namespace) -> KvBenchConfig:
@@ -394,6 +399,8 @@ def config_from(args: argparse.Namespace) -> KvBenchConfig:
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark, print the header and a line per case on stderr, then the table; write ``--json`` /
     ``--plot``; blocks until both ranks are done. Ctrl-C stops both ranks and reports what was measured (exit 130)."""
+    if args.tp:
+        return _main_tp(args)
     config = config_from(args)
     if config.raw:
         require_nixl(args, "bench kv's raw NIXL reference (--no-raw leaves it out)")
@@ -407,6 +414,18 @@ def main(args: argparse.Namespace) -> int:
 
 
 TITLE = "tensorwire bench kv: KV-cache blocks by id, rank 0 <-> rank 1, two local processes"
+TITLE_TP = "tensorwire bench kv --tp: KV handoffs between engines of different tensor parallelism, local processes"
+
+
+def _main_tp(args: argparse.Namespace) -> int:
+    check_plot(args)
+    head = header(args.argv)
+    head_lines = header_lines(TITLE_TP, head, [("pairs", ", ".join(f"{p}:{d} (and {d}:{d})" for p, d in args.tp)),
+                                               ("timing", "the slowest consumer rank's claim + READs per request, "
+                                                          "median, p10, p90 of the requests after the first")])
+    announce(head_lines, args.quiet)
+    records = run_pairs(args.tp, say=lambda text: progress("kv", text, args.quiet))
+    return finish(args, head, head_lines, records, format_tp(records), plot_pairs, False)
 
 
 def method_rows(config: KvBenchConfig) -> list[tuple[str, str]]:

@@ -1,0 +1,116 @@
+"""``tensorwire bench kv --tp P:D,...``: a request's KV handoff from a producer engine at TP P to a consumer engine at
+TP D (``tensorwire.kv``), every rank a local process of one fleet, beside the homogeneous pair (D:D) that reads
+the same bytes into the same consumer ranks.
+
+A request is one ``kv.Consumer.load`` of ``blocks`` random ids of a 2-layer cache of 8 KV heads (``tokens x dim``
+float32 per head per block), at every consumer rank at once: the claims' round trip, then one READ per source rank
+(head ranges of every block when P differs from D). Its time is the slowest consumer rank's claim + READ, per
+request, ``requests`` of them in a row; the claim's share is reported beside it. Every byte is checked after the
+last request. Host memory over NIXL (``--memory`` is ignored: the head split runs the same code on GPU memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import statistics
+
+from ..testing.kv_pools import LAYERS, PairSpec, run_pair
+from .record import Record
+from .timing import summarize
+from .vllm_parties import start_directory
+
+__all__ = ["run_pairs", "parse_pairs", "format_report", "KV_HEADS"]
+
+KV_HEADS, TOKENS, DIM, NUM_BLOCKS, BLOCKS, REQUESTS = 8, 16, 64, 512, 256, 10
+
+
+def parse_pairs(text: str) -> list[tuple[int, int]]:
+    """``"2:1,1:2"`` as [(2, 1), (1, 2)]; ``ArgumentTypeError`` naming the fix."""
+    pairs = []
+    for item in text.split(","):
+        try:
+            producer, consumer = (int(x) for x in item.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: give PRODUCER_TP:CONSUMER_TP pairs, e.g. 2:1,1:2") from None
+        if not (1 <= producer <= 8 and 1 <= consumer <= 8) or (max(producer, consumer) % min(producer, consumer)):
+            raise argparse.ArgumentTypeError(f"{item!r}: TP sizes from 1 to 8, one dividing the other")
+        pairs.append((producer, consumer))
+    return pairs
+
+
+def _spec(producer_tp: int, consumer_tp: int, seed: int) -> PairSpec:
+    import random
+
+    rng = random.Random(seed)
+    return PairSpec(producer_tp, consumer_tp, KV_HEADS, num_blocks=NUM_BLOCKS,
+                    remote_ids=tuple(rng.sample(range(NUM_BLOCKS), BLOCKS)),
+                    local_ids=tuple(rng.sample(range(NUM_BLOCKS), BLOCKS)), tokens=TOKENS, dim=DIM, requests=REQUESTS)
+
+
+def _record(producer_tp: int, consumer_tp: int, report: dict) -> Record:
+    loaded = report["loaded"]
+    problems = [f"rank {r}: {reason or 'wrong bytes'}" for r, (reason, _, wrong, _, _) in loaded.items()
+                if reason or wrong]
+    if problems:
+        raise RuntimeError(f"bench kv --tp {producer_tp}:{consumer_tp}: {'; '.join(problems)}")
+    claims = [max(values) for values in zip(*(row[3] for row in loaded.values()))]
+    transfers = [max(values) for values in zip(*(row[4] for row in loaded.values()))]
+    requests = [c + t for c, t in zip(claims, transfers)][1:]  # the first one sets the connections up
+    nbytes = BLOCKS * LAYERS * KV_HEADS * TOKENS * DIM * 4  # every head of every block, over all consumer ranks
+    transport = next(iter(loaded.values()))[1]
+    return Record.measured("kv", "cpu", "READ", f"handoff TP {producer_tp}->{consumer_tp}", transport, nbytes,
+                           summarize(requests), blocks=BLOCKS, producer_tp=producer_tp, consumer_tp=consumer_tp,
+                           claim_median_us=statistics.median(claims[1:]) * 1e6,
+                           first_request_us=(claims[0] + transfers[0]) * 1e6)
+
+
+def run_pairs(pairs: list[tuple[int, int]], say=print) -> list[Record]:
+    """Measure each pair and its homogeneous reference (D:D), held against it. Blocks (minutes on 2 cores)."""
+    token = secrets.token_hex(16)
+    directory, address = start_directory(token)
+    measured: dict[tuple[int, int], Record] = {}
+    try:
+        for producer_tp, consumer_tp in dict.fromkeys([p for pair in pairs for p in ((pair[1], pair[1]), pair)]):
+            say(f"TP {producer_tp} -> {consumer_tp}: {REQUESTS} requests of {BLOCKS} blocks")
+            report = run_pair(_spec(producer_tp, consumer_tp, seed=producer_tp * 10 + consumer_tp), address, token)
+            measured[producer_tp, consumer_tp] = _record(producer_tp, consumer_tp, report)
+    finally:
+        directory.close()
+    records = []
+    for (_, consumer_tp), record in measured.items():
+        reference = measured[consumer_tp, consumer_tp]
+        records.append(record if reference is record else record.against(reference))
+    return records
+
+
+def format_report(records: list[Record]) -> str:
+    lines = [f"{'pair':<20} {'via':<6} {'request median us':>18} {'p10':>9} {'p90':>9} {'claim us':>9} "
+             f"{'GB/s':>7} {'vs D:D':>7}"]
+    for r in records:
+        p = r.params
+        lines.append(f"{r.path:<20} {r.transport:<6} {r.median_us:18.1f} {r.p10_us:9.1f} {r.p90_us:9.1f} "
+                     f"{p['claim_median_us']:9.1f} {r.gbps:7.2f} {r.ratio_text():>7}")
+    lines += ["", f"request = every consumer rank's claim round trip + its READs of {BLOCKS} random blocks x "
+              f"{LAYERS} layers x {KV_HEADS} heads x {TOKENS * DIM * 4 // 1024} KiB (the slowest rank's); vs D:D = "
+              "GB/s over the homogeneous pair at the consumer's TP"]
+    return "\n".join(lines)
+
+
+def plot_pairs(records: list[Record], path) -> None:
+    """Request time per pair (bars), the claim's share hatched. A small PNG."""
+    from .plot import require_matplotlib
+
+    pyplot = require_matplotlib()
+    figure, axis = pyplot.subplots(figsize=(7, 3.2), dpi=80)
+    names = [r.path.removeprefix("handoff ") for r in records]
+    axis.bar(names, [r.median_us / 1e3 for r in records], label="claim + READ (median)")
+    axis.bar(names, [r.params["claim_median_us"] / 1e3 for r in records], hatch="//", label="claim round trip")
+    axis.set_ylabel("ms per request", fontsize=9)
+    axis.set_title(f"tensorwire bench kv --tp: {BLOCKS} blocks x {LAYERS} layers x {KV_HEADS} heads, host memory",
+                   fontsize=9)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    pyplot.close(figure)
