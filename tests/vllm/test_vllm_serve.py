@@ -47,10 +47,11 @@ def servers(vllm_job):
     make_model(vllm_job.python, model, seed=0)
     started = {}
     try:
-        for name, role in (("prefill-0", "producer"), ("decode-0", "consumer")):
+        for name, role, policy in (("prefill-0", "producer", "recompute"), ("decode-0", "consumer", "recompute"),
+                                   ("decode-1", "consumer", "fail")):
             port = free_port()
             started[name] = (start_server(vllm_job.python, name, model, role, port=port, directory=vllm_job.directory,
-                                          token=vllm_job.token,
+                                          token=vllm_job.token, policy=policy,
                                           flags=("--block-size", "96", "--no-enable-prefix-caching")), port)
         for party, port in started.values():
             _wait_serving(party, port)
@@ -169,6 +170,8 @@ def test_a_hostile_handoff_is_answered_quickly_and_computed_here(servers, refere
 
 
 def test_a_replayed_handoff_is_refused(servers, reference):
+    """The same request twice at one decode server: the producer granted the handoff to the first load's claim
+    and freed it after that read, so the second load is refused before any byte moves and computed here."""
     prompt, computed, _ = reference
     params = _handoff(servers, prompt)
     body = _hostile_body(servers["decode-0"], prompt, params)
@@ -176,7 +179,37 @@ def test_a_replayed_handoff_is_refused(servers, reference):
     take_stats(servers["decode-0"][0].stats_path)
     status, answer = _post(servers["decode-0"], body)
     assert status == 200 and answer["choices"][0]["token_ids"] == computed, answer
-    assert take_stats(servers["decode-0"][0].stats_path).get("refused_handoffs") == ["replayed"]
+    stats = take_stats(servers["decode-0"][0].stats_path)
+    assert stats.get("failure_reasons") == ["replayed"] and not stats.get("bytes_transferred"), stats
+
+
+def test_the_fail_policy_loads_over_http(servers, reference):
+    prompt, computed, _ = reference
+    params = _handoff(servers, prompt)
+    decode = servers["decode-1"]
+    take_stats(decode[0].stats_path)
+    status, answer = _post(decode, _hostile_body(decode, prompt, params))
+    stats = take_stats(decode[0].stats_path)
+    assert status == 200 and answer["choices"][0]["token_ids"] == computed, (status, answer, decode[0].tail())
+    assert stats.get("num_blocks") == [len(params["remote_block_ids"])] and not stats.get("num_failed_transfers"), (
+        stats, decode[0].tail())
+
+
+def test_a_handoff_replayed_at_another_decode_server_is_refused(servers, reference):
+    """A client replays its kv_transfer_params at a second decode server after the first read them (the producer
+    freed, and may have reused, the blocks): no byte moves; under the ``fail`` policy the request fails."""
+    prompt, computed, _ = reference
+    params = _handoff(servers, prompt)
+    first = _post(servers["decode-0"], _hostile_body(servers["decode-0"], prompt, params))
+    assert first[0] == 200 and first[1]["choices"][0]["token_ids"] == computed, first
+    decode = servers["decode-1"]
+    take_stats(decode[0].stats_path)
+    status, answer = _post(decode, _hostile_body(decode, prompt, params))
+    stats = take_stats(decode[0].stats_path)
+    failed = status >= 400 or answer["choices"][0].get("finish_reason") == "error"
+    assert failed, (status, answer)
+    assert stats.get("failure_reasons") == ["replayed"] and not stats.get("bytes_transferred"), (
+        stats, decode[0].tail())
 
 
 def test_a_consumer_handoff_sent_to_the_producer_gets_an_answer(servers, reference):
