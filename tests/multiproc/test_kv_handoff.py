@@ -64,3 +64,18 @@ def test_a_replayed_handoff_is_refused_before_any_byte_moves(case, fleet):
     for rank, (reason, _, problems, _, _) in report["replayed"].items():
         assert reason == "replayed" and not problems, (rank, reason, problems)  # its cache still all zeros
     assert sum(r.get("spent", 0) for r in report["refused"].values()) >= 1, report["refused"]
+
+
+@pytest.mark.slow
+def test_the_plain_pytorch_example_runs_as_printed():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "kv_handoff.py"
+    done = subprocess.run([sys.executable, str(example), "--prefill-tp", "1", "--decode-tp", "2"], capture_output=True,
+                          text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert output.count("every byte as prefill computed") == 2 and output.count("load refused (replayed)") == 2, (
+        output[-3000:])
