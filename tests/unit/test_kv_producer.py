@@ -133,6 +133,17 @@ def test_an_unread_hold_expires_and_malformed_messages_are_ignored():
     producer.close()
 
 
+def test_a_granted_hold_outlives_its_expiry_until_read():
+    producer, runtime = _producer()
+    producer.hold(_handoff(hold_s=0.2))
+    assert _claim(runtime, 5, "A").verdicts == {"r1": "granted"}  # just before expiry: the READ comes after
+    time.sleep(0.5)
+    assert producer.released() == set() and producer.expired == 0  # never freed under a READ
+    runtime.inbox.append((5, Done((("r1", "A"),), 0).encode()))
+    assert _released(producer, "r1")
+    producer.close()
+
+
 def test_a_producer_leaving_waits_until_its_handoffs_are_read():
     producer, runtime = _producer()
     producer.hold(_handoff())

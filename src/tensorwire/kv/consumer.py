@@ -185,7 +185,7 @@ class _Lane:
                 raise LoadFailed("timeout", f"{len(waiting)} claim(s) to {self.instance!r} not answered within "
                                  f"{consumer.timeout_s:g}s")
             time.sleep(pause)
-            pause = min(pause * 2, 2e-3)
+            pause = min(pause * 2, 1e-3)
         return grants
 
     def _read(self, loads: list[Load], reads: list, sources: dict[int, Source]) -> int:

@@ -5,7 +5,8 @@ A hold starts when the engine hands a request off (``hold``) or, if a consumer's
 tells its workers a step later), at that claim. The first claim of a hold is granted and every other one refused
 (``taken``): a second consumer, a replayed request, a consumer restarted with a new claim. After the hold is freed
 its (request id, issue time) is remembered as ``spent`` until it would have expired, so a read after the blocks
-were reused is refused too. The consumer reads only after its grant: nothing moves for a refused claim.
+were reused is refused too. The consumer reads only after its grant: nothing moves for a refused claim. A grant
+keeps the hold at least ``_READ_LEASE_S`` more, whatever its expiry: the blocks are never freed under a READ.
 
 How many consumer ranks must report is the head map's (``heads.HeadMap.messages_to``): with tensor parallelism D
 on the consumer and P here, some ranks read, and ranks nobody reads are released by one consumer rank each.
@@ -33,8 +34,11 @@ __all__ = ["Producer"]
 
 log = logging.getLogger(__name__)
 
-_BUSY_POLL_S = 0.002
+_BUSY_POLL_S = 0.001  # while something is held: a claim waits for this at most (half of it on average)
 _IDLE_POLL_S = 0.02
+# A granted hold lasts at least this long after its grant, whatever its expiry: a READ under way is never cut by
+# the blocks being freed and reused (a consumer that died mid-read holds them this long at most).
+_READ_LEASE_S = 60.0
 _MAX_SPENT = 65536  # handoffs remembered as spent at most (the oldest forgotten first)
 
 
@@ -171,6 +175,7 @@ class Producer:
             hold.claim, hold.expected = value, expected
         elif hold.claim != value:
             return "taken"
+        hold.deadline = max(hold.deadline, time.monotonic() + _READ_LEASE_S)
         if not claim.read:
             self._report(request_id, hold, claim.consumer_rank)
         return "granted"
