@@ -141,17 +141,18 @@ def test_a_handoff_sealed_in_another_job_does_not_open(monkeypatch):
     assert refused.value.reason == "forged"
 
 
-def test_a_consumer_handoff_sent_to_a_producer_is_refused_and_never_reaches_its_worker():
+def test_a_consumer_handoff_sent_to_a_producer_is_computed_there_whatever_the_policy():
+    """A misrouted request is served, not failed: under "fail" vLLM would answer it with HTTP 500, and no connector
+    hook runs in vLLM's API server where a 4xx could be answered."""
     params = _handed_off()
-    producer = _side("prefill-1", "kv_producer", policy="fail")
-    answer, plan = _judged(params, producer)
-    assert answer == (250, True) and plan.refused == ["role"] and plan.loads[0].refusal == "role"
+    for policy in ("fail", "recompute"):
+        producer = _side("prefill-1", "kv_producer", policy=policy)
+        answer, plan = _judged(copy.deepcopy(params), producer)
+        assert answer == (0, False) and plan.refused == ["role"] and plan.loads == []
     worker = WorkerSide(producer._settings, "kv_producer", LAYOUT, 0, kv.Sharding(1, 2))
-    worker.start(plan)  # a producer loads nothing: the load fails at once instead of raising
-    sending, recving = worker.finished()
-    assert recving == {"c1"} and worker.load_errors() == {11, 12, 13}
-    stats = worker.stats.take()
-    assert stats["failure_reasons"] == ["refused:role"] and stats["refused_handoffs"] == ["role"]
+    worker.start(plan)  # nothing to load, nothing failed
+    assert worker.finished() == (set(), set()) and worker.load_errors() == set()
+    assert worker.stats.take()["refused_handoffs"] == ["role"]
     assert producer.request_finished(_request({"do_remote_prefill": True, "remote_block_ids": "x"}), [1]) == (
         False, None)
 

@@ -55,7 +55,10 @@ class SchedulerSide:
             if verdict is None:
                 verdict = self._verdicts[request.request_id] = self._judge(request, params)
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
-            if count <= 0 or (isinstance(verdict, HandoffRefused) and self._policy != "fail"):
+            if count <= 0 or (isinstance(verdict, HandoffRefused) and (self._policy != "fail"
+                                                                       or verdict.reason == "role")):
+                # A producer sent decode params is served like any request: under "fail" vLLM would answer 500,
+                # and no connector hook runs where a 4xx could be answered (vLLM's API server).
                 return 0, False
             return count, True  # a refused one under "fail": after_alloc plans a load that fails at once
         except Exception:
