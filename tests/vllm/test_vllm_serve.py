@@ -218,6 +218,7 @@ def test_a_consumer_handoff_sent_to_the_producer_gets_an_answer(servers, referen
     started = time.monotonic()
     status, answer = _post(servers["prefill-0"], _hostile_body(servers["prefill-0"], prompt, params))
     assert time.monotonic() - started < HOSTILE_ANSWER_S, (status, answer)
+    assert status == 200 and len(answer["choices"][0]["token_ids"]) == MAX_TOKENS, (status, answer)  # served there
     assert _handoff(servers, prompt).get("remote_seal")  # and it still hands prefills off
 
 
