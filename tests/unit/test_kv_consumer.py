@@ -17,8 +17,8 @@ class _Channels:
     """The member's runtime: claims sent to a producer rank are answered at once (``verdict``) on the grant
     channel; what was sent is kept."""
 
-    def __init__(self, verdict: str = "granted") -> None:
-        self.verdict, self.sent, self.grants = verdict, [], {}
+    def __init__(self, verdict: str = "granted", per_request: dict | None = None) -> None:
+        self.verdict, self.per_request, self.sent, self.grants = verdict, per_request or {}, [], {}
 
     def channel(self, prefix: bytes):
         return SimpleNamespace(send=self._send, try_pop=lambda rank: self.grants.get(rank, []).pop(0)
@@ -28,7 +28,7 @@ class _Channels:
         self.sent.append((rank, parse(message)))
         claim = parse(message)
         if isinstance(claim, Claim):
-            grant = Grant(claim.ticket, {r: self.verdict for r, _, _ in claim.requests}, True)
+            grant = Grant(claim.ticket, {r: self.per_request.get(r, self.verdict) for r, _, _ in claim.requests}, True)
             self.grants.setdefault(rank, []).append(grant.encode())
 
 
@@ -108,6 +108,19 @@ def test_a_refused_claim_reads_nothing():
     (result,) = _results(consumer, 1)
     assert result.reason == "replayed" and "once, by one consumer" in result.error
     assert all(not t.posted for t in comm.transfers)  # nothing moved
+    consumer.close(5)
+
+
+def test_in_one_job_a_refused_load_fails_alone():
+    comm = _Comm()
+    comm.runtime = _Channels(per_request={"p-b": "taken"})
+    consumer = kv.Consumer(_member(comm), timeout_s=30)
+    consumer.submit([_load("a", (1,), remote=(7,)), _load("b", (2,), remote=(8,))])
+    results = {r.loads[0].request_id: r for r in _results(consumer, 2)}
+    assert results["a"].error is None and results["a"].num_blocks == 1
+    assert results["b"].reason == "replayed"
+    (local, remote, _), = comm.transfers[0].posted
+    assert (local, remote) == ([1], [7])  # only the granted load's blocks moved
     consumer.close(5)
 
 

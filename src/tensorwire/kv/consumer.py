@@ -84,14 +84,16 @@ class _Lane:
     def _run(self) -> None:
         while (loads := self.jobs.get()) is not None:
             try:
-                result = self._load(loads)
+                results = self._load(loads)
             except Exception as e:  # noqa: BLE001 - a lane never dies: this job fails, the next ones run
-                result = self._failed(loads, e)
-            self.consumer.results.put(result)
+                results = [self._failed(loads, e)]
+            for result in results:
+                self.consumer.results.put(result)
         for source in self.sources.values():
             source.drop()
 
-    def _load(self, loads: list[Load]) -> LoadResult:
+    def _load(self, loads: list[Load]) -> list[LoadResult]:
+        """The job's results: one for the loads granted (and read), one per reason for those refused."""
         consumer = self.consumer
         started = time.perf_counter()
         head_map = self._head_map(loads)
@@ -107,14 +109,22 @@ class _Lane:
         granted, refused = self._claim(loads, sources, {r.producer_rank for r in reads})
         claim_s = time.perf_counter() - claimed
         posted = time.perf_counter()
-        moved = self._read(granted, reads, sources) if granted else 0
+        reading = [ld for ld in granted if ld.local_block_ids]
+        moved = self._read(reading, reads, sources) if reading else 0
         transfer_s = time.perf_counter() - posted
-        if refused:
-            raise LoadFailed(refused[0], f"the producer refused {len(refused)} of {len(loads)} handoffs "
-                             f"({', '.join(sorted(set(refused)))}): each is read once, by one consumer")
-        blocks = sum(len(ld.local_block_ids) for ld in loads)
-        transport = next((s.transport for s in sources.values() if s.transport), "")
-        return LoadResult(loads, None, blocks, moved, transfer_s, contact_s, claim_s, transport)
+        results = [self._refused(group, reason) for reason, group in refused.items()]
+        if granted:
+            blocks = sum(len(ld.local_block_ids) for ld in granted)
+            transport = next((s.transport for s in sources.values() if s.transport), "")
+            results.append(LoadResult(granted, None, blocks, moved, transfer_s, contact_s, claim_s, transport))
+        return results
+
+    def _refused(self, loads: list[Load], reason: str) -> LoadResult:
+        error = (f"LoadFailed: the producer refused {len(loads)} handoff(s) ({reason}): each is read once, by one "
+                 "consumer, before it expires")
+        log.warning("KV consumer: loading %d request(s) from %r failed (%s): %s", len(loads), self.instance, reason,
+                    error)
+        return LoadResult(loads, error, reason=reason)
 
     def _head_map(self, loads: list[Load]) -> HeadMap:
         member = self.consumer.member
@@ -136,9 +146,10 @@ class _Lane:
                                        self.instance, producer_rank, producer_tp)
         return self.sources[key]
 
-    def _claim(self, loads: list[Load], sources: dict[int, Source], readers: set[int]) -> tuple[list[Load], list]:
+    def _claim(self, loads: list[Load], sources: dict[int, Source],
+               readers: set[int]) -> tuple[list[Load], dict[str, list[Load]]]:
         """Claim every load at every source (a release where this rank reads nothing from it, or the load needs
-        no blocks); wait for all grants. Returns (loads granted everywhere, reasons of the refused ones)."""
+        no blocks); wait for all grants. Returns (loads granted everywhere, the refused ones by reason)."""
         member = self.consumer.member
         tickets: dict[str, int] = {}
         for p, source in sources.items():
@@ -155,12 +166,12 @@ class _Lane:
             for request_id, verdict in grant.verdicts.items():
                 verdicts.setdefault(request_id, []).append(verdict)
             sources[tickets[grant.ticket]].heads_outermost = grant.heads_outermost
-        granted, refused = [], []
+        granted, refused = [], {}
         for ld in loads:
             bad = [v for v in verdicts.get(ld.handoff.request_id, ["unknown"]) if v != "granted"]
             if bad:
-                refused.append(_REFUSED[bad[0]])
-            elif ld.local_block_ids:
+                refused.setdefault(_REFUSED[bad[0]], []).append(ld)
+            else:
                 granted.append(ld)
         return granted, refused
 
@@ -249,10 +260,16 @@ class Consumer:
     def load(self, loads: list[Load]) -> list[LoadResult]:
         """``submit`` and wait for these jobs' results (bounded: each job is). Blocks."""
         self.submit(loads)
-        expected = len({ld.handoff.member for ld in loads})
+        wanted = {ld.request_id for ld in loads}
+        deadline = time.monotonic() + self.timeout_s * 4 + self.contact_s  # each step of a job is bounded
         results = []
-        while len(results) < expected:
-            results.append(self.results.get(timeout=self.timeout_s * 4 + self.contact_s))
+        while wanted:
+            try:
+                result = self.results.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                raise tw.WaitTimeoutError(f"Consumer.load: {len(wanted)} load(s) not done in time") from None
+            wanted -= {ld.request_id for ld in result.loads}
+            results.append(result)
         return results
 
     def close(self, timeout_s: float | None = None) -> None:
