@@ -45,11 +45,11 @@ def _check(report: dict, spec: PairSpec, transport: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("memory", ["nixl", "shm"])
+@pytest.mark.parametrize("memory", ["nixl", "shm", pytest.param("cuda_ipc", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_consumer_of_any_tp_reads_exactly_its_heads_once(case, memory, fleet):
     producer_tp, consumer_tp, heads, mla = CASES[case]
-    spec = PairSpec(producer_tp, consumer_tp, heads, mla=mla, shm=memory == "shm")
+    spec = PairSpec(producer_tp, consumer_tp, heads, mla=mla, shm=memory == "shm", cuda=memory == "cuda_ipc")
     report = run_pair(spec, *fleet)
     _check(report, spec, memory)
 

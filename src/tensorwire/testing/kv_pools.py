@@ -43,6 +43,7 @@ class PairSpec:
     tokens: int = 4
     dim: int = 8
     requests: int = 1
+    cuda: bool = False  # GPU memory (one GPU shared by every rank: cuda_ipc)
 
     @property
     def layout(self) -> str:
@@ -64,7 +65,7 @@ def _views(spec: PairSpec, tp_rank: int, tp_size: int, fill: bool) -> list[torch
              else (spec.num_blocks, stop - start, spec.tokens, spec.dim))
     views = []
     for layer in range(LAYERS):
-        view = tw.shared_empty(shape) if spec.shm else torch.empty(shape)
+        view = tw.shared_empty(shape) if spec.shm else torch.empty(shape, device="cuda" if spec.cuda else "cpu")
         view.zero_()
         if fill:
             index = torch.cartesian_prod(*(torch.arange(n) for n in shape))
@@ -72,7 +73,7 @@ def _views(spec: PairSpec, tp_rank: int, tp_size: int, fill: bool) -> list[torch
             token, element = index[:, -2], index[:, -1]
             codes = ((((layer * spec.num_blocks + index[:, 0]) * (1 if spec.mla else spec.total_heads) + heads)
                       * spec.tokens + token) * spec.dim + element) + 1
-            view.copy_(codes.to(torch.float32).view(shape))
+            view.copy_(codes.to(torch.float32).view(shape).to(view.device))
         views.append(view)
     return views
 
@@ -80,9 +81,11 @@ def _views(spec: PairSpec, tp_rank: int, tp_size: int, fill: bool) -> list[torch
 def _problems(spec: PairSpec, views: list[torch.Tensor], tp_rank: int, loaded: bool) -> list[str]:
     """What differs from the producer's codes in the loaded blocks, or from zero elsewhere."""
     start, _ = spec.sharding(spec.consumer_tp).heads(tp_rank)
-    expected = _views(PairSpec(**{**spec.__dict__, "shm": False}), 0, 1, fill=True) if spec.mla else None
+    host = PairSpec(**{**spec.__dict__, "shm": False, "cuda": False})
+    expected = _views(host, 0, 1, fill=True) if spec.mla else None
     problems = []
     for layer, view in enumerate(views):
+        view = view.cpu()
         for block in range(spec.num_blocks):
             got = view[block]
             if loaded and block in spec.local_ids:
