@@ -58,8 +58,8 @@ class _Transfer:
     def __init__(self, fail_first_post: bool = False) -> None:
         self.fails, self.posted = fail_first_post, []
 
-    def post(self, local, remote, notify):
-        self.posted.append((list(local), list(remote), notify))
+    def post(self, local, remote):
+        self.posted.append((list(local), list(remote)))
 
     def wait(self, timeout):
         if self.fails:
@@ -87,16 +87,16 @@ class _Comm:
         return self.transfers[-1]
 
 
-def test_a_load_claims_then_reads_with_the_done_as_its_notification():
+def test_a_load_claims_then_reads_then_says_done():
     comm = _Comm()
     consumer = kv.Consumer(_member(comm), timeout_s=30)
     consumer.submit([_load("a", (1, 2), remote=(7, 8))])
     (result,) = _results(consumer, 1)
     assert result.error is None and result.num_blocks == 2 and result.num_bytes == 32
-    (claim,) = [m for _, m in comm.runtime.sent]
-    assert isinstance(claim, Claim) and claim.read and claim.requests[0][0] == "p-a"
-    (local, remote, notify), = comm.transfers[0].posted
-    assert (local, remote) == ([1, 2], [7, 8]) and parse(notify).requests == (("p-a", claim.requests[0][2]),)
+    claim, done = [m for _, m in comm.runtime.sent]
+    assert isinstance(claim, Claim) and claim.read and claim.requests[0][0] == "p-a" and claim.lease_s >= 60
+    (local, remote), = comm.transfers[0].posted
+    assert (local, remote) == ([1, 2], [7, 8]) and done.requests == (("p-a", claim.requests[0][2]),)
     consumer.close(5)
 
 
@@ -119,7 +119,7 @@ def test_in_one_job_a_refused_load_fails_alone():
     results = {r.loads[0].request_id: r for r in _results(consumer, 2)}
     assert results["a"].error is None and results["a"].num_blocks == 1
     assert results["b"].reason == "replayed"
-    (local, remote, _), = comm.transfers[0].posted
+    (local, remote), = comm.transfers[0].posted
     assert (local, remote) == ([1], [7])  # only the granted load's blocks moved
     consumer.close(5)
 

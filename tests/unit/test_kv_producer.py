@@ -80,12 +80,56 @@ def test_a_handoff_is_granted_to_one_claim_and_spent_after_its_read():
 
 def test_a_claim_before_the_engine_handed_off_is_held_and_reported_once_handed_off():
     producer, runtime = _producer()
-    assert _claim(runtime, 5, "A", issued_at=7.0).verdicts == {"r1": "granted"}
+    issued_at = time.time()
+    assert _claim(runtime, 5, "A", issued_at=issued_at).verdicts == {"r1": "granted"}
     runtime.inbox.append((5, Done((("r1", "A"),), 0).encode()))
     time.sleep(0.05)
     assert producer.released() == set()  # read, but the engine has not handed it off yet: not reported
-    producer.hold(_handoff(issued_at=7.0))
+    producer.hold(_handoff(issued_at=issued_at))
     assert _released(producer, "r1")
+    producer.close()
+
+
+def test_a_claim_for_a_handoff_this_producer_cannot_have_issued_is_unknown():
+    """A producer started again remembers nothing spent: a handoff issued before it started, or long ago, or in
+    the future, is refused rather than granted on a hold it never made."""
+    producer, runtime = _producer(hold_s=60.0)
+    for issued_at in (time.time() - 3.0, time.time() - 86400, time.time() + 3600):
+        assert _claim(runtime, 5, "A", issued_at=issued_at).verdicts == {"r1": "unknown"}, issued_at
+    producer.close()
+
+
+def test_a_release_for_another_handoff_of_an_id_does_not_free_the_real_one():
+    producer, runtime = _producer()
+    issued_at = time.time()
+    bogus = _claim(runtime, 9, "X", issued_at=issued_at + 0.25, read=False)  # frees its own hold only
+    assert bogus.verdicts == {"r1": "granted"}
+    producer.hold(_handoff(issued_at=issued_at))
+    time.sleep(0.05)
+    assert producer.released() == set()  # the engine's handoff is still held
+    assert _claim(runtime, 5, "A", issued_at=issued_at).verdicts == {"r1": "granted"}
+    runtime.inbox.append((5, Done((("r1", "A"),), 0).encode()))
+    assert _released(producer, "r1")
+    producer.close()
+
+
+def test_a_done_from_a_rank_the_head_map_does_not_send_here_counts_for_nothing():
+    producer, runtime = _producer()
+    producer.hold(_handoff())
+    assert _claim(runtime, 5, "A").verdicts == {"r1": "granted"}
+    runtime.inbox.append((5, Done((("r1", "A"),), 7).encode()))  # consumer TP 1 has only rank 0
+    time.sleep(0.05)
+    assert producer.released() == set()
+    producer.close()
+
+
+def test_the_engines_hold_keeps_a_grants_lease():
+    producer, runtime = _producer()
+    issued_at = time.time()
+    assert _claim(runtime, 5, "A", issued_at=issued_at).verdicts == {"r1": "granted"}
+    producer.hold(_handoff(issued_at=issued_at, hold_s=0.2))  # expires before the READ is done
+    time.sleep(0.5)
+    assert producer.released() == set() and producer.expired == 0
     producer.close()
 
 
@@ -127,6 +171,7 @@ def test_an_unread_hold_expires_and_malformed_messages_are_ignored():
     producer, runtime = _producer()
     producer.hold(_handoff(hold_s=0.2))
     runtime.inbox += [(5, b"twkv1p {"), (5, b"twkv1p " + b"[" * 100000), (5, b"twkv1p {\"kind\":\"claim\"}"),
+                      (5, b'twkv1p {"kind":["claim"]}'), (5, b'twkv1p {"kind":{"a":1}}'),
                       (5, Claim("t", (("r1", float("nan"), "A"),), True, 1, 0).encode())]
     assert _released(producer, "r1") and producer.expired == 1
     assert runtime.replies == []  # nothing malformed was answered

@@ -79,6 +79,7 @@ HOSTILE = {  # field -> value a client may send instead of the producer's
     "remote_seal": [None, "", "AAAA", "not base64 !", 5, "x" * (2 << 20)],
     "do_remote_prefill": ["yes", 1, [True]],
     "remote_tp_size": [0, -1, "2", True, 2.0, 2**63, None],
+    "remote_issued_at": ["soon", True, None, float("inf")],
 }
 
 
@@ -128,6 +129,8 @@ def test_forged_altered_other_prompt_and_expired_handoffs_are_refused():
         assert refused.value.reason == "expired"
     unsealed = _handed_off(sealed=False)
     assert "remote_seal" not in unsealed
+    opened = check_params(unsealed, PROMPT, BLOCK, LAYOUT, sealed=False, now=time.time())
+    assert opened.issued_at == unsealed["remote_issued_at"] > 0  # what the producer's hold is keyed by
     with pytest.raises(HandoffRefused) as refused:  # a sealing consumer believes no unsealed handoff
         check_params(unsealed, PROMPT, BLOCK, LAYOUT, sealed=True, now=time.time())
     assert refused.value.reason == "forged"

@@ -158,7 +158,8 @@ class _Lane:
                 if chosen:
                     ticket = secrets.token_hex(8)
                     claim = Claim(ticket, tuple((ld.handoff.request_id, ld.handoff.issued_at, ld.claim)
-                                                for ld in chosen), read, member.sharding.tp_size, member.tp_rank)
+                                                for ld in chosen), read, member.sharding.tp_size, member.tp_rank,
+                                  self.consumer.read_bound_s)
                     source.send(claim.encode())
                     tickets[ticket] = p
         verdicts: dict[str, list[str]] = {}
@@ -200,16 +201,17 @@ class _Lane:
         return grants
 
     def _read(self, loads: list[Load], reads: list, sources: dict[int, Source]) -> int:
-        """READ every source's heads of ``loads``' blocks (posted together, then waited); returns the bytes."""
+        """READ every source's heads of ``loads``' blocks (posted together, then waited), then tell each source it
+        may free them (DONE, only now: a READ retried after a failure must not find the blocks reused); returns
+        the bytes."""
         local = np.fromiter((b for ld in loads for b in ld.local_block_ids), dtype=np.int64)
         remote = np.fromiter((b for ld in loads for b in ld.remote_block_ids()), dtype=np.int64)
-        rank = self.consumer.member.tp_rank
-        posted = []
-        for read in reads:
-            source = sources[read.producer_rank]
-            done = Done(tuple((ld.handoff.request_id, ld.claim) for ld in loads), rank).encode()
-            posted.append(source.post(read, local, remote, done))
-        return sum(source.wait(moved) for source, moved in posted)
+        posted = [sources[read.producer_rank].post(read, local, remote) for read in reads]
+        moved = sum(source.wait(nbytes) for source, nbytes in posted)
+        done = Done(tuple((ld.handoff.request_id, ld.claim) for ld in loads), self.consumer.member.tp_rank).encode()
+        for p in dict.fromkeys(read.producer_rank for read in reads):
+            sources[p].send(done)
+        return moved
 
     def _failed(self, loads: list[Load], error: BaseException) -> LoadResult:
         reason = _reason(error)
@@ -227,6 +229,8 @@ class Consumer:
 
     def __init__(self, member: KVMember, *, timeout_s: float = 30.0, contact_s: float = 5.0) -> None:
         self.member, self.timeout_s, self.contact_s = member, timeout_s, contact_s
+        # How long a READ may run after its grant: its wait, and one more on a fresh transfer (``Source.wait``).
+        self.read_bound_s = 2 * timeout_s + 5.0
         self.channel = member.comm.runtime.channel(TO_CONSUMER)  # grants come here
         self.to_producers = member.comm.runtime.channel(TO_PRODUCER)  # claims go there
         self.results: queue.Queue = queue.Queue()

@@ -52,7 +52,8 @@ class Handoff:
         params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_member": self.member,
                   "remote_block_ids": list(self.block_ids), "remote_request_id": self.request_id,
                   "remote_num_tokens": self.num_tokens, "remote_layout": self.layout,
-                  "remote_expires_at": self.expires_at, "remote_tp_size": self.producer_tp}
+                  "remote_expires_at": self.expires_at, "remote_issued_at": self.issued_at,
+                  "remote_tp_size": self.producer_tp}
         if sealed:
             blob = tw.seal_for_job(SEAL_CONTEXT, json.dumps(self.sealed_fields()).encode())
             params["remote_seal"] = base64.urlsafe_b64encode(blob).decode()

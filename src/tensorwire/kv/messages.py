@@ -2,11 +2,11 @@
 (claims, dones) and ``TO_CONSUMER`` (grants), so an engine that is both reads each where it belongs.
 
     consumer rank d -> producer rank p   CLAIM  {ticket, requests: [[request id, issued_at, claim], ...], read: bool,
-                                                  consumer_tp: D, consumer_rank: d}
+                                                  consumer_tp: D, consumer_rank: d, lease_s: its READ's bound}
     producer rank p -> consumer rank d   GRANT  {ticket (the claim's), heads_outermost: bool,
                                                   verdicts: {request id: "granted" | "taken" | "spent" | "unknown"}}
     consumer rank d -> producer rank p   DONE   {requests: [[request id, claim], ...], consumer_rank: d}
-                                                  (the READ's notification: sent after its data)
+                                                  (sent once its READs completed: never before a retried one)
 
 A CLAIM with ``read`` false is a release (a rank the head map does not read from this producer rank, or a load
 that needs no blocks): it counts as that consumer rank's DONE at once. Every message comes from a member of the
@@ -39,11 +39,12 @@ class Claim:
     read: bool  # False: a release, counted as done at once
     consumer_tp: int
     consumer_rank: int
+    lease_s: float = 60.0  # how long after the grant its READ may still run (the producer keeps the blocks)
 
     def encode(self) -> bytes:
         return _encode(TO_PRODUCER, "claim", {"ticket": self.ticket, "requests": [list(r) for r in self.requests],
                                               "read": self.read, "consumer_tp": self.consumer_tp,
-                                              "consumer_rank": self.consumer_rank})
+                                              "consumer_rank": self.consumer_rank, "lease_s": self.lease_s})
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,10 @@ def _count(value: Any, low: int, high: int) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and low <= value <= high
 
 
+def _seconds(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value <= 3600
+
+
 def _requests(value: Any, width: int) -> list | None:
     if not isinstance(value, list) or not 0 < len(value) <= MAX_REQUESTS:
         return None
@@ -93,14 +98,14 @@ def _claim(body: dict) -> Claim | None:
         return None
     if not _count(body.get("consumer_tp"), 1, 4096):
         return None
-    if not _count(body.get("consumer_rank"), 0, body["consumer_tp"] - 1):
+    if not _count(body.get("consumer_rank"), 0, body["consumer_tp"] - 1) or not _seconds(body.get("lease_s")):
         return None
     for request_id, issued_at, claim in requests:
         if not (_text(request_id) and _text(claim) and not isinstance(issued_at, bool)
                 and isinstance(issued_at, (int, float)) and math.isfinite(issued_at)):
             return None
     return Claim(body["ticket"], tuple((r, float(t), c) for r, t, c in requests), body["read"], body["consumer_tp"],
-                 body["consumer_rank"])
+                 body["consumer_rank"], float(body["lease_s"]))
 
 
 def _grant(body: dict) -> Grant | None:
@@ -133,7 +138,8 @@ def parse(message: bytes) -> Claim | Grant | Done | None:
         return None
     try:
         body = json.loads(message[len(channel) + 1:])
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
         return None
-    parser = _PARSERS.get(body.get("kind")) if isinstance(body, dict) else None
+    kind = body.get("kind") if isinstance(body, dict) else None
+    parser = _PARSERS.get(kind) if isinstance(kind, str) else None
     return parser(body) if parser is not None else None

@@ -93,11 +93,16 @@ def _plaintext(params: dict, prompt_token_ids: list[int], block_size: int, layou
                              f"this request's prompt has {len(prompt_token_ids)} tokens; send the same prompt to both")
     blocks = _block_ids(params, math.ceil(num_tokens / block_size))
     producer_tp = _integer(params, "remote_tp_size", 1, MAX_TP_SIZE) if "remote_tp_size" in params else 1
-    expires_at = params.get("remote_expires_at", 0.0)
-    if isinstance(expires_at, bool) or not isinstance(expires_at, (int, float)) or not math.isfinite(expires_at):
-        raise HandoffRefused("params", "remote_expires_at", expires_at, "give the producer's value, a finite number")
-    return Handoff(member, blocks, request_id, num_tokens, layout, prompt_hash(prompt_token_ids), 0.0,
-                   float(expires_at), producer_tp)
+    expires_at, issued_at = _time(params, "remote_expires_at"), _time(params, "remote_issued_at")
+    return Handoff(member, blocks, request_id, num_tokens, layout, prompt_hash(prompt_token_ids), issued_at,
+                   expires_at, producer_tp)
+
+
+def _time(params: dict, field: str) -> float:
+    value = params.get(field, 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise HandoffRefused("params", field, value, "give the producer's value, a finite number")
+    return float(value)
 
 
 def _opened(params: dict) -> dict[str, Any]:

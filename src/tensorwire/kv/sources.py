@@ -104,18 +104,19 @@ class Source:
         self.channel.send(self.rank, message)
 
     # --- reading ------------------------------------------------------------------------------------------------
-    def post(self, read: HeadRead, local: np.ndarray, remote: np.ndarray, notify: bytes) -> tuple[Source, int]:
+    def post(self, read: HeadRead, local: np.ndarray, remote: np.ndarray) -> tuple[Source, int]:
         """Post the READ of ``read``'s heads of blocks ``remote`` into ours ``local``; returns (self, bytes)."""
         transfer = self._transfer(read)
-        transfer.post(local, remote, notify=notify)
-        self._last = (read, local, remote, notify)
+        transfer.post(local, remote)
+        self._last = (read, local, remote)
         return self, len(local) * transfer.bytes_per_block
 
     def wait(self, moved: int) -> int:
         """Wait for the last post. The first READ to a producer sets up its transport's connection; on a loaded box
         that can miss its bound while the producer is fine: once more on a fresh transfer, if it is still listed
-        (a READ only rewrites our own blocks of these requests, so repeating it is harmless)."""
-        read, local, remote, notify = self._last
+        (a READ only rewrites our own blocks of these requests, and the producer frees them only after our DONE,
+        which follows the last wait: repeating it is harmless)."""
+        read, local, remote = self._last
         try:
             self._transfer(read).wait(timeout=self.timeout_s)
         except tw.TensorwireError as e:
@@ -123,7 +124,7 @@ class Source:
                 raise
             log.info("KV consumer: the first READ from %r failed, once more: %s", self.member, e)
             self.drop()
-            self._transfer(read).post(local, remote, notify=notify)
+            self._transfer(read).post(local, remote)
             self._transfer(read).wait(timeout=self.timeout_s)
         self._fresh = False
         return moved

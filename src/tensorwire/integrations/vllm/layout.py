@@ -44,8 +44,10 @@ def sharding(vllm_config: Any) -> kv.Sharding:
 
 def heads_outermost(kv_caches: dict[str, torch.Tensor], num_blocks: int, local_heads: int) -> bool:
     """Whether every cache is the CPU backend's ``[num_blocks, kv_heads, block_size, 2 * head_dim]``: a block's
-    heads outermost, so a range of heads is one byte range of the block."""
-    return all(c.dim() == 4 and c.shape[0] == num_blocks and c.shape[1] == local_heads for c in kv_caches.values())
+    heads outermost, so a range of heads is one byte range of the block. Told by the device as well as the shape:
+    a GPU backend's 4-D cache may put the tokens first with as many tokens per block as heads."""
+    return all(c.device.type == "cpu" and c.dim() == 4 and c.shape[0] == num_blocks and c.shape[1] == local_heads
+               for c in kv_caches.values())
 
 
 def pool_views(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[torch.Tensor]:
