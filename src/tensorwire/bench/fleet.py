@@ -51,12 +51,12 @@ from ..shared_memory import remove_orphans
 from .command import announce, at_least, check_plot, finish, header, header_lines, parse_size, positive, require_nixl
 from .fleet_parties import FIRST_POOL_BLOCKS, FIRST_READ_BLOCKS, holder, reader, world_rank
 from .fleet_raw import raw_first_contacts
-from .fleet_report import FLEET, RAW_NIXL, WORLD, format_report, plot_fleet
+from .fleet_report import FLEET, RAW_NIXL, TABLE, WORLD, plot_fleet, tail_lines
 from .partial import PartialRecords, measured_records
 from .record import Record
 from .timing import Budget, quantile, summarize
 
-__all__ = ["HELP", "FleetBenchConfig", "run", "add_arguments", "main", "format_report", "plot_fleet"]
+__all__ = ["HELP", "FleetBenchConfig", "run", "add_arguments", "main", "plot_fleet"]
 
 HELP = "fleet members launched apart: join, first READ from a never-seen member, steady READ beside one world"
 
@@ -370,17 +370,17 @@ def config_from(args: argparse.Namespace) -> FleetBenchConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the benchmark, print the header and progress on stderr, then the report; write ``--json`` /
-    ``--plot``. Ctrl-C stops every party and reports the fleet sizes measured so far (exit 130)."""
+    """Run the benchmark: the header on stdout, each fleet size's block as soon as it is measured (progress on
+    stderr), then raw NIXL's reference; write ``--json`` / ``--plot``. Ctrl-C stops every party: the fleet sizes
+    measured stay the report (exit 130)."""
     config = config_from(args)
     require_nixl(args, "bench fleet (raw NIXL's first contact is its reference)")
     check_plot(args)
     head = header(args.argv)
-    head_lines = header_lines("tensorwire bench fleet: members launched apart, meeting in a directory", head,
-                              method_rows(config))
-    announce(head_lines, config.quiet)
-    records, interrupted = measured_records(lambda partial: run(replace(config, partial=partial)), "fleet")
-    return finish(args, head, head_lines, records, format_report(records),
+    announce(header_lines("tensorwire bench fleet: members launched apart, meeting in a directory", head,
+                          method_rows(config)))
+    records, interrupted = measured_records(lambda partial: run(replace(config, partial=partial)), "fleet", TABLE)
+    return finish(args, head, records, tail_lines(records),
                   lambda records, path: plot_fleet(records, path, title=" ".join(["tensorwire", *args.argv])),
                   interrupted, config=replace(config, partial=None))
 

@@ -54,7 +54,7 @@ from .command import (
     require_nixl,
 )
 from .kv_raw import raw_block_paths
-from .kv_report import COPY, format_report, plot_kv
+from .kv_report import COPY, TABLE, plot_kv
 from .partial import PartialRecords, measured_records
 from .raw_nixl import RawNixl, init_with_store, release_store
 from .record import Record, compare_with
@@ -378,7 +378,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"give up after this many seconds (default {defaults.timeout_s:.0f})")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write every record to PATH")
     parser.add_argument("--plot", type=Path, default=None, metavar="PNG", help="plot GB/s to PNG (needs matplotlib)")
-    parser.add_argument("--quiet", action="store_true", help="no header or progress lines on stderr")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
 def config_from(args: argparse.Namespace) -> KvBenchConfig:
@@ -392,18 +392,17 @@ def config_from(args: argparse.Namespace) -> KvBenchConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the benchmark, print the header and a line per case on stderr, then the table; write ``--json`` /
-    ``--plot``; blocks until both ranks are done. Ctrl-C stops both ranks and reports what was measured (exit 130)."""
+    """Run the benchmark: the header on stdout, then each case's rows as soon as it is measured (a progress line
+    per case on stderr as it starts), then the legend; write ``--json`` / ``--plot``; blocks until both ranks are
+    done. Ctrl-C stops both ranks: the rows measured stay the report (exit 130)."""
     config = config_from(args)
     if config.raw:
         require_nixl(args, "bench kv's raw NIXL reference (--no-raw leaves it out)")
     check_plot(args)
     head = header(args.argv)
-    head_lines = header_lines(TITLE, head, method_rows(config))
-    announce(head_lines, config.quiet)
-    records, interrupted = measured_records(lambda partial: run(replace(config, partial=partial)), "kv")
-    return finish(args, head, head_lines, records, format_report(records), plot_kv, interrupted,
-                  config=replace(config, partial=None))
+    announce(header_lines(TITLE, head, method_rows(config)))
+    records, interrupted = measured_records(lambda partial: run(replace(config, partial=partial)), "kv", TABLE)
+    return finish(args, head, records, TABLE.legend, plot_kv, interrupted, config=replace(config, partial=None))
 
 
 TITLE = "tensorwire bench kv: KV-cache blocks by id, rank 0 <-> rank 1, two local processes"

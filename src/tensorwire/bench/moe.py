@@ -50,7 +50,7 @@ from .command import (
     memories,
     progress,
 )
-from .partial import PartialRecords, measured_records
+from .partial import PartialRecords, Table, measured_records
 from .record import STEADY_SPREAD, Record
 from .timing import CudaEventClock, HostClock, Timing, steadiest, summarize, time_call
 
@@ -358,11 +358,13 @@ def _record(config: MoeBenchConfig, engine: str, op: str, tokens: int, rows: int
     return record.against(measured("copy", "copy", copy))
 
 
-def format_moe_report(records: list[Record]) -> str:
-    """A plain table of the records (units and ratio columns as in every ``tensorwire bench`` report)."""
-    head = (f"{'engine':12} {'op':8} {'mem':4} {'T':>5} {'H':>5} {'K':>2} {'rows':>6} {'median us':>10} "
-            f"{'p10-p90 us':>17} {'GB/s':>7} {'copy GB/s':>9} {'BW/copy':>8} {'shared GB/s':>11} {'BW/shared':>9}")
-    lines = [head, "-" * len(head)]
+_MOE_HEADING = (f"{'engine':12} {'op':8} {'mem':4} {'T':>5} {'H':>5} {'K':>2} {'rows':>6} {'median us':>10} "
+                f"{'p10-p90 us':>17} {'GB/s':>7} {'copy GB/s':>9} {'BW/copy':>8} {'shared GB/s':>11} {'BW/shared':>9}")
+
+
+def moe_rows(records: list[Record]) -> list[str]:
+    """One fixed-width line per record (units and ratio columns as in every ``tensorwire bench`` report)."""
+    lines = []
     for r in records:
         p = r.params
         lines.append(
@@ -371,11 +373,18 @@ def format_moe_report(records: list[Record]) -> str:
             f"{p['copy_gbps']:>9.2f} {r.ratio_text():>8} {p.get('shared_copy_gbps', float('nan')):>11.2f} "
             f"{_shared_ratio_text(p):>9}"
         )
-    lines += ["", *textwrap.wrap(
-        "BW/copy: GB/s over the same bytes copied inside rank 0 alone (measured again while unsteady, 3 tries); "
-        "BW/shared: over every rank copying its bytes at the same time (the yardstick when ranks share a device); "
-        f"unsteady: that copy's p10-p90 spread exceeded {STEADY_SPREAD:.0%} of its median, no ratio taken", 116)]
-    return "\n".join(lines)
+    return lines
+
+
+MOE_TABLE = Table([_MOE_HEADING, "-" * len(_MOE_HEADING)], moe_rows, ["", *textwrap.wrap(
+    "BW/copy: GB/s over the same bytes copied inside rank 0 alone (measured again while unsteady, 3 tries); "
+    "BW/shared: over every rank copying its bytes at the same time (the yardstick when ranks share a device); "
+    f"unsteady: that copy's p10-p90 spread exceeded {STEADY_SPREAD:.0%} of its median, no ratio taken", 116)])
+
+
+def format_moe_report(records: list[Record]) -> str:
+    """The whole table at once: the heading, every record's row, the legend."""
+    return "\n".join([*MOE_TABLE.heading, *moe_rows(records), *MOE_TABLE.legend])
 
 
 def _shared_ratio_text(params: dict[str, Any]) -> str:
@@ -418,8 +427,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the benchmark, print the header and a line per case on stderr, then the table; write ``--json`` /
-    ``--plot``; blocks until every rank is done. Ctrl-C stops every rank and reports what was measured (exit 130)."""
+    """Run the benchmark: the header on stdout, then each case's rows as soon as it is measured, then the legend;
+    write ``--json`` / ``--plot``; blocks until every rank is done. Ctrl-C stops every rank: the rows measured stay
+    the report (exit 130)."""
     from ..backends.nixl import quiet_nixl_logging
 
     quiet_nixl_logging()
@@ -436,13 +446,13 @@ def main(args: argparse.Namespace) -> int:
                         engines=engines, quiet=args.quiet)
     head = header(args.argv)
     title = f"tensorwire bench moe: dispatch and combine between {config.world_size} local ranks"
-    head_lines = header_lines(title, head, method_rows(config))
-    announce(head_lines, args.quiet)
-    records, interrupted = measured_records(lambda partial: run_moe_bench(replace(config, partial=partial)), "moe")
+    announce(header_lines(title, head, method_rows(config)))
+    records, interrupted = measured_records(lambda partial: run_moe_bench(replace(config, partial=partial)), "moe",
+                                            MOE_TABLE)
 
     def plot(records: list[Record], path: Path) -> None:
         from .plot import plot_moe
 
         plot_moe(records, path, title=" ".join(["tensorwire", *args.argv]))
 
-    return finish(args, head, head_lines, records, format_moe_report(records), plot, interrupted)
+    return finish(args, head, records, MOE_TABLE.legend, plot, interrupted)

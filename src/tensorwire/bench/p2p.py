@@ -60,7 +60,6 @@ from .command import (
     at_least,
     check_plot,
     header_lines,
-    header_on_screen,
     memories,
     parse_sizes,
     require_nixl,
@@ -181,9 +180,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the benchmark, print the header and a line per case on stderr, then the table; write ``--json`` /
-    ``--plot``; blocks until both ranks are done. Ctrl-C stops both ranks at once and reports what was measured
-    (exit code 130)."""
+    """Run the benchmark: the header on stdout, each case's rows as soon as it is measured (a progress line per case
+    on stderr as it starts), then the legend and the summary; write ``--json`` / ``--plot``; blocks until both ranks
+    are done. Ctrl-C stops both ranks at once: the rows measured stay the report (exit code 130)."""
     from ..backends.nixl import quiet_nixl_logging
     from . import p2p_report as report
 
@@ -210,12 +209,14 @@ def main(args: argparse.Namespace) -> int:
     unfinished = _unfinished_result(config)
     announce(header_lines(report.TITLE, head, report.method_rows(config, unfinished.raw_config,
                                                                  unfinished.progress_wakeup_ms,
-                                                                 unfinished.default_threads)), args.quiet)
-    result, so_far = measure_until_interrupted(lambda partial: run(replace(config, partial=partial)), "p2p")
+                                                                 unfinished.default_threads)))
+    result, so_far = measure_until_interrupted(lambda partial: run(replace(config, partial=partial)), "p2p",
+                                               report.TABLE)
     interrupted = result is None
     if interrupted:
         result = replace(unfinished, records=so_far)
-    print(report.format_report(result, head, config, with_header=not header_on_screen(args.quiet)), flush=True)
+    if result.records:
+        print("\n".join(report.tail_lines(result)), flush=True)
     if args.json is not None:
         write_json(args.json, {**report.to_json(result, head, config), "interrupted": interrupted})
     if args.plot is not None and result.records:
