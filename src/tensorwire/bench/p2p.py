@@ -53,7 +53,6 @@ import sys
 from dataclasses import dataclass, replace
 
 from ..errors import InvalidArgumentError
-from ..testing.data import first_mismatch, rank_pattern
 from .command import (
     add_common_arguments,
     announce,
@@ -84,10 +83,20 @@ from .timing import Budget, host_seconds
 # Besides the command, the names this module always had: its measuring now lives in p2p_rank.py (one rank),
 # p2p_inbox.py (the byte checks), raw_nixl.py (the baseline) and p2p_records.py (what a run records).
 __all__ = [
-    "HOST_SIZES", "CUDA_SIZES", "RAW_CONFIGS", "BenchConfig", "Record", "BenchResult", "run", "rank_pattern",
-    "first_mismatch", "format_size", "TENSORWIRE", "TENSORWIRE_STREAM", "TENSORWIRE_IN_PROCESS", "TENSORWIRE_GRAPH",
+    "HOST_SIZES", "CUDA_SIZES", "RAW_CONFIGS", "BenchConfig", "Record", "BenchResult", "run", "format_size",
+    "TENSORWIRE", "TENSORWIRE_STREAM", "TENSORWIRE_IN_PROCESS", "TENSORWIRE_GRAPH",
     "HELP", "add_arguments", "main",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``rank_pattern`` and ``first_mismatch``, names this module always re-exported, imported on first use:
+    ``tensorwire.testing.data`` imports torch, which ``tensorwire bench --help`` does without."""
+    if name in ("rank_pattern", "first_mismatch"):
+        from ..testing import data
+
+        return getattr(data, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- orchestration -----------------------------------------------------------------------------------
