@@ -225,7 +225,7 @@ def main(args: argparse.Namespace) -> int:
     if interrupted:
         result = replace(unfinished, records=so_far)
     if result.records:
-        print("\n".join(report.tail_lines(result)), flush=True)
+        print("\n".join(report.tail_lines(result, interrupted)), flush=True)
     if args.json is not None:
         write_json(args.json, {**report.to_json(result, head, config), "interrupted": interrupted})
     if args.plot is not None and result.records:

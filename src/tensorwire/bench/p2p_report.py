@@ -188,14 +188,17 @@ def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig
     return "\n".join(out + tail_lines(result))
 
 
-def tail_lines(result: BenchResult) -> list[str]:
-    """What follows the table: the legend, the conditions of the run, the idle line and, last, the summary."""
+def tail_lines(result: BenchResult, interrupted: bool = False) -> list[str]:
+    """What follows the table: the legend, the conditions of the run, the idle line and, last, the summary against
+    the goals; of a run cut short, the legend alone (the rest would speak of what was not measured)."""
     out = [
         "",
         "  BW/copy = tensorwire GB/s / copy GB/s (higher is better); time/raw = tensorwire us / raw nixl us",
         "  (lower is better); GB/s = 1e9 bytes/s at the median; via = the transport that moved the bytes;",
         f"  unsteady = the reference's p10-p90 spread exceeded {STEADY_SPREAD:.0%} of its median: no ratio taken",
     ]
+    if interrupted:
+        return out
     out += _conditions_lines(result)
     out.append("")
     for line in summary(result):
