@@ -120,7 +120,7 @@ def _bench_shape(comm: Any, raw: RawNixl | None, config: KvBenchConfig, shape: t
                 config.partial.add(measured)
             records += measured
     comm.barrier(timeout=config.timeout_s)
-    pools.close(raw)  # on success only, as in _rank_main
+    pools.close(raw)  # on success only, as in rank_main
     if raw is not None:
         raw.forget_peer()
     return records
