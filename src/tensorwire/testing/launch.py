@@ -11,7 +11,9 @@ half-way through its own cleanup; the launcher kills it, then removes its files)
 launcher the same way (while ``launch`` waits, SIGTERM raises ``SystemExit(143)`` in it, where nobody else
 handles SIGTERM), and a rank's own SIGTERM removes the files it created (``shared_memory``). A rank dies with
 the launching process even when that is killed with SIGKILL (Linux: ``PR_SET_PDEATHSIG``). Once its ranks are
-gone the launcher removes the ``/dev/shm`` files they left (``shared_memory.remove_orphans``).
+gone the launcher removes the ``/dev/shm`` files they left (``shared_memory.remove_orphans``; a rank it killed, by
+its pid, even while the kernel still tears it down), ignoring a second SIGINT or SIGTERM meanwhile: ``timeout``(1)
+passes the SIGINT it gets on to its process group, so under it Ctrl-C comes twice.
 """
 
 from __future__ import annotations
