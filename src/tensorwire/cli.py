@@ -26,11 +26,17 @@ import sys
 from types import ModuleType
 
 from . import __version__
-from .backends.nixl import quiet_nixl_logging
 from .bench.command import at_least, parse_size
 from .errors import TensorwireError
 
 __all__ = ["main", "quiet_nixl_logging", "parse_size", "BENCH_COMMANDS"]
+
+
+def quiet_nixl_logging() -> None:
+    """``tensorwire.backends.nixl.quiet_nixl_logging``, imported when called: parsing and ``--help`` need no torch."""
+    from .backends.nixl import quiet_nixl_logging as quiet
+
+    quiet()
 
 # modules of tensorwire.bench; the first runs when no name is given
 BENCH_COMMANDS = ("p2p", "moe", "kv", "fleet", "vllm")

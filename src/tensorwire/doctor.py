@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 # cpu_model, ucx_version, ProtoRow and parse_proto_info are only re-exported: they lived here before.
 from . import config
+from .backends.base import BackendInfo
 from .doctor_probe import ProbeResult, run_probe
 from .machine import cpu_model, cuda_summary, software_versions, ucx_version
 from .ucx_protocols import ProtoRow, parse_proto_info
@@ -125,13 +126,19 @@ def _report_backends(report: Report) -> bool:
     infos = backends()
     report.section("backends")
     _table(report, ["backend", "available", "version", "reason", "fix"],
-           [[i.name, "yes" if i.available else "no", i.version or "-", i.reason, i.fix or "-"] for i in infos.values()])
+           [[i.name, _availability(i), i.version or "-", i.reason, i.fix or "-"] for i in infos.values()])
     if not nixl_installed():  # an extra: a job of one host runs without it
         report.loud("WARN", "nixl is not installed: ranks reach each other on this host only, over shm (host "
                     "memory from tw.shared_empty) and cuda_ipc", INSTALL_NIXL)
     elif not infos["nixl"].available:
         report.loud("FAIL", f"backend nixl is unavailable: {infos['nixl'].reason}", infos["nixl"].fix)
     return infos["nixl"].available
+
+
+def _availability(info: BackendInfo) -> str:
+    """The table's word for a backend: "yes", "no" (there is something to fix), or "not used" (unavailable and
+    nothing to fix: another backend does its job here, as NIXL does the socket channel's)."""
+    return "yes" if info.available else ("no" if info.fix else "not used")
 
 
 def _report_cuda(report: Report, versions: dict) -> bool:

@@ -34,7 +34,8 @@ import torch
 
 from .errors import BackendUnavailableError, InvalidArgumentError
 
-__all__ = ["SHM_DIRECTORY", "shared_empty", "owned_file_name", "orphans", "remove_orphans", "remove_own_files"]
+__all__ = ["SHM_DIRECTORY", "shared_empty", "owned_file_name", "orphans", "remove_orphans", "remove_own_files",
+           "remove_files_of", "start_time"]
 
 SHM_DIRECTORY = "/dev/shm"
 _PREFIX = "tensorwire-"
@@ -57,7 +58,7 @@ def _pid_namespace() -> int:
         return 0
 
 
-def _start_time(pid: int) -> int | None:
+def start_time(pid: int) -> int | None:
     """When process ``pid`` started, in clock ticks since boot (field 22 of ``/proc/<pid>/stat``); None where
     /proc does not say (no such process, no /proc)."""
     try:
@@ -71,7 +72,7 @@ def owned_file_name(directory: str = SHM_DIRECTORY) -> str:
     """A new path in ``directory`` named as this process's own (``remove_orphans`` removes it once the process
     is gone). Creates nothing."""
     pid = os.getpid()
-    owner = f"{_pid_namespace()}-{pid}-{_start_time(pid) or 0}"
+    owner = f"{_pid_namespace()}-{pid}-{start_time(pid) or 0}"
     return os.path.join(directory, f"{_PREFIX}{owner}-{secrets.token_hex(8)}")
 
 
@@ -207,10 +208,36 @@ def remove_orphans(directory: str = SHM_DIRECTORY) -> list[str]:
     return removed
 
 
-def _alive(pid: int, start_time: int | None) -> bool:
+def remove_files_of(pid: int, started: int | None) -> list[str]:
+    """Remove the files of this user that process ``pid`` of this pid namespace, started at ``started`` (clock
+    ticks, ``start_time``; None: judged by the pid alone), created; the paths removed. For a launcher that killed
+    that process: it runs no more code, yet may still be alive a while as the kernel tears it down (unmapping a
+    large pool), and ``remove_orphans`` spares a live process's files. Does not block."""
+    try:
+        names = os.listdir(SHM_DIRECTORY)
+    except OSError:
+        return []
+    namespace, uid, removed = _pid_namespace(), os.geteuid(), []
+    for name in names:
+        match = _OWNED.match(name)
+        if match is None or (int(match[1]), int(match[2])) != (namespace, pid):
+            continue
+        if started is not None and match[3] is not None and int(match[3]) not in (0, started):
+            continue  # another process that had the same pid
+        path = os.path.join(SHM_DIRECTORY, name)
+        try:
+            if os.lstat(path).st_uid == uid:
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            continue  # removed meanwhile
+    return removed
+
+
+def _alive(pid: int, started: int | None) -> bool:
     """Whether the process that created a file still runs: process ``pid`` exists, is not a zombie (a killed
     launcher's ranks stay zombies where nothing reaps orphans: a container whose first process does not) and,
-    where the name recorded it, started at ``start_time`` (else the pid was reused by another process)."""
+    where the name recorded it, started at ``started`` (else the pid was reused by another process)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -224,4 +251,4 @@ def _alive(pid: int, start_time: int | None) -> bool:
         return not os.path.isdir("/proc/self")  # gone meanwhile; without /proc: judged alive, the safe side
     if fields[0] == "Z":
         return False
-    return start_time in (None, 0) or int(fields[19]) == start_time
+    return started in (None, 0) or int(fields[19]) == started

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,9 @@ pytestmark = [pytest.mark.slow,
 # Long enough that a signal lands mid-run: 5 s of timing per path, several paths per case.
 KV_ARGS = ["bench", "kv", "--memory", "cpu", "--blocks", "2000", "--block-bytes", "16K", "--no-llama", "--no-raw",
            "--time", "5", "--patterns", "random,contiguous"]
+# A case that takes long enough to be interrupted in (5 s per path), on pools of 2 MiB.
+SMALL_KV_ARGS = ["bench", "kv", "--memory", "cpu", "--blocks", "500", "--block-bytes", "4K", "--no-llama", "--no-raw",
+                 "--time", "5", "--patterns", "random"]
 WAIT_S = 120.0  # bounds for a loaded machine; nothing is asserted about durations
 
 
@@ -80,9 +84,50 @@ def test_ctrl_c_stops_a_bench_which_reports_what_it_measured_and_leaves_nothing(
     assert bench.process.returncode == 130, stderr[-3000:]
     assert "interrupted; reporting the" in stderr and "Traceback" not in stderr, stderr[-3000:]
     assert "cpu READ random 2000x16KiB" in stdout, stdout  # the finished case's rows
+    assert stdout.count("  software ") == 1 and stdout.count("post p50 us") == 1, stdout  # header, column names
     document = json.loads(out.read_text())
     assert document["interrupted"] is True and {r["params"]["pattern"] for r in document["records"]} == {"random"}
     assert _listing("after the group exited", files) == []
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="no timeout(1) here")
+def test_ctrl_c_under_timeout_which_passes_it_on_to_the_group_leaves_nothing():
+    """``setsid timeout 120 tensorwire bench kv``, then SIGINT to its group: timeout(1) passes the SIGINT it gets on
+    to its whole group, so the bench sees Ctrl-C twice, the second while it stops its ranks. Every file of every
+    process of the group is gone once they all are, and the run says it measured nothing (small pools: quick)."""
+    bench = CommandRun(*SMALL_KV_ARGS, wait_s=WAIT_S, prefix=("timeout", str(int(WAIT_S))))
+    bench.wait_for("bench kv: cpu READ random")  # the ranks made their pools
+    group = _processes_of_group(bench.process.pid)
+    files = [path for pid in group for path in _files_of(pid)]
+    assert files, f"the ranks' pools were expected in /dev/shm files (group {group})"
+    _listing("before Ctrl-C", files)
+    bench.signal_group(signal.SIGINT)
+    stdout, stderr = bench.finish()
+    deadline = time.monotonic() + WAIT_S
+    while any(_alive(pid) for pid in group) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in group), "a process of the group outlived it"
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert "interrupted before any case was measured" in stdout, stdout[-3000:]
+    assert _listing("after every process of the group ended", files) == []
+
+
+def _processes_of_group(group: int) -> list[int]:
+    """The processes whose process group is ``group``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                if entry.isdigit() and int(stat.read().rsplit(")", 1)[1].split()[2]) == group:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _files_of(pid: int) -> list[str]:
+    return [os.path.join(SHM_DIRECTORY, name) for name in os.listdir(SHM_DIRECTORY)
+            if name.startswith("tensorwire-") and name.split("-")[2] == str(pid)]
 
 
 def test_sigterm_to_the_group_stops_a_bench_and_leaves_nothing():

@@ -18,10 +18,13 @@ import textwrap
 import pytest
 
 from tensorwire.testing import free_port, launch
+from tensorwire.testing.suite import scaled
 
 JOBS = 100
 GROWTH_LIMIT = 5  # fds, and OS threads: the bound
-ENV = {"TENSORWIRE_LIVENESS_S": "1", "TENSORWIRE_JOB_TOKEN": "0123456789abcdef0123456789abcdef"}
+# The liveness bound is 1 s on an idle machine, at the machine's pace (``scaled``) when it runs (a busy machine
+# answers a liveness handshake late: a live peer must not be taken for a dead one).
+ENV = {"TENSORWIRE_JOB_TOKEN": "0123456789abcdef0123456789abcdef"}
 
 # One peer per line of stdin (the port of its job): forked, it joins as rank 1, registers a tensor and a pool,
 # publishes them, notifies rank 0 and waits to be killed; the fork's pid goes to stdout.
@@ -100,7 +103,7 @@ def _jobs(count: int) -> list[tuple[int, int]]:
     import gc
 
     gc.disable()  # no collection may hide a cycle: what close() leaves must go by reference counting
-    os.environ.update(ENV)
+    os.environ.update({**ENV, "TENSORWIRE_LIVENESS_S": f"{scaled(1.0):.2f}"})
     peers = subprocess.Popen([sys.executable, "-c", _PEERS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
     kept: list = []
@@ -119,7 +122,7 @@ def _jobs(count: int) -> list[tuple[int, int]]:
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts fds and threads through /proc")
 def test_a_hundred_jobs_with_dead_peers_hold_no_more_fds_or_threads_than_one():
-    counts = launch(_jobs, 1, JOBS, timeout=900)[0]
+    counts = launch(_jobs, 1, JOBS, timeout=scaled(900))[0]
     (fds_first, threads_first), (fds_last, threads_last) = counts[0], counts[-1]
     print(f"\nafter the first close: {fds_first} fds, {threads_first} threads; after close {JOBS}: {fds_last} fds, "
           f"{threads_last} threads (most: {max(c[0] for c in counts)} fds, {max(c[1] for c in counts)} threads)")

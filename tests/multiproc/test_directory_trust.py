@@ -110,6 +110,33 @@ def test_a_stranger_without_the_token_learns_nothing_and_changes_nothing():
         assert _client(directory).get("member/7") == b"sealed record"
 
 
+def test_the_directory_logs_a_member_without_a_token_as_well_as_one_with_another(caplog):
+    """Each refusal is logged once, a missing token as well as a wrong one, each saying which it was."""
+    with caplog.at_level("WARNING", logger="tensorwire.directory"), Directory(token=TOKEN) as directory:
+        for token in (None, b"another-token-0123456789abcdef"):
+            with pytest.raises(tw.AuthenticationError):
+                _client(directory, token=token)
+        deadline = time.monotonic() + 30
+        while len(caplog.records) < 2 and time.monotonic() < deadline:  # the directory logs on its own thread
+            time.sleep(0.05)
+    refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 2, refusals
+    assert "without a job token" in refusals[0] and "TENSORWIRE_JOB_TOKEN is not set" in refusals[0], refusals
+    assert "another job token" in refusals[1], refusals
+
+
+def test_a_directory_on_a_busy_port_names_its_own_flags():
+    """``tensorwire directory --port N`` on a port in use says to choose another --port (not MASTER_PORT, which the
+    user never typed), on a line of its own."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        done = subprocess.run([sys.executable, "-m", "tensorwire", "directory", "--port", str(busy.getsockname()[1])],
+                              capture_output=True, text=True, timeout=120, env=_env(), check=False)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "--port" in done.stderr and "MASTER" not in done.stderr and done.stderr.endswith("\n"), done.stderr
+
+
 def test_a_member_with_the_token_meeting_an_open_directory_is_refused():
     with Directory(token=None) as directory:
         with pytest.raises(tw.AuthenticationError, match="without a job token"):
@@ -237,6 +264,7 @@ def test_a_member_with_another_token_fails_at_init_typed(tmp_path, processes):
             assert done.returncode == 0, done.stdout + done.stderr[-2000:]
             assert "TENSORWIRE_JOB_TOKEN" in done.stdout and directory.address in done.stdout
             assert TOKEN.decode() not in done.stdout  # never which token is right
+            assert "unauthenticated" not in done.stderr, done.stderr  # no warning the error then contradicts
 
 
 def test_counters_wait_out_a_fresh_directorys_grace_but_a_member_puts_its_rank_back_at_once():

@@ -24,11 +24,11 @@ import torch.distributed as dist
 
 import tensorwire as tw
 from tensorwire.testing.data import assert_equal, rank_values, sentinel
-from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch
+from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch, scaled
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N = 16384  # float32 values: 64 KiB
-STRANGER_WAIT = 150.0  # a barrier behind the stranger process (it starts Python, torch and NIXL)
+STRANGER_WAIT = scaled(150.0)  # a barrier behind the stranger process (it starts Python, torch and NIXL)
 
 
 # --- the stranger ------------------------------------------------------------------------------------
@@ -94,7 +94,7 @@ def _run_stranger(call: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TENSORWIRE_JOB_TOKEN"}
     code = f"import sys; sys.path.insert(0, {HERE!r}); import test_stranger; test_stranger.{call}"
     user = _stranger_user()
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=90,
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=scaled(90),
                           **({"user": user} if user else {}))
     if done.returncode != 0:
         raise RuntimeError(f"the stranger failed:\n{done.stderr[-3000:]}")
@@ -303,7 +303,8 @@ def _victim_of_a_replay(tmp: str):
 @pytest.mark.slow
 def test_an_old_memory_map_written_back_by_a_stranger_is_refused(tmp_path):
     """Before: rank 0's prepare accepted the replayed map and its WRITE overwrote rank 1's reused buffer."""
-    outcome, untouched = launch(_victim_of_a_replay, 2, str(tmp_path), env={"TENSORWIRE_LIVENESS_S": "2"})
+    liveness = {"TENSORWIRE_LIVENESS_S": f"{scaled(2.0):.2f}"}  # the store's bound, at this machine's pace
+    outcome, untouched = launch(_victim_of_a_replay, 2, str(tmp_path), env=liveness)
     print(f"\nafter the replay: {outcome}")
     assert outcome["post"] == "RevokedError", outcome
     assert outcome["prepare"] in ("AuthenticationError", "RevokedError"), outcome
@@ -357,7 +358,7 @@ def test_an_old_memory_map_is_refused_at_first_contact_too(tmp_path):
     """Before: a rank that had never touched rank 1 used the replayed map, and its WRITE landed in the reused
     buffer; now prepare asks rank 1 which map is current (freshness.py)."""
     _, (untouched, callers), outcome = launch(_victim_of_a_first_contact_replay, 3, str(tmp_path),
-                                              env={"TENSORWIRE_LIVENESS_S": "2"})
+                                              env={"TENSORWIRE_LIVENESS_S": f"{scaled(2.0):.2f}"})
     print(f"\nafter the replay: {outcome}")
     assert 2 in callers  # connected when it prepared, after the replay: no revocation could have reached it
     assert outcome.startswith("AuthenticationError") and "older than epoch" in outcome, outcome

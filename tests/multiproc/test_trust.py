@@ -405,13 +405,14 @@ def test_forged_values_from_outside_the_job_are_refused(tmp_path):
 
 
 def _corrupt_maps_are_typed_and_do_not_poison():
-    """An unauthenticated job (no token): one warning says so; corrupt memory maps of rank 1 make prepare raise
-    InvalidArgumentError naming rank 1, and once the real map is back, prepare works again."""
+    """An unauthenticated job (no token): one warning says so, on the host's first rank only; corrupt memory maps
+    of rank 1 make prepare raise InvalidArgumentError naming rank 1, and once the real map is back, prepare works
+    again."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         comm = tw.init(timeout=INIT_TIMEOUT)
     unauthenticated = [str(w.message) for w in caught if "unauthenticated" in str(w.message)]
-    assert len(unauthenticated) == 1, [str(w.message) for w in caught]
+    assert len(unauthenticated) == (1 if comm.rank == 0 else 0), [str(w.message) for w in caught]
     assert all(w.category is tw.TensorwireWarning for w in caught if "unauthenticated" in str(w.message))
     n = 256
     buf, out = rank_values(comm.rank, n), sentinel(n)

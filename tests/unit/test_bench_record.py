@@ -13,7 +13,7 @@ import pytest
 from tensorwire.bench import kv_report, moe, p2p_report, vllm
 from tensorwire.bench.command import header_lines
 from tensorwire.bench.p2p_records import BenchConfig, BenchResult
-from tensorwire.bench.partial import PartialRecords
+from tensorwire.bench.partial import PartialRecords, RowPrinter, Table, measure_until_interrupted
 from tensorwire.bench.record import Record, compare_with, records_from_json, records_to_json
 from tensorwire.bench.timing import Timing, quantile, steadiest
 
@@ -77,6 +77,30 @@ def test_a_run_cut_short_reports_the_records_it_measured(tmp_path):
     assert partial.read() == [] and not (tmp_path / "partial.jsonl").exists()
 
 
+def test_each_case_is_printed_as_it_comes_under_one_heading(tmp_path, capsys):
+    """The command prints a case's rows once its line is whole, the heading once before the first; a case cut
+    short is not printed."""
+    partial = PartialRecords(str(tmp_path / "partial.jsonl"))
+    printer = RowPrinter(partial, Table(["HEADING"], lambda case: [f"row {r.path}" for r in case]))
+    partial.add(_p2p_case())
+    partial.add(_p2p_case()[:1])
+    with open(partial.path, "a") as file:
+        file.write('[{"benchmark": "p2p", "memo')
+    assert printer.stop() == 2
+    paths = [r.path for r in _p2p_case()]
+    assert capsys.readouterr().out.splitlines() == ["HEADING", *(f"row {p}" for p in paths), f"row {paths[0]}"]
+
+
+def test_a_run_interrupted_before_any_case_says_so_in_one_line(capsys):
+    def interrupted(_partial: PartialRecords) -> None:
+        raise KeyboardInterrupt
+
+    table = Table(["HEADING"], lambda case: ["row"])
+    assert measure_until_interrupted(interrupted, "kv", table) == (None, [])
+    out = capsys.readouterr().out
+    assert out == "bench kv: interrupted before any case was measured\n", out
+
+
 def test_every_header_names_the_machine_the_software_and_the_method():
     head = {"versions": {"tensorwire": "0.1", "torch": "2.13", "nixl": "0.7", "nixl_module": "nixl_cu12", "ucx": None,
                          "python": "3.11"}, "cpu": {"model": "EPYC", "usable_cores": 2}, "gpus": [],
@@ -125,6 +149,12 @@ def test_the_committed_results_read_as_records(path):
     if path.name.startswith("vllm-"):  # each connector's transfers, held against NixlConnector's
         assert benchmark == "vllm" and all(r.median_us > 0 and r.nbytes > 0 for r in records)
         assert {r.path for r in records} == {"tensorwire", "nixl"} and "consumer TTFT" in vllm.format_report(records)
+        return
+    if path.name.startswith("kv-tp-"):  # handoffs between TP sizes, held against the homogeneous pair
+        from tensorwire.bench import kv_tp
+
+        assert benchmark == "kv" and all(r.median_us > 0 and "consumer_tp" in r.params for r in records)
+        assert all(kv_tp.row(r).startswith("handoff TP") for r in records)
         return
     assert records and all(r.median_us > 0 and r.gbps > 0 and r.nbytes > 0 for r in records)
     assert benchmark == ("kv" if path.name.startswith("kv-") else "moe" if path.name.startswith("moe-") else "p2p")

@@ -5,6 +5,8 @@ warnings have a class of their own."""
 from __future__ import annotations
 
 import importlib.metadata
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -92,3 +94,47 @@ def test_tensorwire_warnings_have_their_own_class():
         warnings.filterwarnings("ignore", category=tw.TensorwireWarning)
         warn_from_progress_thread("tensorwire: filtered by class")
     assert caught == []
+
+
+_HELPS = [[], ["doctor"], ["directory"], ["bench"], ["bench", "p2p"], ["bench", "moe"], ["bench", "kv"],
+          ["bench", "fleet"], ["bench", "vllm"]]
+
+
+@pytest.mark.parametrize("command", _HELPS, ids=lambda command: " ".join(["tensorwire", *command, "--help"]))
+def test_help_imports_no_torch(command):
+    """Every ``--help`` (and ``import tensorwire``) is answered without torch or numpy: they take seconds to import
+    on a busy machine, and nothing of them is needed to print what the command takes."""
+    code = ("import contextlib, io, sys\n"
+            "from tensorwire.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as shown, contextlib.suppress(SystemExit):\n"
+            f"    main({[*command, '--help']!r})\n"
+            "assert 'usage: tensorwire' in shown.getvalue(), shown.getvalue()\n"
+            "print(sorted(name for name in ('torch', 'numpy') if name in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]", f"imported by --help: {done.stdout.strip()}"
+
+
+def test_the_public_names_resolve_on_first_use_and_backends_stays_the_function():
+    """``import tensorwire`` imports what a name needs when it is first used; ``tw.backends`` stays the function even
+    after the ``tensorwire.backends`` package's modules were imported."""
+    code = ("import sys, tensorwire as tw\n"
+            "assert 'torch' not in sys.modules\n"
+            "import tensorwire.backends.registry\n"
+            "assert callable(tw.backends) and tw.READ is tw.Op.READ\n"
+            "missing = [name for name in tw.__all__ if getattr(tw, name, None) is None]\n"
+            "assert not missing, missing\n"
+            "assert tw.init.__module__ == 'tensorwire.joining' and 'torch' in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_doctor_never_calls_a_backend_missing_that_needs_nothing():
+    """A backend that is unavailable with nothing to fix (socket messages where NIXL carries them) reads "not used",
+    never "no" beside "none needed"."""
+    from tensorwire.doctor import _availability
+
+    for info in tw.backends().values():
+        word = _availability(info)
+        assert word == ("yes" if info.available else "no" if info.fix else "not used"), (info, word)
+        assert "none needed" not in info.fix, info

@@ -54,7 +54,10 @@ def test_backends_lists_every_transport_in_preference_order_with_a_reason():
     assert tuple(found) == registry.NAMES == ("local", "cuda_ipc", "shm", "nixl", "socket")
     for name, info in found.items():
         assert info.name == name and info.reason, info
-        assert info.available or info.fix, f"{name} is unavailable without a fix: {info}"
+        # Unavailable: a fix, or nothing to fix because another transport does its job here (the doctor then
+        # lists it as "not used"; the socket channel where NIXL carries the messages).
+        replaced = name == "socket" and found["nixl"].available and info.reason.startswith("not needed")
+        assert info.available or info.fix or replaced, f"{name} is unavailable without a fix: {info}"
     assert found["local"].available
 
 

@@ -27,12 +27,13 @@ import enum
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 from ..config import Config
 from ..descriptors import MemoryKind
+
+if TYPE_CHECKING:  # only named in annotations here: `import tensorwire` (its Op, Status) does not import torch
+    import torch
 
 __all__ = ["Op", "Status", "Segment", "Capabilities", "BackendInfo", "BackendContext", "Backend", "Poster",
            "MessageChannel", "StreamOrdered", "FirstTouch", "PeerPointers", "UnbundledPost", "BlockRequest",
@@ -95,6 +96,8 @@ class StreamOrderedRequest:
 
     def record(self, stream: torch.cuda.Stream) -> None:
         if self.event is None:
+            import torch
+
             self.event = torch.cuda.Event()
         self.event.record(stream)
 

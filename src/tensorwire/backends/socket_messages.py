@@ -43,8 +43,7 @@ _MAX_UNPROVEN = 64  # accepted connections without a verified frame yet: beyond,
 
 def info() -> BackendInfo:
     if nixl_installed():
-        return BackendInfo("socket", False, "not used: NIXL's agent carries the messages between ranks",
-                           fix="none needed")
+        return BackendInfo("socket", False, "not needed here: NIXL's agent carries the messages between ranks")
     return BackendInfo("socket", True, "messages between ranks of this host (notifications, revocations) over Unix "
                        "sockets, in place of NIXL's", fix=f"{INSTALL_NIXL} to reach other hosts")
 

@@ -24,7 +24,7 @@ from typing import Any
 from ..machine import cpu_summary, gpu_names, hostname, software_versions
 
 __all__ = ["parse_size", "parse_sizes", "at_least", "positive", "list_of", "MEMORY_CHOICES", "add_common_arguments",
-           "memories", "write_json", "check_plot", "header", "header_lines", "announce", "header_on_screen", "progress",
+           "memories", "write_json", "check_plot", "header", "header_lines", "announce", "progress",
            "finish", "require_nixl"]
 
 MEMORY_CHOICES = ("cpu", "cuda", "all")  # --memory of every benchmark; 'all' is cpu plus cuda when torch sees a GPU
@@ -147,18 +147,18 @@ def write_json(path: Path, document: dict[str, Any]) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
-def finish(args: argparse.Namespace, head: dict[str, Any], head_lines: list[str], records: list, report: str,
+def finish(args: argparse.Namespace, head: dict[str, Any], records: list, tail: list[str],
            plot: Callable[[list, Path], None], interrupted: bool, config: Any = None) -> int:
-    """The end every benchmark shares: print the header (unless ``announce`` showed it on the same terminal) and
-    ``report`` on stdout; write ``args.json`` (``head`` with
-    ``config``, a dataclass, the records and whether Ctrl-C cut the run) and ``args.plot`` (``plot(records, path)``,
-    when there is something to plot). The exit code: 130 after Ctrl-C, else 0."""
+    """The end every benchmark shares, once its rows are on stdout (``partial.measured_records`` printed them as
+    they came): print ``tail`` (the table's legend, a summary) when there was a row; write ``args.json`` (``head``
+    with ``config``, a dataclass, the records and whether Ctrl-C cut the run) and ``args.plot`` (``plot(records,
+    path)``, when there is something to plot). The exit code: 130 after Ctrl-C, else 0."""
     from dataclasses import asdict
 
     from .record import records_to_json
 
-    top = [] if header_on_screen(args.quiet) else [*head_lines, ""]
-    print("\n".join([*top, report]), flush=True)
+    if records and tail:
+        print("\n".join(tail), flush=True)
     if args.json is not None:
         write_json(args.json, {"header": {**head, **({"config": asdict(config)} if config is not None else {})},
                                "records": records_to_json(records), "interrupted": interrupted})
@@ -197,7 +197,7 @@ def _source_revision() -> dict[str, Any] | None:
 
 
 def header_lines(title: str, head: dict[str, Any], method: list[tuple[str, str]], ucx: str | None = None) -> list[str]:
-    """The header every benchmark prints on stderr before it measures and atop its report: ``title``, the machine,
+    """The header every benchmark prints on stdout before it measures: ``title``, the machine,
     the software (``ucx``: the version the ranks loaded, when known), then the ``method`` rows (label, text),
     wrapped at 116 columns."""
     v = head["versions"]
@@ -212,22 +212,10 @@ def header_lines(title: str, head: dict[str, Any], method: list[tuple[str, str]]
     return [textwrap.fill(line, 116, subsequent_indent=" " * 14) for line in lines]
 
 
-def announce(lines: list[str], quiet: bool) -> None:
-    """Print the header (``header_lines``) on stderr before anything is measured, unless ``quiet``."""
-    if not quiet:
-        print("\n".join(lines), file=sys.stderr, flush=True)
-
-
-def header_on_screen(quiet: bool) -> bool:
-    """Whether the header ``announce`` printed on stderr is already on the screen the report goes to (stdout and
-    stderr are the same terminal): the report then does not repeat it. Where stdout is a file or a pipe the report
-    keeps its header, so that what was saved says where and how it was measured."""
-    if quiet:
-        return False
-    try:
-        return os.ttyname(sys.stdout.fileno()) == os.ttyname(sys.stderr.fileno())
-    except (OSError, ValueError, AttributeError):  # not a terminal, a closed or replaced stream
-        return False
+def announce(lines: list[str]) -> None:
+    """Print the header (``header_lines``) on stdout, once, before anything is measured: the rows that follow as
+    they are measured go there too, so that what is saved says where and how it was measured."""
+    print("\n".join([*lines, ""]), flush=True)
 
 
 def progress(benchmark: str, text: str, quiet: bool) -> None:

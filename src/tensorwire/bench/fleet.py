@@ -47,16 +47,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import WaitTimeoutError
-from ..shared_memory import remove_orphans
 from .command import announce, at_least, check_plot, finish, header, header_lines, parse_size, positive, require_nixl
-from .fleet_parties import FIRST_POOL_BLOCKS, FIRST_READ_BLOCKS, holder, reader, world_rank
-from .fleet_raw import raw_first_contacts
-from .fleet_report import FLEET, RAW_NIXL, WORLD, format_report, plot_fleet
+from .fleet_report import FLEET, RAW_NIXL, TABLE, WORLD, plot_fleet, tail_lines
 from .partial import PartialRecords, measured_records
 from .record import Record
 from .timing import Budget, quantile, summarize
 
-__all__ = ["HELP", "FleetBenchConfig", "run", "add_arguments", "main", "format_report", "plot_fleet"]
+__all__ = ["HELP", "FleetBenchConfig", "run", "add_arguments", "main", "plot_fleet"]
 
 HELP = "fleet members launched apart: join, first READ from a never-seen member, steady READ beside one world"
 
@@ -144,6 +141,7 @@ class _Run:
     def start_world(self) -> tuple[_Party, _Party]:
         """The launcher world of 2 ranks, run by ``launch`` on a thread of this process: its ranks' parties."""
         from ..testing import launch
+        from .fleet_parties import world_rank
 
         pipes = [self.context.Pipe() for _ in range(2)]
         self._world_conns = [ours for ours, _ in pipes]
@@ -171,6 +169,8 @@ class _Run:
                 process.kill()
             process.join(timeout=10)
         self.directory.close()
+        from ..shared_memory import remove_orphans  # here, not atop: the command's --help needs no torch
+
         remove_orphans()  # the /dev/shm files of parties that were killed
 
 
@@ -178,6 +178,8 @@ class _Run:
 def _stage(run: _Run, size: int, holders: list[_Party], joined: list[dict[str, Any]], contacted: set[int],
            world: _Party) -> list[Record]:
     """Grow the fleet to ``size`` members (``size - 1`` holders and a new reader), then measure; the records."""
+    from .fleet_parties import reader
+
     c = run.config
     first_new = len(joined)
     for member in range(first_new, size - 1):
@@ -257,6 +259,8 @@ def _join_record(size: int, joins: list[dict[str, Any]], fds: dict[str, Any]) ->
 
 def _first_record(size: int, firsts: list[dict[str, float]], block_bytes: int) -> Record:
     """The first READ from never-seen members, handshake included: median over them, each step's median."""
+    from .fleet_parties import FIRST_READ_BLOCKS
+
     steps = {key: quantile([f[key] for f in firsts], 0.5) for key in firsts[0] if key != "total_ms"}
     return Record.measured("fleet", "cpu", "first READ", FLEET, "nixl", FIRST_READ_BLOCKS * block_bytes,
                            summarize([f["total_ms"] * 1e-3 for f in firsts]), members=size, targets=len(firsts),
@@ -268,6 +272,7 @@ def run(config: FleetBenchConfig) -> list[Record]:
     ``config.timeout_s``); raises ``RankFailedError`` when a party fails (wrong bytes: ``TransferError`` in its
     message) and ``WaitTimeoutError`` past the timeout. Every process it started is gone when it returns."""
     from ..backends.nixl import quiet_nixl_logging
+    from .fleet_parties import holder
 
     quiet_nixl_logging()
     bench_run = _Run(config)
@@ -301,6 +306,9 @@ def run(config: FleetBenchConfig) -> list[Record]:
 
 def _against_raw_nixl(run: _Run, records: list[Record]) -> list[Record]:
     """The first READs held against raw NIXL's first contact (``fleet_raw``), measured now; its record added."""
+    from .fleet_parties import FIRST_POOL_BLOCKS, FIRST_READ_BLOCKS
+    from .fleet_raw import raw_first_contacts
+
     c = run.config
     run.say(f"raw NIXL's first contact, {c.first_contacts} fresh pair(s) of processes")
     seconds = raw_first_contacts(FIRST_POOL_BLOCKS, FIRST_READ_BLOCKS, c.block_bytes, c.first_contacts, c.timeout_s)
@@ -370,17 +378,17 @@ def config_from(args: argparse.Namespace) -> FleetBenchConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the benchmark, print the header and progress on stderr, then the report; write ``--json`` /
-    ``--plot``. Ctrl-C stops every party and reports the fleet sizes measured so far (exit 130)."""
+    """Run the benchmark: the header on stdout, each fleet size's block as soon as it is measured (progress on
+    stderr), then raw NIXL's reference; write ``--json`` / ``--plot``. Ctrl-C stops every party: the fleet sizes
+    measured stay the report (exit 130)."""
     config = config_from(args)
     require_nixl(args, "bench fleet (raw NIXL's first contact is its reference)")
     check_plot(args)
     head = header(args.argv)
-    head_lines = header_lines("tensorwire bench fleet: members launched apart, meeting in a directory", head,
-                              method_rows(config))
-    announce(head_lines, config.quiet)
-    records, interrupted = measured_records(lambda partial: run(replace(config, partial=partial)), "fleet")
-    return finish(args, head, head_lines, records, format_report(records),
+    announce(header_lines("tensorwire bench fleet: members launched apart, meeting in a directory", head,
+                          method_rows(config)))
+    records, interrupted = measured_records(lambda partial: run(replace(config, partial=partial)), "fleet", TABLE)
+    return finish(args, head, records, tail_lines(records),
                   lambda records, path: plot_fleet(records, path, title=" ".join(["tensorwire", *args.argv])),
                   interrupted, config=replace(config, partial=None))
 

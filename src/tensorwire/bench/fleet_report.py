@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .partial import Table
 from .record import Record
 
-__all__ = ["FLEET", "WORLD", "RAW_NIXL", "GOALS_MS", "GOAL_RATIO", "format_report", "plot_fleet"]
+__all__ = ["FLEET", "WORLD", "RAW_NIXL", "GOALS_MS", "GOAL_RATIO", "TABLE", "stage_lines", "tail_lines",
+           "format_report", "plot_fleet"]
 
 RAW_NIXL = "raw nixl"  # the first READ's reference: two bare NIXL agents' first contact (``fleet_raw``)
 FLEET, WORLD = "fleet", "one world"  # the steady state's paths: members of two launches; two ranks of one
@@ -15,11 +17,10 @@ GOALS_MS = {"join": 50.0, "first READ": 20.0}  # the goals on a 2-core host; ste
 GOAL_RATIO = 0.97
 
 
-def format_report(records: list[Record]) -> str:
+def stage_lines(records: list[Record]) -> list[str]:
     """One block per fleet size: join, first READ, steady state per transport (fleet beside one world); times in
     us and ratios as BW/<reference>, as in every ``tensorwire bench`` report (the JSON keeps each step's ms)."""
     lines = []
-    raw = [r for r in records if r.path == RAW_NIXL]
     records = [r for r in records if r.path != RAW_NIXL]
     for size in sorted({r.params["members"] for r in records}):
         rows = [r for r in records if r.params["members"] == size]
@@ -37,13 +38,32 @@ def format_report(records: list[Record]) -> str:
                         else f"median {counts['fds']['median']:.0f}, max {counts['fds']['max']} "
                              f"({counts['sockets']['max']} sockets at most) over {counts['members']}")
                 lines.append(f"  fds {what:28} {text}")
-    for r in raw:
+    return lines
+
+
+def tail_lines(records: list[Record]) -> list[str]:
+    """What follows the fleet sizes' blocks: raw NIXL's first contact (measured last) and the first READs held
+    against it, and what 'unsteady' means where a ratio was not taken."""
+    lines = []
+    for r in (r for r in records if r.path == RAW_NIXL):
         lines.append(f"raw NIXL first contact (metadata load + first READ of the same blocks, no lookup): median "
                      f"{r.median_us:,.0f} us, max {r.params['max_ms'] * 1e3:,.0f} us over {r.params['contacts']} "
                      "fresh pair(s) of processes")
+    for r in records:
+        if r.op == "first READ" and r.reference == RAW_NIXL:
+            lines.append(f"  {r.params['members']} members: first READ BW/raw nixl {r.ratio_text()} (raw NIXL's "
+                         "first contact time over ours)")
     if any(r.reference is not None and r.ratio is None for r in records):
         lines.append("unsteady: the reference's p10-p90 spread exceeded 20% of its median, no ratio taken")
-    return "\n".join(lines)
+    return lines
+
+
+TABLE = Table([], stage_lines)
+
+
+def format_report(records: list[Record]) -> str:
+    """The whole report at once: every fleet size's block, then ``tail_lines``."""
+    return "\n".join([*stage_lines(records), *tail_lines(records)])
 
 
 def _latency_lines(rows: list[Record]) -> list[str]:
@@ -65,8 +85,6 @@ def _latency_lines(rows: list[Record]) -> list[str]:
                    f"(goal <= {GOALS_MS['first READ'] * 1e3:,.0f}) over {p['targets']} never-seen member(s): rank_of "
                    f"{p['rank_of_ms'] * 1e3:,.0f}, lookup {p['lookup_ms'] * 1e3:,.0f}, prepare "
                    f"{p['prepare_ms'] * 1e3:,.0f}, READ {p['read_ms'] * 1e3:,.0f} us; again {p['again_us']:,.0f} us")
-        if first.reference == RAW_NIXL:
-            out.append(f"              BW/raw nixl {first.ratio_text()} (raw NIXL's first contact time over ours)")
     return out
 
 

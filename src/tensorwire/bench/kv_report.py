@@ -5,18 +5,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .partial import Table
 from .record import STEADY_SPREAD, Record
 
-__all__ = ["COPY", "format_report", "plot_kv"]
+__all__ = ["COPY", "HEADING", "LEGEND", "TABLE", "rows", "format_report", "plot_kv"]
 
 COPY = "contiguous copy"  # the reference of every path: the same bytes copied in one piece inside rank 0
 
 
-def format_report(records: list[Record]) -> str:
+HEADING = [f"{'case':<44} {'path':<20} {'via':<9} {'post p50 us':>11} {'post p99 us':>11} {'median us':>11} "
+           f"{'GB/s':>8} {'BW/copy':>8}"]
+LEGEND = ["", "BW/copy = GB/s over the same bytes copied contiguously inside rank 0; unsteady = that copy's "
+          "p10-p90 spread", f"exceeded {STEADY_SPREAD:.0%} of its median after 3 tries: no ratio taken; via = the "
+          "transport that moved the bytes"]
+
+
+def rows(records: list[Record]) -> list[str]:
     """One line per (case, path): post p50/p99, the whole request's median, GB/s, and the ratio to the contiguous
-    copy; times in us, as in every ``tensorwire bench`` report."""
-    lines = [f"{'case':<44} {'path':<20} {'via':<9} {'post p50 us':>11} {'post p99 us':>11} {'median us':>11} "
-             f"{'GB/s':>8} {'BW/copy':>8}"]
+    copy; times in us, as in every ``tensorwire bench`` report. Fixed columns: a case's rows line up with the
+    others' printed before."""
+    lines = []
     for r in records:
         p = r.params
         case = (f"{r.memory} {r.op} {p['pattern']} {p['blocks']}x{p['block_bytes'] // 1024}KiB"
@@ -24,10 +32,15 @@ def format_report(records: list[Record]) -> str:
         post = f"{p['post_p50_us']:11.1f} {p['post_p99_us']:11.1f}" if "post_p50_us" in p else f"{'':>11} {'':>11}"
         ratio = r.ratio_text() if r.reference == COPY else ""
         lines.append(f"{case:<44} {r.path:<20} {r.transport:<9} {post} {r.median_us:11.1f} {r.gbps:8.2f} {ratio:>8}")
-    lines += ["", "BW/copy = GB/s over the same bytes copied contiguously inside rank 0; unsteady = that copy's "
-              "p10-p90 spread", f"exceeded {STEADY_SPREAD:.0%} of its median after 3 tries: no ratio taken; via = the "
-              "transport that moved the bytes"]
-    return "\n".join(lines)
+    return lines
+
+
+TABLE = Table(HEADING, rows, LEGEND)
+
+
+def format_report(records: list[Record]) -> str:
+    """The whole table at once: the heading, every record's row, the legend."""
+    return "\n".join([*HEADING, *rows(records), *LEGEND])
 
 
 def _case_key(r: Record) -> tuple:

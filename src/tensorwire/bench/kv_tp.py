@@ -12,17 +12,20 @@ last request. Host memory over NIXL (``--memory`` is ignored: the head split run
 from __future__ import annotations
 
 import argparse
+import random
 import secrets
 import statistics
+from collections.abc import Callable
+from typing import Any
 
-from ..testing.kv_pools import LAYERS, PairSpec, run_pair
+from .command import announce, check_plot, finish, header, header_lines, progress
 from .record import Record
 from .timing import summarize
-from .vllm_parties import start_directory
 
-__all__ = ["run_pairs", "parse_pairs", "format_report", "KV_HEADS"]
+__all__ = ["main_tp", "run_pairs", "parse_pairs", "KV_HEADS"]
 
-KV_HEADS, TOKENS, DIM, NUM_BLOCKS, BLOCKS, REQUESTS = 8, 16, 64, 512, 256, 10
+LAYERS, KV_HEADS, TOKENS, DIM, NUM_BLOCKS, BLOCKS, REQUESTS = 2, 8, 16, 64, 512, 256, 10
+TITLE = "tensorwire bench kv --tp: KV handoffs between engines of different tensor parallelism, local processes"
 
 
 def parse_pairs(text: str) -> list[tuple[int, int]]:
@@ -39,8 +42,8 @@ def parse_pairs(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
-def _spec(producer_tp: int, consumer_tp: int, seed: int) -> PairSpec:
-    import random
+def _spec(producer_tp: int, consumer_tp: int, seed: int) -> Any:
+    from ..testing.kv_pools import PairSpec  # torch: not for --help
 
     rng = random.Random(seed)
     return PairSpec(producer_tp, consumer_tp, KV_HEADS, num_blocks=NUM_BLOCKS,
@@ -65,36 +68,65 @@ def _record(producer_tp: int, consumer_tp: int, report: dict) -> Record:
                            first_request_us=(claims[0] + transfers[0]) * 1e6)
 
 
-def run_pairs(pairs: list[tuple[int, int]], say=print) -> list[Record]:
-    """Measure each pair and its homogeneous reference (D:D), held against it. Blocks (minutes on 2 cores)."""
+def run_pairs(pairs: list[tuple[int, int]], say: Callable[[str], None],
+              measured: Callable[[Record], None]) -> list[Record]:
+    """Measure each pair after its homogeneous reference (D:D), held against it; ``measured(record)`` as each is.
+    Blocks (minutes on 2 cores); Ctrl-C (KeyboardInterrupt) stops at once, the records so far handed over."""
+    from ..testing.kv_pools import run_pair  # torch: not for --help
+    from .vllm_parties import start_directory
+
     token = secrets.token_hex(16)
     directory, address = start_directory(token)
-    measured: dict[tuple[int, int], Record] = {}
+    records: dict[tuple[int, int], Record] = {}
     try:
         for producer_tp, consumer_tp in dict.fromkeys([p for pair in pairs for p in ((pair[1], pair[1]), pair)]):
             say(f"TP {producer_tp} -> {consumer_tp}: {REQUESTS} requests of {BLOCKS} blocks")
             report = run_pair(_spec(producer_tp, consumer_tp, seed=producer_tp * 10 + consumer_tp), address, token)
-            measured[producer_tp, consumer_tp] = _record(producer_tp, consumer_tp, report)
+            record = _record(producer_tp, consumer_tp, report)
+            if producer_tp != consumer_tp:
+                record = record.against(records[consumer_tp, consumer_tp])
+            records[producer_tp, consumer_tp] = record
+            measured(record)
     finally:
         directory.close()
-    records = []
-    for (_, consumer_tp), record in measured.items():
-        reference = measured[consumer_tp, consumer_tp]
-        records.append(record if reference is record else record.against(reference))
-    return records
+    return list(records.values())
 
 
-def format_report(records: list[Record]) -> str:
-    lines = [f"{'pair':<20} {'via':<6} {'request median us':>18} {'p10':>9} {'p90':>9} {'claim us':>9} "
-             f"{'GB/s':>7} {'vs D:D':>7}"]
-    for r in records:
-        p = r.params
-        lines.append(f"{r.path:<20} {r.transport:<6} {r.median_us:18.1f} {r.p10_us:9.1f} {r.p90_us:9.1f} "
-                     f"{p['claim_median_us']:9.1f} {r.gbps:7.2f} {r.ratio_text():>7}")
-    lines += ["", f"request = every consumer rank's claim round trip + its READs of {BLOCKS} random blocks x "
-              f"{LAYERS} layers x {KV_HEADS} heads x {TOKENS * DIM * 4 // 1024} KiB (the slowest rank's); vs D:D = "
-              "GB/s over the homogeneous pair at the consumer's TP"]
-    return "\n".join(lines)
+HEADING = (f"{'pair':<20} {'via':<6} {'request median us':>18} {'p10':>9} {'p90':>9} {'claim us':>9} {'GB/s':>7} "
+           f"{'vs D:D':>7}")
+LEGEND = ["", f"request = every consumer rank's claim round trip + its READs of {BLOCKS} random blocks x {LAYERS} "
+          f"layers x {KV_HEADS} heads x {TOKENS * DIM * 4 // 1024} KiB (the slowest rank's), the first request left "
+          "out; vs D:D = GB/s over the homogeneous pair at the consumer's TP"]
+
+
+def row(r: Record) -> str:
+    return (f"{r.path:<20} {r.transport:<6} {r.median_us:18.1f} {r.p10_us:9.1f} {r.p90_us:9.1f} "
+            f"{r.params['claim_median_us']:9.1f} {r.gbps:7.2f} {r.ratio_text():>7}")
+
+
+def main_tp(args: argparse.Namespace) -> int:
+    """``bench kv --tp``: the header, each pair's row as it is measured, the legend; ``--json`` / ``--plot``.
+    Ctrl-C keeps the rows measured (exit 130)."""
+    check_plot(args)
+    head = header(args.argv)
+    announce(header_lines(TITLE, head, [("pairs", ", ".join(f"{p}:{d} (and {d}:{d})" for p, d in args.tp)),
+                                        ("timing", "the slowest consumer rank's claim + READs per request, median, "
+                                                   f"p10, p90 of {REQUESTS - 1} requests after the first")]))
+    print(HEADING, flush=True)
+    records: list[Record] = []
+
+    def measured(record: Record) -> None:
+        records.append(record)
+        print(row(record), flush=True)
+
+    interrupted = False
+    try:
+        run_pairs(args.tp, lambda text: progress("kv", text, args.quiet), measured)
+    except KeyboardInterrupt:
+        interrupted = True
+        if not records:
+            print("bench kv: interrupted before any pair was measured", flush=True)
+    return finish(args, head, records, LEGEND, plot_pairs, interrupted)
 
 
 def plot_pairs(records: list[Record], path) -> None:

@@ -53,14 +53,12 @@ import sys
 from dataclasses import dataclass, replace
 
 from ..errors import InvalidArgumentError
-from ..testing.data import first_mismatch, rank_pattern
 from .command import (
     add_common_arguments,
     announce,
     at_least,
     check_plot,
     header_lines,
-    header_on_screen,
     memories,
     parse_sizes,
     require_nixl,
@@ -85,10 +83,20 @@ from .timing import Budget, host_seconds
 # Besides the command, the names this module always had: its measuring now lives in p2p_rank.py (one rank),
 # p2p_inbox.py (the byte checks), raw_nixl.py (the baseline) and p2p_records.py (what a run records).
 __all__ = [
-    "HOST_SIZES", "CUDA_SIZES", "RAW_CONFIGS", "BenchConfig", "Record", "BenchResult", "run", "rank_pattern",
-    "first_mismatch", "format_size", "TENSORWIRE", "TENSORWIRE_STREAM", "TENSORWIRE_IN_PROCESS", "TENSORWIRE_GRAPH",
+    "HOST_SIZES", "CUDA_SIZES", "RAW_CONFIGS", "BenchConfig", "Record", "BenchResult", "run", "format_size",
+    "TENSORWIRE", "TENSORWIRE_STREAM", "TENSORWIRE_IN_PROCESS", "TENSORWIRE_GRAPH",
     "HELP", "add_arguments", "main",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``rank_pattern`` and ``first_mismatch``, names this module always re-exported, imported on first use:
+    ``tensorwire.testing.data`` imports torch, which ``tensorwire bench --help`` does without."""
+    if name in ("rank_pattern", "first_mismatch"):
+        from ..testing import data
+
+        return getattr(data, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- orchestration -----------------------------------------------------------------------------------
@@ -181,9 +189,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the benchmark, print the header and a line per case on stderr, then the table; write ``--json`` /
-    ``--plot``; blocks until both ranks are done. Ctrl-C stops both ranks at once and reports what was measured
-    (exit code 130)."""
+    """Run the benchmark: the header on stdout, each case's rows as soon as it is measured (a progress line per case
+    on stderr as it starts), then the legend and the summary; write ``--json`` / ``--plot``; blocks until both ranks
+    are done. Ctrl-C stops both ranks at once: the rows measured stay the report (exit code 130)."""
     from ..backends.nixl import quiet_nixl_logging
     from . import p2p_report as report
 
@@ -210,12 +218,14 @@ def main(args: argparse.Namespace) -> int:
     unfinished = _unfinished_result(config)
     announce(header_lines(report.TITLE, head, report.method_rows(config, unfinished.raw_config,
                                                                  unfinished.progress_wakeup_ms,
-                                                                 unfinished.default_threads)), args.quiet)
-    result, so_far = measure_until_interrupted(lambda partial: run(replace(config, partial=partial)), "p2p")
+                                                                 unfinished.default_threads)))
+    result, so_far = measure_until_interrupted(lambda partial: run(replace(config, partial=partial)), "p2p",
+                                               report.TABLE)
     interrupted = result is None
     if interrupted:
         result = replace(unfinished, records=so_far)
-    print(report.format_report(result, head, config, with_header=not header_on_screen(args.quiet)), flush=True)
+    if result.records:
+        print("\n".join(report.tail_lines(result, interrupted)), flush=True)
     if args.json is not None:
         write_json(args.json, {**report.to_json(result, head, config), "interrupted": interrupted})
     if args.plot is not None and result.records:

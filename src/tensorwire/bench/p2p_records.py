@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..backends.registry import stream_ordered_names
 from .partial import PartialRecords
 from .record import Record
 from .timing import Budget
@@ -15,7 +14,7 @@ from .timing import Budget
 __all__ = [
     "HOST_SIZES", "CUDA_SIZES", "TENSORWIRE", "TENSORWIRE_NIXL", "RAW", "COPY", "COPY_MT", "COPY_SYNC",
     "EAGER_PATHS", "TENSORWIRE_STREAM",
-    "TENSORWIRE_IN_PROCESS", "TENSORWIRE_GRAPH", "TENSORWIRE_PATHS", "STREAM_ORDERED", "RAW_CONFIGS", "IDLE_BYTES",
+    "TENSORWIRE_IN_PROCESS", "TENSORWIRE_GRAPH", "TENSORWIRE_PATHS", "RAW_CONFIGS", "IDLE_BYTES",
     "WAIT_RETURN_REPS", "BenchConfig", "Record", "BenchResult", "format_size",
 ]
 
@@ -28,7 +27,6 @@ TENSORWIRE_GRAPH = "tensorwire (graph)"  # post(stream=) + wait(stream=) capture
 # GPU memory: the copy then a sync of its stream, on the wall clock: what an eager post() + wait() is held against
 COPY_SYNC = "copy + sync"
 EAGER_PATHS = (TENSORWIRE, TENSORWIRE_NIXL)  # post() + wait() on the CPU's wall clock
-STREAM_ORDERED = stream_ordered_names()
 TENSORWIRE_PATHS = (TENSORWIRE, TENSORWIRE_STREAM, TENSORWIRE_GRAPH, TENSORWIRE_IN_PROCESS, TENSORWIRE_NIXL)
 RAW_CONFIGS = {
     "sleeping": "a bare nixl_agent per rank from tensorwire's make_agent with NIXL's defaults (UCX, error mode "
@@ -41,6 +39,17 @@ RAW_CONFIGS = {
                     "progress thread spins a core per agent (distorts timings when threads outnumber cores)",
 }
 IDLE_BYTES = 1 << 20
+
+
+def __getattr__(name: str) -> object:
+    """``STREAM_ORDERED``, the transports whose completion is ordered on a CUDA stream, computed on first use:
+    asking the transports imports them, and torch with them, which ``tensorwire bench --help`` does without."""
+    if name == "STREAM_ORDERED":
+        from ..backends.registry import stream_ordered_names
+
+        globals()[name] = stream_ordered_names()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 WAIT_RETURN_REPS = 20
 
 

@@ -25,9 +25,11 @@ from .p2p_records import (
     Record,
     format_size,
 )
+from .partial import Table
 from .record import STEADY_SPREAD, records_to_json
 
-__all__ = ["TITLE", "header", "method_rows", "comparisons", "summary", "format_report", "to_json"]
+__all__ = ["TITLE", "TABLE", "header", "method_rows", "comparisons", "summary", "case_lines", "format_report",
+           "tail_lines", "to_json"]
 
 TITLE = "tensorwire bench p2p: rank 0 -> rank 1, two local processes"
 
@@ -181,21 +183,28 @@ def _gpu_eager_lines(cases: dict[tuple[str, str, int], dict[str, Record]]) -> li
 
 
 def format_report(result: BenchResult, head: dict[str, Any], config: BenchConfig, with_header: bool = True) -> str:
-    """The header (unless ``with_header`` is False), the aligned table, the idle line and, last, the summary
-    lines."""
+    """The whole report at once: the header (unless ``with_header`` is False), the table, then ``tail_lines``."""
     out = (_setup_lines(result, head, config) + [""] if with_header else []) + _table_lines(result.records)
-    out += [
+    return "\n".join(out + tail_lines(result))
+
+
+def tail_lines(result: BenchResult, interrupted: bool = False) -> list[str]:
+    """What follows the table: the legend, the conditions of the run, the idle line and, last, the summary against
+    the goals; of a run cut short, the legend alone (the rest would speak of what was not measured)."""
+    out = [
         "",
         "  BW/copy = tensorwire GB/s / copy GB/s (higher is better); time/raw = tensorwire us / raw nixl us",
         "  (lower is better); GB/s = 1e9 bytes/s at the median; via = the transport that moved the bytes;",
         f"  unsteady = the reference's p10-p90 spread exceeded {STEADY_SPREAD:.0%} of its median: no ratio taken",
     ]
+    if interrupted:
+        return out
     out += _conditions_lines(result)
     out.append("")
     for line in summary(result):
         tag = {True: "[ok]  ", False: "[MISS]", None: "[n/a] "}[line["ok"]]
         out.append(f"{tag} {line['text']}")
-    return "\n".join(out)
+    return out
 
 
 def _setup_lines(result: BenchResult, head: dict[str, Any], config: BenchConfig) -> list[str]:
@@ -222,11 +231,24 @@ def method_rows(config: BenchConfig, raw_config: str, wakeup_ms: float, threads:
     ]
 
 
+_COLUMNS = ("memory", "op", "size", "path", "via", "median us", "p10 us", "p90 us", "GB/s", "BW/copy", "time/raw")
+# Fixed widths, so that a case printed as soon as it is measured lines up with those before it; a longer cell
+# pushes only its own row. The first five columns are text (left-aligned), the others numbers.
+_WIDTHS = (6, 5, 7, 23, 8, 10, 10, 10, 7, 19, 8)
+
+
 def _table_lines(records: list[Record]) -> list[str]:
-    """One row per path, grouped by (memory, op, size) with a blank line between groups; columns aligned."""
-    columns = ["memory", "op", "size", "path", "via", "median us", "p10 us", "p90 us", "GB/s", "BW/copy", "time/raw"]
-    rows = [columns]
+    """The column names, then every case's rows (``case_lines``)."""
+    out = [_aligned(list(_COLUMNS))]
+    for paths in _cases(records).values():
+        out += case_lines(list(paths.values()))
+    return out
+
+
+def case_lines(records: list[Record]) -> list[str]:
+    """The rows of one (memory, op, size) case, after a blank line: one row per path, in a fixed order."""
     ratios = {(c["memory"], c["op"], c["size"], c["path"]): c for c in comparisons(records)}
+    out = [""]
     for (memory, op, size), paths in _cases(records).items():
         first = True
         for path in _ROW_ORDER:
@@ -234,22 +256,23 @@ def _table_lines(records: list[Record]) -> list[str]:
             if r is None:
                 continue
             c = ratios.get((memory, op, size, path), {})
-            rows.append([
+            out.append(_aligned([
                 memory if first else "", op if first else "", format_size(size) if first else "", path, r.transport,
                 f"{r.median_us:.2f}", f"{r.p10_us:.2f}", f"{r.p90_us:.2f}", f"{r.gbps:.2f}",
                 r.ratio_text() + ("" if r.reference == COPY or not r.reference else f" ({r.reference})")
                 if r.reference in (COPY, COPY_SYNC) else "",
                 _time_vs_raw(c, paths.get(RAW)),
-            ])
+            ]))
             first = False
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    out = []
-    for n, row in enumerate(rows):
-        if n > 1 and row[0]:
-            out.append("")  # a blank line between (memory, op, size) groups
-        out.append("  ".join(cell.ljust(w) if i < 5 else cell.rjust(w)
-                             for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
     return out
+
+
+def _aligned(cells: list[str]) -> str:
+    return "  ".join(cell.ljust(w) if i < 5 else cell.rjust(w)
+                     for i, (cell, w) in enumerate(zip(cells, _WIDTHS))).rstrip()
+
+
+TABLE = Table([_aligned(list(_COLUMNS))], case_lines)
 
 
 def _time_vs_raw(comparison: dict[str, Any], raw: Record | None) -> str:

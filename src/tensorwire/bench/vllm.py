@@ -302,15 +302,14 @@ def method_rows(config: VllmBenchConfig) -> list[tuple[str, str]]:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the benchmark, print the header and a line per rep on stderr, then the report; write ``--json`` /
+    """Run the benchmark: the header on stdout, a line per rep on stderr, then the report; write ``--json`` /
     ``--plot``. Ctrl-C kills the instances and reports the reps measured so far (exit 130)."""
     config = VllmBenchConfig(tuple(args.lengths), tuple(args.concurrency), args.reps, args.block_size,
                              tuple(args.connectors), args.timeout, args.quiet)
     check_plot(args)
     head = header(args.argv)
-    head_lines = header_lines(TITLE, head, method_rows(config))
-    announce(head_lines, config.quiet)
-    records, interrupted = run(config)
-    return finish(args, head, head_lines, records, format_report(records),
+    announce(header_lines(TITLE, head, method_rows(config)))
+    records, interrupted = run(config)  # a row is the median of its reps: the table comes once they are all in
+    return finish(args, head, records, format_report(records).splitlines(),
                   lambda records, path: plot_vllm(records, path, " ".join(["tensorwire", *args.argv])), interrupted,
                   config=config)

@@ -41,12 +41,16 @@ from dataclasses import dataclass, field
 from .. import config as config_module
 from ..errors import InvalidArgumentError
 from . import directory_wire as wire
-from .store_sockets import listen_socket
+from .store_sockets import ListenerWords, listen_socket
 
 __all__ = ["Directory", "Limits", "serve"]
 
 log = logging.getLogger("tensorwire.directory")
 _EPOCH = calendar.timegm((2026, 1, 1, 0, 0, 0))
+# Where it listens is set with ``tensorwire directory --host/--port`` (or ``Directory(host, port)``): its refusals
+# name those, not the launcher's MASTER_ADDR/MASTER_PORT.
+_LISTENER_WORDS = ListenerWords("directory: cannot listen", "--host {!r}", "--port (0 picks a free one)",
+                                "this machine")
 
 
 @dataclass(frozen=True)
@@ -214,12 +218,18 @@ class _Server:
         writer.write(wire.MAGIC + bytes([self.token is not None]) + nonce_d)
         await writer.drain()
         mac_bytes = wire.MAC_BYTES if self.token is not None else 0
-        hello = await reader.readexactly(wire.NONCE_BYTES + wire.LEASE.size + mac_bytes)
+        try:
+            hello = await reader.readexactly(wire.NONCE_BYTES + wire.LEASE.size + mac_bytes)
+        except asyncio.IncompleteReadError as e:
+            if e.partial == wire.NO_TOKEN:  # a member without one left; anything else gone at the greeting is silent
+                self.refused("a member without a job token", f"from {host}: TENSORWIRE_JOB_TOKEN is not set there")
+                return None
+            raise
         nonce_m = hello[:wire.NONCE_BYTES]
         (lease_ms,) = wire.LEASE.unpack_from(hello, wire.NONCE_BYTES)
         if self.token is not None:
             if not hmac.compare_digest(hello[-mac_bytes:], wire.member_mac(self.token, nonce_d, nonce_m, lease_ms)):
-                self.refused("a member", f"from {host}: its job token differs from the directory's")
+                self.refused("a member with another job token", f"from {host}: its token differs from the directory's")
                 writer.write(b"\x00the job token differs from the fleet directory's")
                 await writer.drain()
                 return None
@@ -366,7 +376,7 @@ class Directory:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: bytes | None | object = _DEFAULT,
                  limits: Limits = Limits(), grace_s: float = 0.0) -> None:
-        listener, why_not = listen_socket(host, port)
+        listener, why_not = listen_socket(host, port, _LISTENER_WORDS)
         if listener is None:
             raise InvalidArgumentError(f"directory: cannot listen on {host}:{port} ({why_not}); choose another "
                                        "--host (an address of this machine) or --port")

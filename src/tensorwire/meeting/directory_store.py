@@ -90,6 +90,7 @@ class DirectoryStore(dist.Store):
                                 f"{greeting[:8]!r}); check TENSORWIRE_DIRECTORY / directory=")
         requires_token, nonce_d = greeting[len(wire.MAGIC)] == 1, greeting[len(wire.MAGIC) + 1:]
         if requires_token and token is None:
+            self._send(wire.NO_TOKEN, "that it has no job token")  # the directory logs why this member left
             raise AuthenticationError(f"init: the directory at {self.where} admits only members with the fleet's job "
                                       "token, and this process has none; export the fleet's TENSORWIRE_JOB_TOKEN")
         if not requires_token and token is not None:

@@ -13,7 +13,8 @@ Handshake (mutual, before any key is read or written; HMAC-SHA256 from the stand
 token for this connection alone (a recorded handshake replays against no other nonce); ``mac_d`` (label
 "directory/") proves the same of the directory, so a member never writes to a process that merely took the port.
 ``lease_ms`` is how long the directory keeps this member's keys after its last frame (its heartbeat sends one
-every half liveness period).
+every half liveness period). A member without a token, greeted by a directory that requires one, sends the single
+byte ``NO_TOKEN`` instead of its hello and closes, so that the directory logs why it left.
 
 Frames after it: ``u32 length | body``. A request body is ``op (1) | fields``, an answer ``status (1) | fields``,
 each field ``u32 length | bytes``. Sizes are checked before anything is allocated (``MAX_FRAME``).
@@ -26,11 +27,12 @@ import hmac
 import struct
 
 __all__ = [
-    "MAGIC", "NONCE_BYTES", "MAC_BYTES", "MAX_FRAME", "MAX_KEY", "MAX_VALUE", "Op", "Status",
+    "MAGIC", "NO_TOKEN", "NONCE_BYTES", "MAC_BYTES", "MAX_FRAME", "MAX_KEY", "MAX_VALUE", "Op", "Status",
     "member_mac", "directory_mac", "encode", "decode", "LENGTH",
 ]
 
 MAGIC = b"TWD1"
+NO_TOKEN = b"\x00"  # a member's whole answer to a greeting that requires the token it does not have
 NONCE_BYTES = 32
 MAC_BYTES = 32
 MAX_KEY = 1024  # bytes of a key

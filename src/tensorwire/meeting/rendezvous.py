@@ -79,17 +79,19 @@ class Rendezvous:
         self._store_sockets: list[socket.socket] = []  # our client connection(s) to the store, to cut a stuck call
         self._watchdog = Deadlines()  # cuts a store call that outlives its bound (torch's own timeout does not)
         self._calls: CallThread | None = None  # the store calls, where no socket of ours can be cut (see _call)
-        if token is None and self.has_peers:
+        if store is None:
+            before = socket_fds()
+            store = self._connect()
+            self._store_sockets = self._sockets_of(store, before)
+        # Said once the store answered (a member the directory refuses for want of a token fails with that alone,
+        # no warning before it) and once per host (torchrun's ranks of one host would each repeat it).
+        if token is None and self.has_peers and env.local_rank == 0:
             warn_once("unauthenticated", (
                 "tensorwire: this job is unauthenticated (TENSORWIRE_JOB_TOKEN is not set): any process that reaches "
                 f"the store at {env.master_addr}:{env.master_port} can read every rank's memory map (addresses, NIXL "
                 "agent metadata, shm file names) and with it READ and WRITE the registered memory over NIXL and send "
                 "notifications as a rank, and can forge maps, descriptors and barrier entries; set the same random "
                 "TENSORWIRE_JOB_TOKEN on every rank (see the README)"), stacklevel=4)
-        if store is None:
-            before = socket_fds()
-            store = self._connect()
-            self._store_sockets = self._sockets_of(store, before)
         if not self._store_sockets:  # a store passed to init, or no /proc here
             self._calls = CallThread("tensorwire-store-calls")
         self._raw = store

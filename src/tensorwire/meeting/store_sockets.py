@@ -9,29 +9,44 @@ import errno
 import ipaddress
 import os
 import socket
+from dataclasses import dataclass
 
 from ..environment import Environment
 from ..errors import InvalidArgumentError, PeerLostError
 
-__all__ = ["listen_socket", "socket_fds", "store_client_sockets", "local_address"]
+__all__ = ["ListenerWords", "STORE_WORDS", "listen_socket", "socket_fds", "store_client_sockets", "local_address"]
+
+
+@dataclass(frozen=True)
+class ListenerWords:
+    """The words of the command whose listener ``listen_socket`` makes: what the user set (an environment variable,
+    a flag), so that a refusal names what to change."""
+
+    failed: str  # what could not be done: "init: rank 0 cannot host the store"
+    address: str  # the address as the user set it, ``{!r}`` for its value: "MASTER_ADDR={!r}"
+    port: str  # what to change for another port: "MASTER_PORT"
+    host: str  # the machine it listens on: "rank 0's host"
+
+
+STORE_WORDS = ListenerWords("init: rank 0 cannot host the store", "MASTER_ADDR={!r}", "MASTER_PORT", "rank 0's host")
 
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 
 
-def listen_socket(addr: str, port: int) -> tuple[socket.socket | None, str]:
+def listen_socket(addr: str, port: int, words: ListenerWords = STORE_WORDS) -> tuple[socket.socket | None, str]:
     """A listening socket on ``addr``'s address for the store to use, or (None, why not) when the store has to
     listen on every interface as torch's ``TCPStore`` does by itself (it binds the wildcard address and has no
     bind-address option; it does accept a socket we bound, ``master_listen_fd``)."""
     try:
         family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
     except (socket.gaierror, UnicodeError) as e:
-        return None, f"MASTER_ADDR={addr!r} does not resolve here ({e})"
+        return None, f"{words.address.format(addr)} does not resolve here ({e})"
     ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
     if ip.is_loopback and addr.lower() not in _LOOPBACK_NAMES and not _is_ip_literal(addr):
         # e.g. Debian's /etc/hosts maps the host's own name to 127.0.1.1, while other hosts resolve it to the
         # host's real address: listening on loopback would shut them out.
-        return None, (f"MASTER_ADDR={addr!r} resolves to the loopback address {ip} on rank 0's host, but other "
-                      "hosts may resolve it to a real address")
+        return None, (f"{words.address.format(addr)} resolves to the loopback address {ip} on {words.host}, but "
+                      "other hosts may resolve it to a real address")
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own socket
@@ -41,12 +56,11 @@ def listen_socket(addr: str, port: int) -> tuple[socket.socket | None, str]:
         sock.close()
         if e.errno == errno.EADDRINUSE:
             raise InvalidArgumentError(
-                f"init: rank 0 cannot host the store: port {port} on {addr} is in use (EADDRINUSE); choose another "
-                "MASTER_PORT"
+                f"{words.failed}: port {port} on {addr} is in use (EADDRINUSE); choose another {words.port}"
             ) from e
         if e.errno == errno.EADDRNOTAVAIL:  # e.g. a public address that NAT maps to this host
-            return None, f"MASTER_ADDR={addr!r} ({ip}) is not an address of rank 0's host"
-        raise PeerLostError(f"init: rank 0 could not listen on {addr}:{port} for the store ({e})") from e
+            return None, f"{words.address.format(addr)} ({ip}) is not an address of {words.host}"
+        raise PeerLostError(f"{words.failed}: listening on {addr}:{port} failed ({e})") from e
     return sock, ""
 
 

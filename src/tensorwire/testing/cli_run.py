@@ -17,12 +17,12 @@ __all__ = ["CommandRun"]
 
 
 class CommandRun:
-    """``python -m tensorwire *args``; ``wait_s`` bounds every wait (for a loaded machine: nothing is asserted about
-    durations)."""
+    """``python -m tensorwire *args``, after ``prefix`` (a wrapper command such as ``timeout 120``); ``wait_s`` bounds
+    every wait (for a loaded machine: nothing is asserted about durations)."""
 
-    def __init__(self, *args: str, wait_s: float = 120.0) -> None:
+    def __init__(self, *args: str, wait_s: float = 120.0, prefix: tuple[str, ...] = ()) -> None:
         self.wait_s = wait_s
-        self.process = subprocess.Popen([sys.executable, "-m", "tensorwire", *args], stdout=subprocess.PIPE,
+        self.process = subprocess.Popen([*prefix, sys.executable, "-m", "tensorwire", *args], stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True, start_new_session=True,
                                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.lines: queue.Queue[str] = queue.Queue()

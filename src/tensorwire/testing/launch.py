@@ -11,7 +11,9 @@ half-way through its own cleanup; the launcher kills it, then removes its files)
 launcher the same way (while ``launch`` waits, SIGTERM raises ``SystemExit(143)`` in it, where nobody else
 handles SIGTERM), and a rank's own SIGTERM removes the files it created (``shared_memory``). A rank dies with
 the launching process even when that is killed with SIGKILL (Linux: ``PR_SET_PDEATHSIG``). Once its ranks are
-gone the launcher removes the ``/dev/shm`` files they left (``shared_memory.remove_orphans``).
+gone the launcher removes the ``/dev/shm`` files they left (``shared_memory.remove_orphans``; a rank it killed, by
+its pid, even while the kernel still tears it down), ignoring a second SIGINT or SIGTERM meanwhile: ``timeout``(1)
+passes the SIGINT it gets on to its process group, so under it Ctrl-C comes twice.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import TensorwireError, WaitTimeoutError
-from ..shared_memory import remove_orphans, remove_own_files
+from ..shared_memory import remove_files_of, remove_orphans, remove_own_files, start_time
 
 __all__ = ["launch", "free_port", "RankFailedError"]
 
@@ -142,51 +144,89 @@ def _launch_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: 
                  env: dict[str, str] | None, may_die: tuple[int, ...] = ()) -> list[Any]:
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs, conns = [], []
+    procs: list[Any] = []
+    started: list[int | None] = []  # each rank's start time, which names its /dev/shm files
     env = {"TENSORWIRE_JOB_TOKEN": secrets.token_hex(16), **(env or {})}
-    for rank in range(world_size):
-        parent_conn, child_conn = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(fn, rank, world_size, port, dict(env or {}), args, child_conn,
-                                             os.getpid()),
-                        name=f"tensorwire-rank{rank}", daemon=True)
-        p.start()
-        child_conn.close()
-        procs.append(p)
-        conns.append(parent_conn)
+    try:
+        conns = []
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, args=(fn, rank, world_size, port, dict(env or {}), args, child_conn,
+                                                 os.getpid()),
+                            name=f"tensorwire-rank{rank}", daemon=True)
+            p.start()
+            child_conn.close()
+            procs.append(p)
+            started.append(start_time(p.pid))
+            conns.append(parent_conn)
+        results = _wait_for_ranks(procs, conns, timeout, may_die)
+    except BaseException:
+        with _further_stops_ignored():  # a second Ctrl-C must not cut the cleanup short
+            _stop_ranks(procs, started)
+        raise
+    _stop_ranks(procs, started)
+    return results
 
+
+def _wait_for_ranks(procs: list[Any], conns: list[Any], timeout: float, may_die: tuple[int, ...]) -> list[Any]:
+    """Every rank's result, in rank order; raises for the first that fails, or once ``timeout`` passed."""
+    world_size = len(procs)
     results: list[Any] = [None] * world_size
     pending = set(range(world_size))
     deadline = time.monotonic() + timeout
-    try:
-        while pending:
-            for rank in sorted(pending):
-                conn, proc = conns[rank], procs[rank]
-                if conn.poll():
-                    try:
-                        kind, payload = pickle.loads(conn.recv_bytes())
-                    except EOFError:  # the rank exited without reporting (e.g. os._exit)
-                        kind, payload = "eof", None
-                    if kind == "error":
-                        raise RankFailedError(f"rank {rank} of {world_size} failed:\n{payload}")
-                    if kind == "ok":
-                        results[rank] = payload
-                        pending.discard(rank)
-                        continue
-                if _exit_code(proc) is not None:
-                    if proc.exitcode != 0 and rank not in may_die:
-                        raise RankFailedError(f"rank {rank} of {world_size} exited with code {proc.exitcode}")
+    while pending:
+        for rank in sorted(pending):
+            conn, proc = conns[rank], procs[rank]
+            if conn.poll():
+                try:
+                    kind, payload = pickle.loads(conn.recv_bytes())
+                except EOFError:  # the rank exited without reporting (e.g. os._exit)
+                    kind, payload = "eof", None
+                if kind == "error":
+                    raise RankFailedError(f"rank {rank} of {world_size} failed:\n{payload}")
+                if kind == "ok":
+                    results[rank] = payload
                     pending.discard(rank)
-            if time.monotonic() > deadline:
-                raise WaitTimeoutError(
-                    f"launch: ranks {sorted(pending)} of {world_size} still running after {timeout:.0f}s; "
-                    "killed them all"
-                )
-            time.sleep(0.01)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=10)
-        remove_orphans()  # the /dev/shm files of ranks that were killed
+                    continue
+            if _exit_code(proc) is not None:
+                if proc.exitcode != 0 and rank not in may_die:
+                    raise RankFailedError(f"rank {rank} of {world_size} exited with code {proc.exitcode}")
+                pending.discard(rank)
+        if time.monotonic() > deadline:
+            raise WaitTimeoutError(
+                f"launch: ranks {sorted(pending)} of {world_size} still running after {timeout:.0f}s; "
+                "killed them all"
+            )
+        time.sleep(0.01)
     return results
+
+
+def _stop_ranks(procs: list[Any], started: list[int | None]) -> None:
+    """Kill the ranks still running, wait for them (bounded), then remove every ``/dev/shm`` file they created:
+    those of a killed rank by its pid and start time, even while the kernel is still tearing it down (it runs no
+    more code, so nothing of it can still need them), and the orphans of any other process gone meanwhile."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p, start in zip(procs, started):
+        p.join(timeout=10)
+        if p.pid is not None:
+            remove_files_of(p.pid, start)
+    remove_orphans()
+
+
+@contextmanager
+def _further_stops_ignored() -> Iterator[None]:
+    """While the launcher stops its ranks after an interruption, SIGINT and SIGTERM are ignored: they ask for what
+    is being done already, and ``timeout``(1) or a shell may send a second one to the group (``timeout`` passes the
+    SIGINT it gets on to its own process group, so every process sees Ctrl-C twice). Off the main thread, where no
+    handler can be changed, nothing is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {number: signal.signal(number, signal.SIG_IGN) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)

@@ -2,6 +2,11 @@
 
 Nothing in the suite may hang: every launch, init, lookup, barrier and wait has a short timeout from here.
 Rank functions are module-level functions of the test modules, run by ``launch`` in fresh processes.
+
+A bound on how soon something must happen holds on a busy machine too (a laptop, a shared CI runner): ``pace()``
+measures how far this machine is from idle (its run queue per usable core) and ``scaled(seconds)`` stretches a
+bound by it. What the bound means stays (a configured timeout with its margin); only what "soon" costs here
+changes. Lower bounds (a timeout must not fire early) are never scaled.
 """
 
 from __future__ import annotations
@@ -18,11 +23,29 @@ if TYPE_CHECKING:
     from ..communicator import Communicator
 
 __all__ = ["INIT_TIMEOUT", "WAIT", "LAUNCH_TIMEOUT", "GPU_ENV", "launch", "drain", "raises_after", "ring_peers",
-           "rss_bytes", "cpu_seconds", "cores_used_while"]
+           "rss_bytes", "cpu_seconds", "cores_used_while", "pace", "scaled"]
 
-INIT_TIMEOUT = 30.0  # tw.init(timeout=...) in every rank
-WAIT = 10.0  # lookups, barriers and transfer waits that must succeed
-LAUNCH_TIMEOUT = 90.0  # the whole launched job
+
+def pace() -> float:
+    """How many times slower than idle this machine runs a process now, at least 1: the runnable processes (the
+    1-minute load average) per core this process may use. 1 where the load average cannot be read. Does not
+    block."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return 1.0
+    return max(1.0, load / max(cores, 1))
+
+
+def scaled(seconds: float) -> float:
+    """``seconds``, a bound on how soon something must happen on an idle machine, at this machine's ``pace()``."""
+    return seconds * pace()
+
+
+INIT_TIMEOUT = scaled(30.0)  # tw.init(timeout=...) in every rank
+WAIT = scaled(10.0)  # lookups, barriers and transfer waits that must succeed
+LAUNCH_TIMEOUT = 90.0  # the whole launched job on an idle machine (``launch`` scales it when it starts one)
 GPU_ENV = {"CUDA_MODULE_LOADING": "EAGER"}  # GPU ranks: lazy module loading can deadlock against a blocked stream
 
 
@@ -53,11 +76,12 @@ def drain(stream: Any, seconds: float = 30.0) -> None:
         time.sleep(1e-4)
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = LAUNCH_TIMEOUT,
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None,
            env: dict | None = None, may_die: tuple = ()) -> list:
-    """``tensorwire.testing.launch`` with the suite's timeout; blocks until every rank returned (their
-    results, by rank) or one failed (raised here, the others stopped)."""
-    return launch_ranks(fn, world_size, *args, timeout=timeout, env=env, may_die=may_die)
+    """``tensorwire.testing.launch`` with the suite's timeout (``LAUNCH_TIMEOUT`` at this machine's pace when None);
+    blocks until every rank returned (their results, by rank) or one failed (raised here, the others stopped)."""
+    return launch_ranks(fn, world_size, *args, timeout=scaled(LAUNCH_TIMEOUT) if timeout is None else timeout, env=env,
+                        may_die=may_die)
 
 
 def ring_peers(comm: Communicator) -> tuple[int, int]:
