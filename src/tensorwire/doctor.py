@@ -16,6 +16,7 @@ does that). The machine facts it prints come from ``tensorwire.machine``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from collections.abc import Callable
@@ -97,6 +98,7 @@ def diagnose(emit: Callable[[str], None] = print, timeout_s: float = 15.0, quiet
     versions = software_versions()
     _report_versions(report, versions)
     nixl_ok = _report_backends(report)
+    _report_vllm(report, nixl_ok)
     has_devices = _report_cuda(report, versions)
     _report_job(report)
     _report_leftovers(report, clean)  # before the probes: their tw.init would remove the files unreported
@@ -133,6 +135,21 @@ def _report_backends(report: Report) -> bool:
     elif not infos["nixl"].available:
         report.loud("FAIL", f"backend nixl is unavailable: {infos['nixl'].reason}", infos["nixl"].fix)
     return infos["nixl"].available
+
+
+def _report_vllm(report: Report, nixl_ok: bool) -> None:
+    """Where vLLM is installed: whether its TensorwireConnector can carry a KV cache to a peer instance (the
+    connector's worker says the same at start-up). vLLM is found, not imported (seconds)."""
+    if importlib.util.find_spec("vllm") is None:
+        return
+    report.section("vLLM")
+    if nixl_ok:
+        report.line("TensorwireConnector: NIXL carries KV caches between instances (host or GPU memory, any host)")
+        return
+    report.loud("WARN", "vLLM is installed here but NIXL is not usable: a TensorwireConnector's KV cache in host "
+                "memory (vLLM's CPU build) reaches no peer, nor does GPU memory on another host, so every load "
+                "fails (recomputed behind successful answers)", "pip install nixl in this environment, the one that "
+                "runs vLLM")
 
 
 def _availability(info: BackendInfo) -> str:
