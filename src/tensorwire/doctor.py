@@ -96,6 +96,7 @@ def diagnose(emit: Callable[[str], None] = print, timeout_s: float = 15.0, quiet
     versions = software_versions()
     _report_versions(report, versions)
     nixl_ok = _report_backends(report)
+    _report_ucx_start(report, nixl_ok)
     has_devices = _report_cuda(report, versions)
     _report_job(report)
     _report_leftovers(report, clean)  # before the probes: their tw.init would remove the files unreported
@@ -132,6 +133,19 @@ def _report_backends(report: Report) -> bool:
     elif not infos["nixl"].available:
         report.loud("FAIL", f"backend nixl is unavailable: {infos['nixl'].reason}", infos["nixl"].fix)
     return infos["nixl"].available
+
+
+def _report_ucx_start(report: Report, nixl_ok: bool) -> None:
+    """UCX's start-up options in this process, and who set them (``nixl_setup.UCX_START_DEFAULTS``): tensorwire's
+    defaults, the user's value, or neither."""
+    from .backends.nixl_setup import ucx_start_options
+
+    if not nixl_ok:
+        return
+    report.section("UCX start-up options (read once, when NIXL loads UCX)")
+    _table(report, ["variable", "value", "set by"], [list(row) for row in ucx_start_options()])
+    report.line("tensorwire sets the ones you leave unset (TENSORWIRE_UCX_DEFAULTS=0: it sets none); see "
+                "docs/architecture.md, 'Start-up on a GPU host', for what they trade")
 
 
 def _report_cuda(report: Report, versions: dict) -> bool:
