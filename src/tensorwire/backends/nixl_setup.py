@@ -7,8 +7,8 @@ UCX's start-up options. UCX reads its memory-hook options once, from the process
 nothing NIXL passes later (its engine configuration) reaches them. UCX >= 1.21 patches each hooked function in place
 and spins a grace window (50 ms) per function before finishing it; a thread that enters a function while it is
 patched spins with it, and one that enters it past the window crashes. With the defaults ``UCX_START_DEFAULTS``
-names, set here before the first ``import nixl`` for every variable the user has not set, UCX patches nothing
-there. This is the one place the library writes the process environment: UCX offers no other way in, and the
+names (no memory events, no registration cache), set here before the first ``import nixl`` for every variable the
+user has not set, UCX patches nothing. This is the one place the library writes the process environment: UCX offers no other way in, and the
 variables are inherited by the processes this one starts (the same defaults on every rank a launcher spawns).
 ``TENSORWIRE_UCX_DEFAULTS=0`` (``config.ucx_defaults_enabled``) leaves the environment alone; a variable the user
 set always wins. ``ucx_start_options()`` says what is in effect and who set it (``tensorwire doctor`` prints it).
@@ -56,7 +56,7 @@ _DEMOTE_INFO = _DemoteInfo()
 
 # UCX's start-up options set where the user has not (see the module docstring); measured in docs/architecture.md
 # ("Start-up on a GPU host"): what each trades is written there.
-UCX_START_DEFAULTS: dict[str, str] = {"UCX_MEMTYPE_CACHE": "n"}
+UCX_START_DEFAULTS: dict[str, str] = {"UCX_MEM_EVENTS": "n", "UCX_RCACHE_ENABLE": "n"}
 
 _set_by_us: dict[str, str] = {}  # the defaults this process set, for doctor
 _loaded_before_us = False  # NIXL was imported before tensorwire could set them: UCX read the environment already
