@@ -16,6 +16,7 @@ from tensorwire.backends import nixl_setup
 if os.environ.get("PRETEND_NIXL_LOADED"):
     sys.modules.setdefault("nixl", type(sys)("nixl"))
 nixl_setup._set_ucx_start_defaults()
+nixl_setup._set_ucx_start_defaults()  # as every later import_nixl: changes nothing
 print(json.dumps({"env": {k: os.environ.get(k) for k in nixl_setup.UCX_START_DEFAULTS},
                   "rows": nixl_setup.ucx_start_options()}))
 """

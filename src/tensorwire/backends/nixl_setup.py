@@ -62,13 +62,17 @@ UCX_START_DEFAULTS: dict[str, str] = {"UCX_MEM_EVENTS": "n", "UCX_RCACHE_ENABLE"
 
 _set_by_us: dict[str, str] = {}  # the defaults this process set, for doctor
 _loaded_before_us = False  # NIXL was imported before tensorwire could set them: UCX read the environment already
+_decided = False  # the first import_nixl of this process has looked (later ones change nothing)
 
 
 def _set_ucx_start_defaults() -> None:
     """Set each of ``UCX_START_DEFAULTS`` the environment does not name, once, before NIXL (and UCX) first load."""
-    global _loaded_before_us
+    global _loaded_before_us, _decided
+    if _decided:
+        return
+    _decided = True
     if "nixl._api" in sys.modules or "nixl" in sys.modules:
-        _loaded_before_us = not _set_by_us and any(k not in os.environ for k in UCX_START_DEFAULTS)
+        _loaded_before_us = any(k not in os.environ for k in UCX_START_DEFAULTS)
         return
     if not ucx_defaults_enabled():
         return
