@@ -47,7 +47,8 @@ def as_ids(ids, num_blocks: int, what: str, device: torch.device | None, unique:
     if array.ndim != 1 or array.dtype.kind not in "iu":
         raise InvalidArgumentError(f"{what}: {array.dtype} array of shape {array.shape}; pass 1-D integer block ids")
     array = array.astype(np.int64, copy=False)
-    if len(array) and (array.min() < 0 or array.max() >= num_blocks):
+    # One pass for both bounds: seen as unsigned, a negative id is larger than any pool.
+    if len(array) and int(array.view(np.uint64).max()) >= num_blocks:
         bad = int(np.flatnonzero((array < 0) | (array >= num_blocks))[0])
         raise InvalidArgumentError(f"{what}: id {int(array[bad])} at position {bad} is outside [0, {num_blocks}); the "
                                    f"pool has {num_blocks} blocks")

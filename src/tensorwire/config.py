@@ -27,8 +27,11 @@
 | ``TENSORWIRE_ETCD_KEY``           | unset   | its PEM private key (unset: in the certificate file) |
 | ``TENSORWIRE_VLLM_PYTHON``        | unset   | ``tensorwire bench vllm``: the interpreter with vLLM |
 |                                   |         | (unset: ``.venv-vllm/bin/python`` of the checkout)   |
+| ``TENSORWIRE_UCX_DEFAULTS``       | 1       | 0: leave UCX's start-up options to UCX (see          |
+|                                   |         | ``backends/nixl_setup.py``, ``UCX_START_DEFAULTS``)  |
 
-The library never writes ``os.environ``.
+The library writes ``os.environ`` in one place only: ``backends/nixl_setup.py`` sets UCX's start-up options the user
+has not set, once, before NIXL first loads (UCX reads them from nowhere else).
 """
 
 from __future__ import annotations
@@ -141,6 +144,13 @@ def load() -> Config:
         etcd_cert=os.environ.get("TENSORWIRE_ETCD_CERT") or None,
         etcd_key=os.environ.get("TENSORWIRE_ETCD_KEY") or None,
     )
+
+
+def ucx_defaults_enabled() -> bool:
+    """Whether tensorwire may set UCX's start-up options the user left unset (``TENSORWIRE_UCX_DEFAULTS``, default 1;
+    0, ``no``, ``false`` or ``off`` turn it off)."""
+    raw = os.environ.get("TENSORWIRE_UCX_DEFAULTS", "").strip().lower()
+    return raw not in ("0", "no", "false", "off", "n")
 
 
 def vllm_python() -> str | None:

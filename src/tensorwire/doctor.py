@@ -99,6 +99,7 @@ def diagnose(emit: Callable[[str], None] = print, timeout_s: float = 15.0, quiet
     _report_versions(report, versions)
     nixl_ok = _report_backends(report)
     _report_vllm(report, nixl_ok)
+    _report_ucx_start(report, nixl_ok)
     has_devices = _report_cuda(report, versions)
     _report_job(report)
     _report_leftovers(report, clean)  # before the probes: their tw.init would remove the files unreported
@@ -156,6 +157,19 @@ def _availability(info: BackendInfo) -> str:
     """The table's word for a backend: "yes", "no" (there is something to fix), or "not used" (unavailable and
     nothing to fix: another backend does its job here, as NIXL does the socket channel's)."""
     return "yes" if info.available else ("no" if info.fix else "not used")
+
+
+def _report_ucx_start(report: Report, nixl_ok: bool) -> None:
+    """UCX's start-up options in this process, and who set them (``nixl_setup.UCX_START_DEFAULTS``): tensorwire's
+    defaults, the user's value, or neither."""
+    from .backends.nixl_setup import ucx_start_options
+
+    if not nixl_ok:
+        return
+    report.section("UCX start-up options (read once, when NIXL loads UCX)")
+    _table(report, ["variable", "value", "set by"], [list(row) for row in ucx_start_options()])
+    report.line("tensorwire sets the ones you leave unset (TENSORWIRE_UCX_DEFAULTS=0: it sets none); see "
+                "docs/architecture.md, 'Start-up on a GPU host', for what they trade")
 
 
 def _report_cuda(report: Report, versions: dict) -> bool:

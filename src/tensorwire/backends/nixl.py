@@ -79,10 +79,11 @@ class NixlBackend:
         UCX may listen on (``network.ucx_net_devices``; None: UCX's default, every interface).
 
         Makes the agent, then calls ``on_ready()``; a failure to make it is kept and raised as
-        ``BackendUnavailableError`` by every call that needs the agent. A process's first NIXL agent costs 0.5-2 s,
-        nearly all of it UCX rewriting the entry of ``mmap``, ``munmap`` and the CUDA driver's allocation functions
-        in place with a grace period per function (``UCX_MEM_BISTRO_GRACE_DURATION``, 50 ms each; on an H100 host
-        ``init`` of 2 ranks took 1.6-2.2 s, 0.4 s with a grace of 0).
+        ``BackendUnavailableError`` by every call that needs the agent. Under UCX's own options a process's first
+        NIXL agent costs 0.5-2 s, nearly all of it UCX rewriting the entry of ``mmap``, ``munmap`` and the CUDA
+        driver's allocation functions in place with a grace period per function (``UCX_MEM_BISTRO_GRACE_DURATION``,
+        50 ms each; on an H100 host ``init`` of 2 ranks took 1.3-2.2 s); under the start-up options
+        ``nixl_setup`` sets (no memory hooks) it costs 0.02-0.05 s there, and ``init`` 0.21 s.
 
         Where the process can use CUDA the agent is made here, on the caller's thread, blocking: a thread that
         makes its first CUDA context while UCX rewrites the driver's functions can die of SIGSEGV (a rank making

@@ -1,6 +1,19 @@
 """Getting a NIXL agent: importing ``nixl`` (typed errors for what is missing), whether its UCX backend starts here
 (``info``), NIXL's log lines (demoted to DEBUG), and the agent built with a sleeping progress thread
-(``make_agent``). No transfers: ``backends/nixl.py`` uses what is made here.
+(``make_agent``), and UCX's start-up options (``UCX_START_DEFAULTS``). No transfers: ``backends/nixl.py`` uses
+what is made here.
+
+UCX's start-up options. UCX reads its memory-hook options once, from the process environment, when NIXL loads it;
+nothing NIXL passes later (its engine configuration) reaches them. UCX >= 1.21 patches each hooked function in place
+and spins a grace window (50 ms) per function before finishing it; a thread that enters a function while it is
+patched spins with it, and one that enters it past the window crashes. With the defaults ``UCX_START_DEFAULTS``
+names (no memory events, no registration cache), set here before the first ``import nixl`` for every variable the
+user has not set, UCX patches nothing (an H100 host: ``nixl_agent()`` 0.02-0.05 s instead of 1.2 s; what UCX gives
+up is in docs/architecture.md, "Start-up on a GPU host"). This is the one place the library writes the process
+environment: UCX offers no other way in, and the variables are inherited by the processes this one starts (the
+same defaults on every rank a launcher spawns).
+``TENSORWIRE_UCX_DEFAULTS=0`` (``config.ucx_defaults_enabled``) leaves the environment alone; a variable the user
+set always wins. ``ucx_start_options()`` says what is in effect and who set it (``tensorwire doctor`` prints it).
 """
 
 from __future__ import annotations
@@ -8,13 +21,16 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 from typing import Any
 
+from ..config import ucx_defaults_enabled
 from ..errors import BackendUnavailableError
 from .base import BackendInfo
 
-__all__ = ["info", "quiet_nixl_logging", "import_nixl", "make_agent", "INSTALL_NIXL", "nixl_installed"]
+__all__ = ["info", "quiet_nixl_logging", "import_nixl", "make_agent", "INSTALL_NIXL", "nixl_installed",
+           "UCX_START_DEFAULTS", "ucx_start_options"]
 
 INSTALL_NIXL = "pip install 'tensorwire[nixl]'"
 
@@ -40,9 +56,51 @@ class _DemoteInfo(logging.Filter):
 _DEMOTE_INFO = _DemoteInfo()
 
 
+# UCX's start-up options set where the user has not (see the module docstring). Measured against UCX's defaults,
+# UCX_MEMTYPE_CACHE=n and UCX_MEM_MMAP_HOOK_MODE=reloc in docs/architecture.md ("Start-up on a GPU host").
+UCX_START_DEFAULTS: dict[str, str] = {"UCX_MEM_EVENTS": "n", "UCX_RCACHE_ENABLE": "n"}
+
+_set_by_us: dict[str, str] = {}  # the defaults this process set, for doctor
+_loaded_before_us = False  # NIXL was imported before tensorwire could set them: UCX read the environment already
+_decided = False  # the first import_nixl of this process has looked (later ones change nothing)
+
+
+def _set_ucx_start_defaults() -> None:
+    """Set each of ``UCX_START_DEFAULTS`` the environment does not name, once, before NIXL (and UCX) first load."""
+    global _loaded_before_us, _decided
+    if _decided:
+        return
+    _decided = True
+    if "nixl._api" in sys.modules or "nixl" in sys.modules:
+        _loaded_before_us = any(k not in os.environ for k in UCX_START_DEFAULTS)
+        return
+    if not ucx_defaults_enabled():
+        return
+    for name, value in UCX_START_DEFAULTS.items():
+        if name not in os.environ:
+            os.environ[name] = value  # the library's one write of the environment: see the module docstring
+            _set_by_us[name] = value
+
+
+def ucx_start_options() -> list[tuple[str, str, str]]:
+    """``(variable, value in effect, who set it)`` for each of ``UCX_START_DEFAULTS``: ``"tensorwire"``, ``"user"``,
+    or ``"unset"`` (the defaults are off, or NIXL was loaded before tensorwire could set them)."""
+    rows = []
+    for name in UCX_START_DEFAULTS:
+        value = os.environ.get(name)
+        if value is None:
+            rows.append((name, "(UCX's default)", "unset: NIXL loaded before tensorwire" if _loaded_before_us
+                         else "unset"))
+        else:
+            rows.append((name, value, "tensorwire" if _set_by_us.get(name) == value else "user"))
+    return rows
+
+
 def import_nixl() -> tuple[Any, Any]:
-    """``(nixl._api, nixl._bindings)``, or ``BackendUnavailableError`` saying why not. NIXL's INFO lines are
-    demoted to DEBUG on ``tensorwire.nixl`` (``_DemoteInfo``)."""
+    """``(nixl._api, nixl._bindings)``, or ``BackendUnavailableError`` saying why not. The first call sets UCX's
+    start-up defaults where the user has not (module docstring). NIXL's INFO lines are demoted to DEBUG on
+    ``tensorwire.nixl`` (``_DemoteInfo``)."""
+    _set_ucx_start_defaults()
     try:
         api = importlib.import_module("nixl._api")
         bindings = importlib.import_module("nixl._bindings")

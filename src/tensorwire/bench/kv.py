@@ -20,6 +20,8 @@ Paths per case (rank 0 drives every one):
   ``initialize_xfer``; ``raw nixl prepped``: per-block descriptor lists prepped once, ``make_prepped_xfer``
   with int32 indices per request (what vLLM's NixlConnector does). Host memory, and GPU for <= 10k blocks
   (UCX READs one GPU's memory over TCP: ~0.4 GB/s).
+- ``tensorwire eager`` (GPU): ``synchronize(); post(host ids); wait(); synchronize()`` on the host clock, ids
+  fresh per request, against ``copy + sync`` (``synchronize(); copy_; synchronize()``) timed the same way.
 - ``contiguous copy``: one copy of the same number of bytes inside rank 0 (device copy on GPU), the
   hardware's reference; ``torch gather`` (GPU): ``index_select`` + ``index_copy_`` between two local pools.
 

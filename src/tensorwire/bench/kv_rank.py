@@ -3,6 +3,7 @@ their bytes checked (what each path is: ``tensorwire.bench.kv``)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict
 from typing import Any
 
@@ -14,7 +15,7 @@ from ..shared_memory import shared_empty
 from .command import progress
 from .kv_cases import Case, KvBenchConfig, cases
 from .kv_raw import raw_block_paths
-from .kv_report import COPY
+from .kv_report import COPY, EAGER, EAGER_COPY
 from .raw_nixl import RawNixl, init_with_store, release_store
 from .record import Record, compare_with
 from .timing import Budget, CudaEventClock, HostClock, Timing, host_seconds, measure, quantile, steadiest, time_call
@@ -161,6 +162,7 @@ def _bench_case(comm: Any, raw: RawNixl | None, config: KvBenchConfig, case: Cas
 
                 with torch.cuda.stream(stream):
                     timing = measure(on_stream, CudaEventClock(), budget)
+                out.append(_record(case, EAGER, _eager_timing(x, local_ids, remote_ids, budget), x.transport, []))
             else:
                 timing = measure(lambda x=x: (x.post(local_ids, remote_ids), x.wait(timeout=60)), HostClock(), budget)
             _verify(comm, x, case, pools, local_ids, remote_ids, local_pool, remote)
@@ -173,7 +175,21 @@ def _bench_case(comm: Any, raw: RawNixl | None, config: KvBenchConfig, case: Cas
                                                      (local_ids, remote_ids), budget):
             out.append(_record(case, name, timing, "nixl", post_us))
     out += _bench_local_references(case, pools, local_ids, remote_ids, budget)
-    return compare_with(out, COPY)
+    return compare_with(compare_with(out, COPY, [r.path for r in out if r.path != EAGER]), EAGER_COPY, [EAGER])
+
+
+def _eager_timing(x: Any, local_ids: np.ndarray, remote_ids: np.ndarray, budget: Budget) -> Timing:
+    """``synchronize(); post(ids); wait(); synchronize()`` on the host clock, ids in arrays fresh per request."""
+    fresh = itertools.cycle([(local_ids.copy(), remote_ids.copy()) for _ in range(8)])
+
+    def eager() -> None:
+        local, remote = next(fresh)
+        torch.cuda.synchronize()
+        x.post(local, remote)
+        x.wait(timeout=60)
+        torch.cuda.synchronize()
+
+    return measure(eager, HostClock(), budget)
 
 
 def _post_times(x: Any, local_ids: np.ndarray, remote_ids: np.ndarray, reps: int, on_gpu: bool) -> list[float]:
@@ -231,6 +247,12 @@ def _bench_local_references(case: Case, pools: _Pools, local_ids: np.ndarray, re
 
     out = [_record(case, COPY, steadiest(lambda: measure(contiguous, clock, budget)), "copy", [])]
     if on_gpu:
+        def copy_and_sync() -> None:
+            torch.cuda.synchronize()
+            landing.copy_(source)
+            torch.cuda.synchronize()
+
+        out.append(_record(case, EAGER_COPY, measure(copy_and_sync, HostClock(), budget), "copy", []))
         local = torch.as_tensor(local_ids, device=pools.source[0].device)
         remote = torch.as_tensor(remote_ids, device=pools.source[0].device)
 

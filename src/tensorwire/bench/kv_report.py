@@ -8,14 +8,17 @@ from pathlib import Path
 from .partial import Table
 from .record import STEADY_SPREAD, Record
 
-__all__ = ["COPY", "HEADING", "LEGEND", "TABLE", "rows", "format_report", "plot_kv"]
+__all__ = ["COPY", "EAGER", "EAGER_COPY", "HEADING", "LEGEND", "TABLE", "rows", "format_report", "plot_kv"]
 
 COPY = "contiguous copy"  # the reference of every path: the same bytes copied in one piece inside rank 0
+EAGER = "tensorwire eager"  # GPU: synchronize; post(host ids); wait(); synchronize, timed on the host
+EAGER_COPY = "copy + sync"  # its reference: synchronize; the contiguous copy; synchronize, timed on the host
 
 
 HEADING = [f"{'case':<44} {'path':<20} {'via':<9} {'post p50 us':>11} {'post p99 us':>11} {'median us':>11} "
            f"{'GB/s':>8} {'BW/copy':>8}"]
-LEGEND = ["", "BW/copy = GB/s over the same bytes copied contiguously inside rank 0; unsteady = that copy's "
+LEGEND = ["", "BW/copy = GB/s over the same bytes copied contiguously inside rank 0 (tensorwire eager: against "
+          "copy + sync, both timed on the host from a synchronize to the next); unsteady = that copy's "
           "p10-p90 spread", f"exceeded {STEADY_SPREAD:.0%} of its median after 3 tries: no ratio taken; via = the "
           "transport that moved the bytes"]
 
@@ -30,7 +33,7 @@ def rows(records: list[Record]) -> list[str]:
         case = (f"{r.memory} {r.op} {p['pattern']} {p['blocks']}x{p['block_bytes'] // 1024}KiB"
                 + (f" x{p['views']} views ({p['layout']})" if p["views"] > 1 else ""))
         post = f"{p['post_p50_us']:11.1f} {p['post_p99_us']:11.1f}" if "post_p50_us" in p else f"{'':>11} {'':>11}"
-        ratio = r.ratio_text() if r.reference == COPY else ""
+        ratio = r.ratio_text() if r.reference in (COPY, EAGER_COPY) else ""
         lines.append(f"{case:<44} {r.path:<20} {r.transport:<9} {post} {r.median_us:11.1f} {r.gbps:8.2f} {ratio:>8}")
     return lines
 
