@@ -22,6 +22,7 @@ import dataclasses
 import socket
 import threading
 import time
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -53,6 +54,7 @@ class Fleet(Rendezvous):
         self._heartbeat: threading.Thread | None = None
         self._membership: Membership | None = None
         self._stopping = threading.Event()
+        self._superseded: str | None = None  # why this member lost its name to another: the directory is lost to it
         # etcd: the lease outlives two missed heartbeats; a call gives up before Rendezvous's bound (liveness_s).
         self._etcd = EtcdStore(env.etcd, lease_ttl_s=2 * liveness_s, request_s=0.8 * liveness_s,
                                access=etcd_access) if env.etcd else None
@@ -153,16 +155,18 @@ class Fleet(Rendezvous):
                 time.sleep(e.seconds)
                 continue
             if not 0 <= proposed < OPEN_WORLD:
-                raise PeerLostError(f"init: the directory {self.where} proposed rank {proposed}, outside "
-                                    f"0..{OPEN_WORLD - 1}: its rank counter was set by hand; start it again")
+                raise PeerLostError(f"init: the directory {self.where} proposed rank {proposed}, outside the ranks a "
+                                    f"member can hold (0..{OPEN_WORLD - 1}): its rank counter (fleet/next_rank) was "
+                                    "moved past them by a process with write access to it; reset that key")
             self.env = dataclasses.replace(self.env, rank=proposed)
             try:
                 self._claim_rank()
             except InvalidArgumentError:
                 continue
             return self.env
-        raise PeerLostError(f"init: no free member rank in the directory {self.where} after 64 tries; its counter "
-                            "is being tampered with")
+        raise PeerLostError(f"init: no free member rank in the directory {self.where} after 64 tries: the 64 ranks "
+                            "its counter proposed were each claimed already (by members joining at once, or claims "
+                            "made ahead of the counter); try again")
 
     def _store_sealed(self, key: str, value: bytes) -> None:
         self._written[key] = value
@@ -240,6 +244,8 @@ class Fleet(Rendezvous):
                     self._reconnected(waiting=False)
                 elif not self._lease_kept() or not self.check(f"member/{self.env.rank}"):
                     self._restore()
+                else:
+                    self._claims_held()
             except Exception:  # noqa: BLE001 - down: found down again next time; nothing here may end the thread
                 continue
 
@@ -259,7 +265,7 @@ class Fleet(Rendezvous):
         was: a call right after the directory came back must not fail on the memory of a failed attempt made
         while it was coming back (an etcd cluster electing its leader). Either way within one ``liveness_s``, the
         bound of the call."""
-        if not self._owns_store and self._etcd is None:
+        if (not self._owns_store and self._etcd is None) or self._superseded is not None:
             return False
         now = time.monotonic()
         if not self._reconnecting.acquire(blocking=False):
@@ -302,13 +308,55 @@ class Fleet(Rendezvous):
 
     def _restore(self) -> None:
         """Put this member's values back into a directory that lost them: its claims (from empty only: a
-        claim someone else made meanwhile stands), its records, and a rank counter past its own rank."""
+        claim someone else made meanwhile stands), then, only if every claim is still its own, its records and a
+        rank counter past its own rank. A claim someone else holds now (its name, taken while this member was
+        stalled past its lease) means this member was superseded: it writes nothing back (its record would make
+        a second present member of that name) and every later directory call raises (``_supersede``)."""
         for key, mine in [(f"rank/{self.env.rank}", self._claim), *self._claims.items()]:
-            if mine is not None:
-                self._compare_set(key, b"", mine)
+            if mine is not None and self._compare_set(key, b"", mine) != mine:
+                self._supersede(key)
         for key, value in list(self._written.items()):
             self._call(lambda k=key, v=value: self.store.set(k, v), f"restoring {key!r}")
-        self._call(lambda: self.store.raise_to("fleet/next_rank", self.env.rank + 1), "restoring the rank counter")
+        try:
+            self._call(lambda: self.store.raise_to("fleet/next_rank", self.env.rank + 1), "restoring the rank counter")
+        except InvalidArgumentError:
+            pass  # the directory kept its counter's mark (a state file): no rank of this member is above it
+
+    def _claims_held(self) -> bool:
+        """Whether every claim of this member still holds its own value (one round trip per claim: its name). A
+        claim that went (deleted by another process) is put back; one that holds another member's value means
+        this member was superseded (``_supersede`` raises)."""
+        for key, mine in list(self._claims.items()):
+            found = self._call(lambda k=key: self.store.get(k) if self.store.check([k]) else None, f"reading {key!r}")
+            if found == mine:
+                continue
+            if found is None or found == b"":
+                if self._compare_set(key, found or b"", mine) == mine:
+                    continue
+            self._supersede(key)
+        return True
+
+    def _supersede(self, key: str) -> NoReturn:
+        """Another member holds ``key`` (this member's name) now: give back what this member still holds in the
+        directory and make every later directory call raise ``PeerLostError`` saying so. Never returns."""
+        why = (f"{self.env.name!r} (rank {self.env.rank}) was superseded in the fleet at {self.where}: another "
+               f"member holds {key!r} now (this process was stopped or cut off past its lease of "
+               f"{2 * self.liveness_s:g}s, or the claim was deleted, and the name was taken meanwhile); this "
+               "communicator no longer belongs to the fleet: close it and init again (under another name, or once "
+               "the other member left)")
+        for other, mine in [(f"rank/{self.env.rank}", self._claim), *self._claims.items()]:
+            if other != key and mine is not None:
+                try:
+                    self._compare_set(other, mine, b"")
+                except TensorwireError:
+                    pass
+        self._claims.clear()
+        self._written.clear()
+        self._claim = None
+        self._superseded = why
+        self._lost = why
+        self._stopping.set()
+        raise PeerLostError(why)
 
     def _store_name(self) -> str:
         return f"the directory {self.where}"
