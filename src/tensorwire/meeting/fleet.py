@@ -31,7 +31,7 @@ from ..errors import AuthenticationError, InvalidArgumentError, PeerLostError, T
 from ..sealing import seal
 from .directory_store import DirectoryStore, NotYet
 from .etcd_access import EtcdAccess
-from .etcd_store import EtcdStore
+from .etcd_store import EtcdStore, fleet_prefix
 from .membership import Member, Membership
 from .rendezvous import Rendezvous
 
@@ -57,7 +57,7 @@ class Fleet(Rendezvous):
         self._superseded: str | None = None  # why this member lost its name to another: the directory is lost to it
         # etcd: the lease outlives two missed heartbeats; a call gives up before Rendezvous's bound (liveness_s).
         self._etcd = EtcdStore(env.etcd, lease_ttl_s=2 * liveness_s, request_s=0.8 * liveness_s,
-                               access=etcd_access) if env.etcd else None
+                               access=etcd_access, fleet=fleet_prefix(token)) if env.etcd else None
         super().__init__(env, timeout_s, self._etcd, token=token, liveness_s=liveness_s)
 
     # --- the meeting interface -------------------------------------------------------------------------------

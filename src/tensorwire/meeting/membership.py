@@ -80,6 +80,12 @@ class Membership:
                 self._no_present_namesake()
                 return
             found, opened = holder
+            if found and opened is None:
+                raise InvalidArgumentError(
+                    f"init: the name {self.name!r} in the fleet at {self._rendezvous.where} is held by a claim this "
+                    "member's job token cannot open (written by a process with another TENSORWIRE_JOB_TOKEN, or "
+                    "forged); it is not taken over while its holder's lease lasts: check that every member has the "
+                    "fleet's token, or choose another name")
             rank = _rank(opened)
             if rank is not None and self._present(rank):
                 raise InvalidArgumentError(
