@@ -237,3 +237,20 @@ def test_what_a_member_creates_is_bounded_and_goes_with_it():
         while watcher.list_prefix("counter/0") or watcher.check(["counter/49"]):
             assert time.monotonic() < deadline, "a closed member's counters stayed"
             time.sleep(0.05)
+
+
+def test_a_member_stalled_mid_frame_keeps_its_keys_no_longer_than_its_lease():
+    from tensorwire.meeting import directory_wire as wire
+
+    with Directory(token=TOKEN) as directory:
+        watcher = _client(directory)
+        stalled = DirectoryStore(directory.host, directory.port, token=TOKEN, lease_s=1.0, connect_s=10.0,
+                                 request_s=10.0)
+        stalled.set("member/9", b"record")
+        frame = wire.encode(wire.Op.SET, b"member/10", bytes(1000))
+        stalled.socket.sendall(frame[:50])  # a frame begun and never finished
+        deadline = time.monotonic() + 60
+        while watcher.check(["member/9"]):
+            assert time.monotonic() < deadline, "a member stalled mid-frame kept its keys past its lease"
+            time.sleep(0.1)
+        stalled.close()
