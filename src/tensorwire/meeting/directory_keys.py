@@ -15,7 +15,8 @@ join rate fits (2**31 ms is 25 days); instead the directory keeps a *high-water 
 it hands out a rank at or past the mark it writes a mark ``_BLOCK`` ranks further (written to a new file, flushed
 to disk, renamed over the old one), and a restarted directory starts at the mark it finds. A kill -9 at any moment
 loses at most a block of numbers, never repeats one. Without a state file the counter starts at the seconds since
-2026-01-01 (above every rank of an earlier run that gave fewer than one a second), and members put theirs back.
+2026-01-01 (above every rank of an earlier run that gave fewer than one a second), and members put theirs back
+(``raise_to``), as they do into a directory whose state file is new.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ class RankCounter:
 
     def __init__(self, state: str | None) -> None:
         self.state = state
+        self.known = state is not None and os.path.exists(state)  # an earlier run's mark: nothing of it is above
         self.start = max(int(time.time()) - _EPOCH, self._read_mark())
         self.value = self.start
         self.reserved = self.start
@@ -170,11 +172,12 @@ class RankCounter:
 
     def raise_to(self, floor: int, proves: bool) -> tuple[int | None, str]:
         """Put back a rank a member holds: the counter raised to ``floor`` (never lowered). Only where the start
-        is unknown (no state file), by a member that holds the claim of rank ``floor - 1`` (``proves``), and at
-        most ``_RAISE_WINDOW`` past this run's start: no member moves the counter further than a rank it holds."""
+        is unknown (no state file, or a new one), by a member that holds the claim of rank ``floor - 1``
+        (``proves``), and at most ``_RAISE_WINDOW`` past this run's start: no member moves the counter further than
+        a rank it holds."""
         if floor <= self.value:
             return self.value, ""
-        if self.state is not None:
+        if self.known:
             return None, (f"the rank counter is at {self.value} and this directory keeps its high-water mark in "
                           f"{self.state}: no rank of an earlier run is above it, so raising it to {floor} is refused")
         if not proves:
@@ -183,5 +186,7 @@ class RankCounter:
         if floor > min(self.start + _RAISE_WINDOW, RANK_LIMIT):
             return None, (f"raising the rank counter to {floor} is refused: it started at {self.start} and no earlier "
                           f"run could have handed out ranks past {self.start + _RAISE_WINDOW}")
+        if self.state is not None and floor > self.reserved:
+            self._reserve(floor + _BLOCK)
         self.value = floor
         return self.value, ""
