@@ -54,11 +54,12 @@ class Fleet(Rendezvous):
         self._heartbeat: threading.Thread | None = None
         self._membership: Membership | None = None
         self._stopping = threading.Event()
-        self._superseded: str | None = None  # why this member lost its name to another: the directory is lost to it
         # etcd: the lease outlives two missed heartbeats; a call gives up before Rendezvous's bound (liveness_s).
         self._etcd = EtcdStore(env.etcd, lease_ttl_s=2 * liveness_s, request_s=0.8 * liveness_s,
                                access=etcd_access, fleet=fleet_prefix(token)) if env.etcd else None
         super().__init__(env, timeout_s, self._etcd, token=token, liveness_s=liveness_s)
+
+    _superseded: str | None = None  # why this member lost its name to another: the directory is lost to it
 
     # --- the meeting interface -------------------------------------------------------------------------------
     has_peers = True
