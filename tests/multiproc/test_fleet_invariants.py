@@ -254,3 +254,16 @@ def test_a_member_stalled_mid_frame_keeps_its_keys_no_longer_than_its_lease():
             assert time.monotonic() < deadline, "a member stalled mid-frame kept its keys past its lease"
             time.sleep(0.1)
         stalled.close()
+
+
+def test_a_member_holds_one_rank_claim_and_one_it_gave_back_counts_for_nothing():
+    import tensorwire as tw
+
+    with Directory(token=TOKEN) as directory:
+        member = _client(directory)
+        assert member.compare_set("rank/5", b"", b"mine") == b"mine"
+        with pytest.raises(tw.InvalidArgumentError, match="holds a rank claim already"):
+            member.compare_set("rank/6", b"", b"mine")
+        assert member.compare_set("rank/5", b"mine", b"") == b""  # given back (a rank whose holder still runs)
+        assert not member.check(["rank/5"])
+        assert member.compare_set("rank/6", b"", b"mine") == b"mine"  # so the next rank it is proposed is its own

@@ -265,18 +265,19 @@ class _Server:
 
     def _compare_set(self, session, key, _keys, fields) -> bytes:
         """As ``TCPStore``'s: ``desired`` stored (and returned) where ``key`` holds ``expected`` (or is missing and
-        ``expected`` is empty), else what it holds (``expected`` when it is missing)."""
+        ``expected`` is empty), else what it holds (``expected`` when it is missing). An empty ``desired`` deletes:
+        to every caller an empty claim and a missing one are alike (free)."""
         if key == RANK_COUNTER:
             return self._own_counter(session, key)
         expected, desired = fields[1], fields[2]
         current = self.keys.values.get(key)
         if (current is None and expected) or (current is not None and current != expected):
             return wire.encode(wire.Status.OK, expected if current is None else current)
-        if desired or current is not None:
-            refused = self._set(session, key, [], [fields[0], desired])
-            if refused != wire.encode(wire.Status.OK):
-                return refused
-        return wire.encode(wire.Status.OK, desired)
+        if not desired:  # given back (a name or rank released): gone, so it counts for nobody's bounds
+            self.keys.delete(key)
+            return wire.encode(wire.Status.OK, desired)
+        refused = self._set(session, key, [], [fields[0], desired])
+        return refused if refused != wire.encode(wire.Status.OK) else wire.encode(wire.Status.OK, desired)
 
     def _delete(self, session, key, _keys, _fields) -> bytes:
         if key == RANK_COUNTER:
