@@ -299,3 +299,65 @@ def test_fleets_with_different_tokens_share_no_name_in_one_etcd(fleet, etcd):
         _touch(os.path.join(work, out + ".stop"))
     _finish(first, "the first fleet's member")
     _finish(second, "the second fleet's member")
+
+
+# A member that asks members() when "<out>.ask" appears and writes the outcome to "<out>.answer".
+_ASKED_MEMBER = """
+import json, os, sys, time
+import tensorwire as tw
+out = sys.argv[3]
+comm = tw.init(directory=sys.argv[1], name=sys.argv[2], timeout=60)
+with open(out + ".tmp", "w") as f:
+    json.dump({"rank": comm.rank}, f)
+os.replace(out + ".tmp", out)
+while not os.path.exists(out + ".stop"):
+    if os.path.exists(out + ".ask"):
+        os.remove(out + ".ask")
+        try:
+            said = {"members": sorted(comm.members())}
+        except tw.TensorwireError as e:
+            said = {"error": type(e).__name__, "message": str(e)}
+        with open(out + ".answer.tmp", "w") as f:
+            json.dump(said, f)
+        os.replace(out + ".answer.tmp", out + ".answer")
+    time.sleep(0.05)
+comm.close()
+"""
+
+
+def test_a_member_stopped_past_its_etcd_lease_comes_back_superseded_not_as_a_twin(fleet, etcd):
+    work = fleet.work
+    old_out, new_out = os.path.join(work, "old.json"), os.path.join(work, "new.json")
+    old = subprocess.Popen([sys.executable, "-c", _ASKED_MEMBER, etcd.directory, "decode-0", old_out], env=fleet.env())
+    fleet.processes.append(old)
+    _await(old_out, timeout=120)
+    with open(old_out) as f:
+        old_rank = json.load(f)["rank"]
+    old.send_signal(signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 60
+        while f"tensorwire/member/{old_rank}" in etcd.keys():  # its lease expires
+            assert time.monotonic() < deadline, "a stopped member's keys outlived its etcd lease"
+            time.sleep(0.1)
+        new = subprocess.Popen([sys.executable, "-c", _ASKED_MEMBER, etcd.directory, "decode-0", new_out],
+                               env=fleet.env())
+        fleet.processes.append(new)
+        _await(new_out, timeout=120)
+    finally:
+        old.send_signal(signal.SIGCONT)
+    with open(new_out) as f:
+        new_rank = json.load(f)["rank"]
+    deadline = time.monotonic() + 4 * LIVENESS_S
+    while time.monotonic() < deadline:  # its heartbeats find the name taken: nothing written back
+        records = [key for key in etcd.keys() if key.startswith("tensorwire/member/")]
+        assert records == [f"tensorwire/member/{new_rank}"], records
+        time.sleep(0.1)
+    _touch(old_out + ".ask")
+    _await(old_out + ".answer", timeout=120)
+    with open(old_out + ".answer") as f:
+        said = json.load(f)
+    assert said.get("error") == "PeerLostError" and "superseded" in said["message"], said
+    for out in (old_out, new_out):
+        _touch(out + ".stop")
+    _finish(old, "the superseded member")
+    _finish(new, "the member that holds the name")
