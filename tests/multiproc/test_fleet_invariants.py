@@ -152,6 +152,12 @@ def test_a_deleted_name_claim_makes_no_twin_and_is_put_back(tmp_path, processes)
             assert time.monotonic() < deadline, "the deleted name claim was not put back"
             time.sleep(0.05)
         assert _named(watcher, "decode-0") == [first_rank]
+        watcher.set("name/decode-0", b"forged")  # a value that does not open is put back too
+        deadline = time.monotonic() + 30
+        while watcher.get("name/decode-0") == b"forged":
+            assert time.monotonic() < deadline, "a forged name claim was not put back"
+            time.sleep(0.05)
+        assert unseal(TOKEN, "name/decode-0", watcher.get("name/decode-0")) == str(first_rank).encode()
         open(first_out + ".stop", "w").close()
         assert first.wait(timeout=60) == 0
 

@@ -312,16 +312,20 @@ class Fleet(Rendezvous):
 
     def _claims_held(self) -> bool:
         """Whether every claim of this member still holds its own value (one round trip per claim: its name). A
-        claim that went (deleted by another process) is put back; one that holds another member's value means
-        this member was superseded (``_supersede`` raises)."""
+        claim that went (deleted by another process) or holds a value that does not open (forged) is put back; one
+        that another member holds with its record written means this member was superseded (``_supersede``
+        raises). One held by a member without a record is left for the next heartbeat: a newcomer that found the
+        claim empty gives it back once it sees this member present (``membership``)."""
         for key, mine in list(self._claims.items()):
             found = self._call(lambda k=key: self.store.get(k) if self.store.check([k]) else None, f"reading {key!r}")
             if found == mine:
                 continue
-            if found is None or found == b"":
-                if self._compare_set(key, found or b"", mine) == mine:
-                    continue
-            self._supersede(key)
+            if not found or not self._verifies(key, found):
+                self._compare_set(key, found or b"", mine)
+                continue
+            holder = self._open(key, found).decode(errors="replace")
+            if holder.isdigit() and self.check(f"member/{holder}"):
+                self._supersede(key)
         return True
 
     def _supersede(self, key: str) -> NoReturn:
