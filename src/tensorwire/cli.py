@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from types import ModuleType
 
@@ -81,6 +82,10 @@ def _parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
                            help="seconds after the start in which joins wait while the members of a restarted "
                                 "directory put their ranks back (default: twice TENSORWIRE_LIVENESS_S, the members' "
                                 "lease; 0 for a directory that no member has met yet)")
+    directory.add_argument("--state", default=None, metavar="FILE",
+                           help="file that keeps the rank counter's high-water mark, so that a directory started "
+                                "again never hands out a rank twice, however fast members joined (default: "
+                                "~/.local/state/tensorwire/directory-PORT.rank; 'none' for no file)")
     directory.set_defaults(handler=_directory, parser=directory)
 
     bench = commands.add_parser(
@@ -129,7 +134,11 @@ def _doctor(args: argparse.Namespace) -> int:
 def _directory(args: argparse.Namespace) -> int:
     from .meeting.directory import serve
 
-    serve(args.host, args.port, lambda line: print(line, flush=True), grace_s=args.grace)
+    state = args.state
+    if state is None and args.port:
+        state = os.path.expanduser(f"~/.local/state/tensorwire/directory-{args.port}.rank")
+    serve(args.host, args.port, lambda line: print(line, flush=True), grace_s=args.grace,
+          state=None if state in (None, "none") else state)
     return 0
 
 

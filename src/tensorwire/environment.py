@@ -6,6 +6,7 @@ Reads ``os.environ`` only (never writes it); no network, no store. ``meeting/`` 
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -72,7 +73,8 @@ def parse_directory(directory: str) -> DirectoryAddress:
     usage = ("give 'tcp://HOST:PORT' (a 'tensorwire directory') or 'etcd://[USER@]HOST:PORT[,HOST:PORT...]' (etcd's "
              "endpoints; 'etcds://' for TLS)")
     if not isinstance(directory, str) or "://" not in directory:
-        raise InvalidArgumentError(f"init: directory={directory!r}; {usage}")
+        shown = _redacted(directory) if isinstance(directory, str) else repr(type(directory))
+        raise InvalidArgumentError(f"init: directory={shown!r}; {usage}")
     scheme, _, where = directory.partition("://")
     user = None
     if "@" in where:
@@ -88,9 +90,16 @@ def parse_directory(directory: str) -> DirectoryAddress:
     for endpoint in where.split(",") if scheme in ("etcd", "etcds") else [where]:
         host, _, port = endpoint.strip().rpartition(":")
         if scheme not in ("tcp", "etcd", "etcds") or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidArgumentError(f"init: directory={directory!r}; {usage}, with ports in 1..65535")
+            raise InvalidArgumentError(f"init: directory={_redacted(directory)!r}; {usage}, with ports in 1..65535")
         endpoints.append((host.strip("[]"), int(port)))
     return DirectoryAddress("tcp" if scheme == "tcp" else "etcd", tuple(endpoints), user, scheme == "etcds")
+
+
+def _redacted(directory: str) -> str:
+    """``directory`` as an error may show it: no password, whether after ``user:`` before an ``@`` (with or without
+    a scheme), in a query (``?password=...``) or a fragment: everything that could be one is masked."""
+    shown = re.sub(r"[?#].*", "?***", directory)
+    return re.sub(r"([^/@:]*):[^@]*@", r"\1:***@", shown)
 
 
 def _launcher_rank() -> int | None:

@@ -18,9 +18,10 @@ import time
 
 import pytest
 import torch
-from test_fleet import LIVENESS_S, WAIT, _await, _finish, _Fleet, _touch, _value, check_decode_saw
+from test_fleet import LIVENESS_S, TOKEN, WAIT, _await, _finish, _Fleet, _touch, _value, check_decode_saw
 
 import tensorwire as tw
+from tensorwire.meeting.etcd_store import fleet_prefix
 
 if shutil.which("etcd") is None:
     pytest.skip("no etcd binary (apt-get install etcd-server): etcd fleets not tested", allow_module_level=True)
@@ -55,12 +56,14 @@ class _Cluster:
     def client(self, i: int = 0):
         return etcd3gw.Etcd3Client("127.0.0.1", self.client_ports[i], api_path="/v3/", timeout=2)
 
-    def keys(self) -> list[str]:
-        """tensorwire's keys, read from the first node that answers."""
+    def keys(self, token: str = TOKEN) -> list[str]:
+        """The keys of the fleet of ``token``, read from the first node that answers, without the fleet's own part
+        of the prefix (``tensorwire/member/3`` for ``tensorwire/<fleet>/member/3``)."""
+        fleet = f"tensorwire/{fleet_prefix(token.encode())}/"
         for i, process in enumerate(self.processes):
             if process is not None and process.poll() is None:
-                found = self.client(i).get_prefix("tensorwire/")  # (value, metadata) pairs
-                return sorted(meta["key"].decode() for _, meta in found)
+                found = self.client(i).get_prefix(fleet)  # (value, metadata) pairs
+                return sorted("tensorwire/" + meta["key"].decode()[len(fleet):] for _, meta in found)
         raise RuntimeError("no etcd node runs")
 
     def await_quorum(self, timeout: float = 30.0) -> None:
@@ -245,3 +248,116 @@ def test_losing_one_etcd_node_changes_nothing_and_losing_two_fails_directory_cal
     assert seen["members_after"] == ["decode-0", "prefill-0", "prefill-1"], seen
     assert seen["recovered_after_s"] < LIVENESS_S + 15.0, seen
     assert seen["read_after"] is True
+
+
+# A member of the fleet of its TENSORWIRE_JOB_TOKEN: joins, says its rank and what members() lists (names), and
+# leaves when "<out>.stop" exists; a refused init is written out as the error instead.
+_NAMED_MEMBER = """
+import json, os, sys, time
+import tensorwire as tw
+out = sys.argv[3]
+try:
+    comm = tw.init(directory=sys.argv[1], name=sys.argv[2], timeout=60)
+except tw.TensorwireError as e:
+    with open(out, "w") as f:
+        json.dump({"error": type(e).__name__, "message": str(e)}, f)
+    raise SystemExit(0)
+with open(out + ".tmp", "w") as f:
+    json.dump({"rank": comm.rank, "names": sorted(m.name for m in comm.members().values())}, f)
+os.replace(out + ".tmp", out)
+while not os.path.exists(out + ".stop"):
+    time.sleep(0.05)
+comm.close()
+"""
+
+
+def _named(fleet, etcd, name: str, out: str, token: str) -> tuple[subprocess.Popen, dict]:
+    process = subprocess.Popen([sys.executable, "-c", _NAMED_MEMBER, etcd.directory, name, out], env=fleet.env(token))
+    fleet.processes.append(process)
+    _await(out, timeout=120)
+    with open(out) as f:
+        return process, json.load(f)
+
+
+def test_fleets_with_different_tokens_share_no_name_in_one_etcd(fleet, etcd):
+    """Two fleets (two tokens) in one etcd: each holds its own "decode-0", under a prefix of its own; a name claim
+    this fleet's token cannot open (forged into its prefix) is refused, not taken over."""
+    work, other = fleet.work, "another-fleet-token-0123456789"
+    first, mine = _named(fleet, etcd, "decode-0", os.path.join(work, "a.json"), TOKEN)
+    second, theirs = _named(fleet, etcd, "decode-0", os.path.join(work, "b.json"), other)
+    assert "error" not in mine and "error" not in theirs, (mine, theirs)
+    assert "tensorwire/name/decode-0" in etcd.keys(TOKEN) and "tensorwire/name/decode-0" in etcd.keys(other)
+    # The first fleet's name is still its own member's: a newcomer of the first fleet under that name is refused.
+    _, again = _named(fleet, etcd, "decode-0", os.path.join(work, "c.json"), TOKEN)
+    assert again.get("error") == "InvalidArgumentError" and "is present" in again["message"], again
+    client = etcd.client()
+    lease = client.lease(ttl=60)
+    client.put(f"tensorwire/{fleet_prefix(TOKEN.encode())}/name/decode-1", "forged", lease=lease)
+    _, forged = _named(fleet, etcd, "decode-1", os.path.join(work, "d.json"), TOKEN)
+    assert forged.get("error") == "InvalidArgumentError" and "cannot open" in forged["message"], forged
+    for out in ("a.json", "b.json"):
+        _touch(os.path.join(work, out + ".stop"))
+    _finish(first, "the first fleet's member")
+    _finish(second, "the second fleet's member")
+
+
+# A member that asks members() when "<out>.ask" appears and writes the outcome to "<out>.answer".
+_ASKED_MEMBER = """
+import json, os, sys, time
+import tensorwire as tw
+out = sys.argv[3]
+comm = tw.init(directory=sys.argv[1], name=sys.argv[2], timeout=60)
+with open(out + ".tmp", "w") as f:
+    json.dump({"rank": comm.rank}, f)
+os.replace(out + ".tmp", out)
+while not os.path.exists(out + ".stop"):
+    if os.path.exists(out + ".ask"):
+        os.remove(out + ".ask")
+        try:
+            said = {"members": sorted(comm.members())}
+        except tw.TensorwireError as e:
+            said = {"error": type(e).__name__, "message": str(e)}
+        with open(out + ".answer.tmp", "w") as f:
+            json.dump(said, f)
+        os.replace(out + ".answer.tmp", out + ".answer")
+    time.sleep(0.05)
+comm.close()
+"""
+
+
+def test_a_member_stopped_past_its_etcd_lease_comes_back_superseded_not_as_a_twin(fleet, etcd):
+    work = fleet.work
+    old_out, new_out = os.path.join(work, "old.json"), os.path.join(work, "new.json")
+    old = subprocess.Popen([sys.executable, "-c", _ASKED_MEMBER, etcd.directory, "decode-0", old_out], env=fleet.env())
+    fleet.processes.append(old)
+    _await(old_out, timeout=120)
+    with open(old_out) as f:
+        old_rank = json.load(f)["rank"]
+    old.send_signal(signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 60
+        while f"tensorwire/member/{old_rank}" in etcd.keys():  # its lease expires
+            assert time.monotonic() < deadline, "a stopped member's keys outlived its etcd lease"
+            time.sleep(0.1)
+        new = subprocess.Popen([sys.executable, "-c", _ASKED_MEMBER, etcd.directory, "decode-0", new_out],
+                               env=fleet.env())
+        fleet.processes.append(new)
+        _await(new_out, timeout=120)
+    finally:
+        old.send_signal(signal.SIGCONT)
+    with open(new_out) as f:
+        new_rank = json.load(f)["rank"]
+    deadline = time.monotonic() + 4 * LIVENESS_S
+    while time.monotonic() < deadline:  # its heartbeats find the name taken: nothing written back
+        records = [key for key in etcd.keys() if key.startswith("tensorwire/member/")]
+        assert records == [f"tensorwire/member/{new_rank}"], records
+        time.sleep(0.1)
+    _touch(old_out + ".ask")
+    _await(old_out + ".answer", timeout=120)
+    with open(old_out + ".answer") as f:
+        said = json.load(f)
+    assert said.get("error") == "PeerLostError" and "superseded" in said["message"], said
+    for out in (old_out, new_out):
+        _touch(out + ".stop")
+    _finish(old, "the superseded member")
+    _finish(new, "the member that holds the name")

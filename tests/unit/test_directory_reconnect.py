@@ -13,7 +13,7 @@ from tensorwire.meeting.fleet import Fleet
 
 def _member(attempts: list, connects: bool = True, attempt_s: float = 0.0) -> Fleet:
     member = object.__new__(Fleet)  # only the fields _reconnected reads
-    member._owns_store, member._etcd, member.liveness_s = True, None, 2.0
+    member._owns_store, member.liveness_s = True, 2.0
     member._reconnecting, member._lost = threading.Lock(), "lost the directory (stood in)"
     member._next_reconnect = time.monotonic() + 60.0  # an attempt failed just now
 

@@ -167,3 +167,16 @@ def test_config_refuses_a_non_finite_timeout(monkeypatch):
     monkeypatch.setenv("TENSORWIRE_TIMEOUT", "nan")
     with pytest.raises(tw.InvalidArgumentError, match="TENSORWIRE_TIMEOUT='nan' is not finite"):
         config.load()
+
+
+@pytest.mark.parametrize("directory", [
+    "etcd:/bob:hunter2@etcd-0:2379",  # a scheme mistyped
+    "etcd-0:2379?password=hunter2",  # no scheme, a query
+    "bob:hunter2@etcd-0:2379",
+    "etcd://etcd-0:2379?password=hunter2",
+    "tcp://etcd-0:99999#hunter2",
+])
+def test_a_malformed_directory_url_is_refused_without_its_password(directory):
+    with pytest.raises(tw.InvalidArgumentError) as refused:
+        environment.parse_directory(directory)
+    assert "hunter2" not in str(refused.value) and "etcd" in str(refused.value)

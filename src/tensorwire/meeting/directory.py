@@ -2,7 +2,8 @@
 
 A fleet's members meet here (``tw.init(directory="tcp://HOST:PORT", name=...)``): it holds their sealed records
 (ranks, names, memory maps, liveness addresses) and nothing else. It is the control plane only: transfers go peer
-to peer and do not touch it. It listens on ``HOST``'s interface only and keeps nothing on disk.
+to peer and do not touch it. It listens on ``HOST``'s interface only and keeps one number on disk (its state file:
+the rank counter's high-water mark, ``directory_keys.py``).
 
 Trust. Started with the job token (``TENSORWIRE_JOB_TOKEN``), it serves only a process that proves it holds the
 token on that connection (``directory_wire``'s handshake): a stranger cannot read, write, delete, list or count
@@ -12,22 +13,21 @@ unauthenticated job is.
 Presence is a lease. Every key a member writes belongs to its connection: when the connection ends (the process
 died: its kernel closes it at once) or stays silent past the lease the member asked for (its host went: two
 liveness periods), the member's keys go. So what the directory lists is what live members wrote; a name is free
-the moment its holder is gone. Counters (``add``) belong to nobody and start at the directory's *epoch* (seconds
-since 2026-01-01 when it started), and they do not move during a grace period after the start (``grace_s``: joins
+the moment its holder is gone. Counters (``add``) belong to the member that moved them last and go with it; the rank
+counter is the directory's own (``directory_keys.py``: moved by joins only, bounded, kept above every rank handed
+out across restarts by its state file). It does not move during a grace period after the start (``grace_s``: joins
 wait; ``tensorwire directory`` gives twice the liveness period, the members' lease), in which the members of a
-restarted directory reconnect and put their keys and ranks back. So a restart never hands a newcomer the rank of a
-live member.
+restarted directory reconnect and put their keys back.
 
 Bounds (``Limits``): connections, handshakes pending (in all and per host), the time a handshake may take, value
-and key sizes, keys and bytes held. Each refusal answers the caller with the reason where it can and is logged (at
-most once a second per kind, with a count). Non-goals: replication (use etcd where one process is not enough) and
-keeping its contents across its own restart.
+and key sizes, keys and bytes held, keys per member. Each refusal answers the caller with the reason where it can
+and is logged (at most once a second per kind, with a count). Non-goals: replication (use etcd where one process
+is not enough) and keeping its contents (other than the rank counter's mark) across its own restart.
 """
 
 from __future__ import annotations
 
 import asyncio
-import calendar
 import hmac
 import logging
 import resource
@@ -36,45 +36,22 @@ import signal
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 
 from .. import config as config_module
 from ..errors import InvalidArgumentError
 from . import directory_wire as wire
+from .directory_keys import RANK_COUNTER, Keys, Limits, RankCounter
+from .directory_keys import Session as _Session
 from .store_sockets import ListenerWords, listen_socket
 
 __all__ = ["Directory", "Limits", "serve"]
 
 log = logging.getLogger("tensorwire.directory")
-_EPOCH = calendar.timegm((2026, 1, 1, 0, 0, 0))
+_LIMITS = Limits()
 # Where it listens is set with ``tensorwire directory --host/--port`` (or ``Directory(host, port)``): its refusals
 # name those, not the launcher's MASTER_ADDR/MASTER_PORT.
 _LISTENER_WORDS = ListenerWords("directory: cannot listen", "--host {!r}", "--port (0 picks a free one)",
                                 "this machine")
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one directory holds and serves at most."""
-
-    connections: int = 1024
-    pending_handshakes: int = 64
-    pending_per_host: int = 16
-    handshake_s: float = 5.0
-    keys: int = 200_000
-    bytes_held: int = 1 << 30
-    value_bytes: int = wire.MAX_VALUE
-    lease_s: tuple[float, float] = (1.0, 600.0)  # a member's lease is clamped to this range
-    counter_digits: int = 19  # a counter stays an int64
-
-
-@dataclass(eq=False)
-class _Session:
-    """One authenticated connection and the keys it wrote."""
-
-    peer: str
-    lease_s: float
-    keys: set[str] = field(default_factory=set)
 
 
 class _Refusals:
@@ -92,65 +69,14 @@ class _Refusals:
             log.warning("tensorwire directory refused %s (%d so far): %s", kind, self._counts[kind], detail)
 
 
-class _Keys:
-    """The values, who owns each (a session; counters: nobody) and the totals the limits bound."""
-
-    def __init__(self, limits: Limits, epoch: int) -> None:
-        self.values: dict[str, bytes] = {}
-        self.owner: dict[str, _Session] = {}
-        self.bytes_held = 0
-        self._limits, self._epoch = limits, epoch
-
-    def refusal(self, key: str, value: bytes) -> str | None:
-        """Why ``key`` may not take ``value``, or None."""
-        limits = self._limits
-        if len(value) > limits.value_bytes:
-            return f"a value of {len(value)} bytes for {key!r} is over the directory's {limits.value_bytes}"
-        if key not in self.values and len(self.values) >= limits.keys:
-            return f"the directory holds {len(self.values)} keys, its limit"
-        if self.bytes_held + len(value) - len(self.values.get(key, b"")) > limits.bytes_held:
-            return f"the directory holds {self.bytes_held} bytes, its limit is {limits.bytes_held}"
-        return None
-
-    def put(self, key: str, value: bytes, session: _Session | None) -> None:
-        self.bytes_held += len(key) + len(value) - (len(key) + len(self.values[key]) if key in self.values else 0)
-        self.values[key] = value
-        before = self.owner.pop(key, None)
-        if before is not None:
-            before.keys.discard(key)
-        if session is not None:
-            self.owner[key] = session
-            session.keys.add(key)
-
-    def delete(self, key: str) -> bool:
-        value = self.values.pop(key, None)
-        if value is None:
-            return False
-        self.bytes_held -= len(key) + len(value)
-        owner = self.owner.pop(key, None)
-        if owner is not None:
-            owner.keys.discard(key)
-        return True
-
-    def end(self, session: _Session) -> None:
-        """The session is over: its keys go."""
-        for key in list(session.keys):
-            if self.owner.get(key) is session:
-                self.delete(key)
-        session.keys.clear()
-
-    def counter(self, key: str) -> int:
-        raw = self.values.get(key)
-        return self._epoch if raw is None else int(raw)
-
-
 class _Server:
     """The asyncio side: handshakes, sessions and the operations, on one event loop (one thread)."""
 
-    def __init__(self, token: bytes | None, limits: Limits, grace_s: float) -> None:
+    def __init__(self, token: bytes | None, limits: Limits, grace_s: float, ranks: RankCounter) -> None:
         self.token, self.limits = token, limits
         self.grace_until = time.monotonic() + grace_s  # counters do not move before: live members restore first
-        self.keys = _Keys(limits, int(time.time()) - _EPOCH)
+        self.keys = Keys(limits)
+        self.ranks = ranks
         self.refused = _Refusals()
         self.connections = 0
         self.pending: dict[asyncio.Task, str] = {}  # handshakes under way, oldest first -> the caller's host
@@ -242,21 +168,26 @@ class _Server:
 
     async def _serve(self, reader, writer, session: _Session) -> None:
         while True:
-            # A member's heartbeat speaks every half liveness period: silence past its lease means it is gone.
-            (size,) = wire.LENGTH.unpack(await asyncio.wait_for(reader.readexactly(wire.LENGTH.size), session.lease_s))
-            if size > wire.MAX_FRAME:
-                self.refused("a request", f"from {session.peer}: a frame of {size} bytes")
-                writer.write(wire.encode(wire.Status.REFUSED, f"a request of {size} bytes is over the directory's "
-                                                              f"{wire.MAX_FRAME}".encode()))
-                await writer.drain()
-                return
-            request = wire.decode(await reader.readexactly(size))
+            # A member's heartbeat speaks every half liveness period: silence past its lease means it is gone. The
+            # bound covers the whole frame: a member stalled mid-frame is as silent as one that sends nothing.
+            request = await asyncio.wait_for(self._frame(reader, writer, session), session.lease_s)
             answer = self._answer(request, session) if request is not None else None
             if answer is None:
                 self.refused("a request", f"from {session.peer}: malformed")
                 return
             writer.write(answer)
             await writer.drain()
+
+    async def _frame(self, reader, writer, session: _Session) -> tuple[int, list[bytes]] | None:
+        """The next request, None when it is malformed or over the frame's bound (the session ends)."""
+        (size,) = wire.LENGTH.unpack(await reader.readexactly(wire.LENGTH.size))
+        if size > wire.MAX_FRAME:
+            self.refused("a request", f"from {session.peer}: a frame of {size} bytes")
+            writer.write(wire.encode(wire.Status.REFUSED, f"a request of {size} bytes is over the directory's "
+                                                          f"{wire.MAX_FRAME}".encode()))
+            await writer.drain()
+            return None
+        return wire.decode(await reader.readexactly(size))
 
     def _answer(self, request: tuple[int, list[bytes]], session: _Session) -> bytes | None:
         """The answer frame to one request; None for a request no member sends (the session ends)."""
@@ -274,74 +205,93 @@ class _Server:
         return handler(self, session, key, keys or [], fields)
 
     # --- the operations (each: (server, session, key, keys, fields) -> frame) -------------------------------------
+    def _refuse(self, session, kind: str, why: str) -> bytes:
+        self.refused(kind, f"from {session.peer}: {why}")
+        return wire.encode(wire.Status.REFUSED, why.encode())
+
+    def _own_counter(self, session, key: str) -> bytes:
+        return self._refuse(session, "a write", f"{key!r} is the directory's rank counter: members move it only by "
+                                                "joining (add 1), never set, compare, delete or add to it otherwise")
+
     def _set(self, session, key, _keys, fields) -> bytes:
-        refusal = self.keys.refusal(key, fields[1])
+        if key == RANK_COUNTER:
+            return self._own_counter(session, key)
+        refusal = self.keys.refusal(key, fields[1], session)
         if refusal is not None:
-            self.refused("a value", f"from {session.peer}: {refusal}")
-            return wire.encode(wire.Status.REFUSED, refusal.encode())
+            return self._refuse(session, "a value", refusal)
         self.keys.put(key, fields[1], session)
         return wire.encode(wire.Status.OK)
 
     def _get(self, _session, key, _keys, _fields) -> bytes:
+        if key == RANK_COUNTER:
+            return wire.encode(wire.Status.OK, str(self.ranks.value).encode())
         value = self.keys.values.get(key)
         return wire.encode(wire.Status.MISSING) if value is None else wire.encode(wire.Status.OK, value)
 
     def _check(self, _session, _key, keys, _fields) -> bytes:
-        return wire.encode(wire.Status.OK, b"1" if all(k in self.keys.values for k in keys) else b"0")
+        held = all(k == RANK_COUNTER or k in self.keys.values for k in keys)
+        return wire.encode(wire.Status.OK, b"1" if held else b"0")
 
-    def _add(self, session, key, _keys, fields) -> bytes:
+    def _amount(self, field_: bytes) -> int | None:
         digits = self.limits.counter_digits
         try:
-            amount = int(fields[1]) if len(fields[1]) <= digits + 1 else None
-            value = self.keys.counter(key) + amount if amount is not None else None
+            return int(field_) if len(field_) <= digits + 1 else None
+        except ValueError:
+            return None
+
+    def _add(self, session, key, _keys, fields) -> bytes:
+        amount, digits = self._amount(fields[1]), self.limits.counter_digits
+        wait_s = self.grace_until - time.monotonic()
+        if amount and key == RANK_COUNTER and wait_s > 0:  # a rank handed out now could be one a member puts back
+            return wire.encode(wire.Status.WAIT, f"{wait_s:.3f}".encode())
+        if amount is not None and key == RANK_COUNTER:
+            value, why = self.ranks.add(amount)
+            return self._refuse(session, "a join", why) if value is None else \
+                wire.encode(wire.Status.OK, str(value).encode())
+        try:
+            value = int(self.keys.values.get(key, b"0")) + amount if amount is not None else None
         except ValueError:
             value = None
         if value is None or len(str(abs(value))) > digits:
-            return wire.encode(wire.Status.REFUSED, f"{key!r} is not a counter, or the amount or the sum is no "
-                                                    f"integer of at most {digits} digits".encode())
-        wait_s = self.grace_until - time.monotonic()
-        if amount and wait_s > 0:  # a rank handed out now could be one a live member is about to put back
-            return wire.encode(wire.Status.WAIT, f"{wait_s:.3f}".encode())
-        if amount:
-            refusal = self.keys.refusal(key, str(value).encode())
+            return self._refuse(session, "a counter", f"{key!r} is not a counter, or the amount or the sum is no "
+                                                      f"integer of at most {digits} digits")
+        if amount or key not in self.keys.values:
+            refusal = self.keys.refusal(key, str(value).encode(), session)
             if refusal is not None:
-                self.refused("a counter", f"from {session.peer}: {refusal}")
-                return wire.encode(wire.Status.REFUSED, refusal.encode())
-            self.keys.put(key, str(value).encode(), None)  # a counter outlives its writers
+                return self._refuse(session, "a counter", refusal)
+            self.keys.put(key, str(value).encode(), session)  # the counter goes with the member that moved it last
         return wire.encode(wire.Status.OK, str(value).encode())
 
     def _raise(self, session, key, _keys, fields) -> bytes:
-        """A counter raised to at least the floor given (never lowered). Allowed in the grace period: it hands
-        nothing out, it puts back what a member holds (its rank)."""
-        digits = self.limits.counter_digits
-        try:
-            floor = int(fields[1]) if len(fields[1]) <= digits else None
-            value = max(self.keys.counter(key), floor) if floor is not None else None
-        except ValueError:
-            value = None
-        if value is None:
-            return wire.encode(wire.Status.REFUSED, f"{key!r} is not a counter or the floor is no integer".encode())
-        if value != self.keys.counter(key) or key not in self.keys.values:
-            refusal = self.keys.refusal(key, str(value).encode())
-            if refusal is not None:
-                return wire.encode(wire.Status.REFUSED, refusal.encode())
-            self.keys.put(key, str(value).encode(), None)
-        return wire.encode(wire.Status.OK, str(value).encode())
+        """The rank counter raised to a floor (never lowered) by a member that holds the rank below the floor:
+        it hands nothing out, it puts back what a member holds, so it is allowed in the grace period."""
+        floor = self._amount(fields[1])
+        if key != RANK_COUNTER or floor is None:
+            return self._refuse(session, "a counter", f"only the rank counter is raised, to an integer (not {key!r} "
+                                                      f"to {fields[1][:24]!r})")
+        value, why = self.ranks.raise_to(floor, self.keys.owner.get(f"rank/{floor - 1}") is session)
+        return self._refuse(session, "a raise", why) if value is None else \
+            wire.encode(wire.Status.OK, str(value).encode())
 
     def _compare_set(self, session, key, _keys, fields) -> bytes:
         """As ``TCPStore``'s: ``desired`` stored (and returned) where ``key`` holds ``expected`` (or is missing and
-        ``expected`` is empty), else what it holds (``expected`` when it is missing)."""
+        ``expected`` is empty), else what it holds (``expected`` when it is missing). An empty ``desired`` deletes:
+        to every caller an empty claim and a missing one are alike (free)."""
+        if key == RANK_COUNTER:
+            return self._own_counter(session, key)
         expected, desired = fields[1], fields[2]
         current = self.keys.values.get(key)
         if (current is None and expected) or (current is not None and current != expected):
             return wire.encode(wire.Status.OK, expected if current is None else current)
-        if desired or current is not None:
-            refused = self._set(session, key, [], [fields[0], desired])
-            if refused != wire.encode(wire.Status.OK):
-                return refused
-        return wire.encode(wire.Status.OK, desired)
+        if not desired:  # given back (a name or rank released): gone, so it counts for nobody's bounds
+            self.keys.delete(key)
+            return wire.encode(wire.Status.OK, desired)
+        refused = self._set(session, key, [], [fields[0], desired])
+        return refused if refused != wire.encode(wire.Status.OK) else wire.encode(wire.Status.OK, desired)
 
-    def _delete(self, _session, key, _keys, _fields) -> bytes:
+    def _delete(self, session, key, _keys, _fields) -> bytes:
+        if key == RANK_COUNTER:
+            return self._own_counter(session, key)
         return wire.encode(wire.Status.OK, b"1" if self.keys.delete(key) else b"0")
 
     def _list(self, _session, _key, keys, _fields) -> bytes:
@@ -370,12 +320,19 @@ class Directory:
     ``token``: the job token members must prove (default: ``TENSORWIRE_JOB_TOKEN``; None: an open directory).
     ``grace_s``: for how long after the start counters do not move (joins wait; members already in a fleet
     reconnect and put their ranks back meanwhile): give a restarted directory its members' heartbeat period,
-    ``tensorwire directory`` does. Serves on a thread of its own; construction returns once it listens."""
+    ``tensorwire directory`` does. ``state``: the file that keeps the rank counter's high-water mark, so that a
+    restarted directory never hands out a rank twice (None: none). Serves on a thread of its own; construction
+    returns once it listens."""
 
     _DEFAULT = object()
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: bytes | None | object = _DEFAULT,
-                 limits: Limits = Limits(), grace_s: float = 0.0) -> None:
+                 limits: Limits = _LIMITS, grace_s: float = 0.0, state: str | None = None) -> None:
+        try:
+            ranks = RankCounter(state)
+        except OSError as e:
+            raise InvalidArgumentError(f"directory: cannot keep the rank counter's mark in {state} ({e}); pass "
+                                       "--state a file this user can write") from e
         listener, why_not = listen_socket(host, port, _LISTENER_WORDS)
         if listener is None:
             raise InvalidArgumentError(f"directory: cannot listen on {host}:{port} ({why_not}); choose another "
@@ -386,7 +343,7 @@ class Directory:
             log.warning("tensorwire directory at %s is open: TENSORWIRE_JOB_TOKEN is not set, so any process that "
                         "reaches its port can read and change the fleet's records; start it with the fleet's token",
                         self.address)
-        self._server = _Server(self.token, limits, grace_s)
+        self._server = _Server(self.token, limits, grace_s, ranks)
         self._loop = asyncio.new_event_loop()
         self._stopped = asyncio.Event()
         started = threading.Event()
@@ -429,10 +386,10 @@ class Directory:
         self.close()
 
 
-def serve(host: str, port: int, announce=print, grace_s: float | None = None) -> None:
+def serve(host: str, port: int, announce=print, grace_s: float | None = None, state: str | None = None) -> None:
     """Run a directory until SIGINT/SIGTERM. Blocks. ``grace_s`` (default twice ``TENSORWIRE_LIVENESS_S``, the
     members' lease): joins wait that long after the start, so that a restart never hands a newcomer the rank of a
-    live member that has not put it back yet."""
+    live member that has not put it back yet. ``state``: the rank counter's high-water mark (see ``Directory``)."""
     grace_s = 2 * config_module.load().liveness_s if grace_s is None else grace_s
     logging.basicConfig(format="%(message)s")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -441,9 +398,11 @@ def serve(host: str, port: int, announce=print, grace_s: float | None = None) ->
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with Directory(host, port, grace_s=grace_s) as directory:
+    with Directory(host, port, grace_s=grace_s, state=state) as directory:
         trust = "members prove the job token" if directory.token is not None else "OPEN: no job token"
+        kept = f"ranks kept in {state}" if state else "no state file: ranks follow the clock"
         announce(f"tensorwire directory at {directory.address} (members join with "
-                 f"TENSORWIRE_DIRECTORY={directory.address}; {trust}; joins wait {grace_s:g}s after the start)")
+                 f"TENSORWIRE_DIRECTORY={directory.address}; {trust}; joins wait {grace_s:g}s after the start; "
+                 f"{kept})")
         while not stop.wait(3600):
             pass

@@ -16,13 +16,16 @@ import secrets
 import socket
 import threading
 import time
+import warnings
 
 import torch.distributed as dist
 
-from ..errors import AuthenticationError, InvalidArgumentError, PeerLostError, WaitTimeoutError
+from ..errors import AuthenticationError, InvalidArgumentError, PeerLostError, TensorwireWarning, WaitTimeoutError
 from . import directory_wire as wire
 
 __all__ = ["DirectoryStore", "NotYet"]
+
+_SAY_AFTER_S = 3.0  # a directory that does not take connections for this long is said to be missing
 
 
 class NotYet(Exception):  # noqa: N818 - a signal to the caller, not an error a user sees
@@ -69,9 +72,17 @@ class DirectoryStore(dist.Store):
 
     # --- the connection -------------------------------------------------------------------------------------------
     def _connect(self, host: str, port: int, connect_s: float) -> socket.socket:
-        deadline = time.monotonic() + connect_s
-        pause = 0.01
+        """A connection to the directory, tried again while it does not take connections (it may be starting), for
+        at most ``connect_s``; a host name that does not resolve fails at once, and a wait past ``_SAY_AFTER_S``
+        says so once (where, and what to check), so a wrong address is not minutes of silence."""
+        start = time.monotonic()
+        deadline, pause, said = start + connect_s, 0.01, False
         while True:
+            try:
+                socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except (socket.gaierror, UnicodeError) as e:
+                raise InvalidArgumentError(f"the directory's host {host!r} ({self.where}) does not resolve here ({e}); "
+                                           "check TENSORWIRE_DIRECTORY / directory=") from e
             try:
                 sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.05))
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -80,6 +91,12 @@ class DirectoryStore(dist.Store):
                 if time.monotonic() + pause >= deadline:
                     raise PeerLostError(f"could not reach the directory at {self.where} within {connect_s:.3g}s "
                                         f"({e}); is `tensorwire directory` running there?") from e
+                if not said and time.monotonic() - start >= _SAY_AFTER_S:
+                    said = True
+                    warnings.warn(f"tensorwire: still no directory at {self.where} after {_SAY_AFTER_S:g}s ({e}); "
+                                  f"trying until {connect_s:.3g}s have passed (init's timeout): check that `tensorwire "
+                                  "directory` runs there and TENSORWIRE_DIRECTORY / directory= names its host and "
+                                  "port", TensorwireWarning, stacklevel=2)
                 time.sleep(pause)
                 pause = min(pause * 2, 0.2)
 

@@ -4,8 +4,9 @@ gateway over HTTP).
 What a fleet member's ``Rendezvous`` (``meeting/fleet.py``) calls of its store, as etcd requests: ``set`` (a
 put), ``get`` / ``check`` (linearizable ranges: a value read was committed by a quorum), ``compare_set`` and ``add``
 (transactions that compare the value, or the revision read, so of two members racing for a key one wins),
-``delete_key``. Keys live under ``tensorwire/``; values arrive sealed by ``Rendezvous`` (with a job token etcd
-holds ciphertext bound to its key, as the embedded directory does).
+``delete_key``. Keys live under ``tensorwire/<fleet>/``, ``<fleet>`` derived from the job token (``fleet_prefix``:
+fleets with different tokens share no key, not even a name's claim); values arrive sealed by ``Rendezvous``
+(with a job token etcd holds ciphertext bound to its key, as the embedded directory does).
 
 Leases. Everything this store writes with ``set`` / ``compare_set`` is attached to one lease of ``lease_ttl_s``
 that the member keeps alive (``keep_alive``, from its heartbeat every half liveness period), so the keys of a
@@ -37,6 +38,8 @@ from __future__ import annotations
 
 import base64
 import datetime
+import hashlib
+import hmac
 import math
 import threading
 import time
@@ -58,9 +61,17 @@ from .etcd_access import (
     tls_failure,
 )
 
-__all__ = ["EtcdStore"]
+__all__ = ["EtcdStore", "fleet_prefix"]
 
 PREFIX = "tensorwire/"
+
+
+def fleet_prefix(token: bytes | None) -> str:
+    """The key prefix (under ``tensorwire/``) of the fleet whose job token is ``token``: a MAC of a fixed label, so
+    it names the fleet without telling anything of the token; ``open`` for fleets without one."""
+    if token is None:
+        return "open"
+    return hmac.new(token, b"tensorwire etcd fleet prefix", hashlib.sha256).hexdigest()[:32]
 
 
 def _client_module():
@@ -107,14 +118,17 @@ def _ranged(response: dict) -> tuple[bytes, int] | None:
 class EtcdStore(dist.Store):
     """The keys of one fleet in the etcd cluster at ``endpoints`` (``(host, port)`` of its client URLs).
 
-    ``lease_ttl_s``: the TTL of this member's lease (rounded up to whole seconds; keep it alive with
-    ``keep_alive`` at least every half TTL). ``request_s``: the bound of every call. ``access``: credentials and
-    TLS (``InvalidArgumentError`` here for a certificate file that does not load). Every call blocks for its
-    round trips (about a millisecond each on a local network), at most ``request_s``."""
+    ``fleet``: the fleet's own key prefix under ``tensorwire/`` (``fleet_prefix``: derived from the job token, so
+    fleets with different tokens never see each other's keys). ``lease_ttl_s``: the TTL of this member's lease
+    (rounded up to whole seconds; keep it alive with ``keep_alive`` at least every half TTL). ``request_s``: the
+    bound of every call. ``access``: credentials and TLS (``InvalidArgumentError`` here for a certificate file that
+    does not load). Every call blocks for its round trips (about a millisecond each on a local network), at most
+    ``request_s``."""
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], *, lease_ttl_s: float, request_s: float,
-                 access: EtcdAccess | None = None) -> None:
+                 access: EtcdAccess | None = None, fleet: str = "") -> None:
         super().__init__()
+        self._prefix = f"{PREFIX}{fleet}/" if fleet else PREFIX
         etcd3gw = _client_module()
         self._errors = etcd3gw.exceptions
         self._access = access = access or EtcdAccess()
@@ -277,7 +291,7 @@ class EtcdStore(dist.Store):
         return self._post("/kv/txn", payload, deadline)
 
     def _range(self, key: str, deadline: float) -> tuple[bytes, int] | None:
-        return _ranged(self._post("/kv/range", {"key": _b64((PREFIX + key).encode())}, deadline))
+        return _ranged(self._post("/kv/range", {"key": _b64((self._prefix + key).encode())}, deadline))
 
     # --- the lease ---------------------------------------------------------------------------------------------
     def _leased(self, write: Callable[[int], dict], deadline: float) -> dict:
@@ -317,7 +331,7 @@ class EtcdStore(dist.Store):
 
     # --- the Store calls ---------------------------------------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
-        put, deadline = {"key": _b64((PREFIX + key).encode()), "value": _b64(_bytes(value))}, self._deadline()
+        put, deadline = {"key": _b64((self._prefix + key).encode()), "value": _b64(_bytes(value))}, self._deadline()
         self._leased(lambda lease: self._post("/kv/put", {**put, "lease": lease}, deadline), deadline)
 
     def get(self, key: str) -> bytes:
@@ -334,7 +348,7 @@ class EtcdStore(dist.Store):
 
     def check(self, keys: list[str]) -> bool:
         """Whether every key exists: one transaction comparing their create revisions."""
-        compare = [{"key": _b64((PREFIX + key).encode()), "target": "CREATE", "result": "GREATER",
+        compare = [{"key": _b64((self._prefix + key).encode()), "target": "CREATE", "result": "GREATER",
                     "create_revision": 0} for key in keys]
         return bool(self._txn({"compare": compare, "success": [], "failure": []}, self._deadline()).get("succeeded"))
 
@@ -354,14 +368,14 @@ class EtcdStore(dist.Store):
             time.sleep(0.01)
 
     def delete_key(self, key: str) -> bool:
-        answer = self._post("/kv/deleterange", {"key": _b64((PREFIX + key).encode())}, self._deadline())
+        answer = self._post("/kv/deleterange", {"key": _b64((self._prefix + key).encode())}, self._deadline())
         return int(answer.get("deleted", 0)) > 0
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         """As ``TCPStore``'s: ``desired`` stored (and returned) if ``key`` holds ``expected`` (or is missing and
         ``expected`` is empty), else the value it holds (``expected`` when it is missing)."""
         expected, desired, deadline = _bytes(expected), _bytes(desired), self._deadline()
-        encoded = _b64((PREFIX + key).encode())
+        encoded = _b64((self._prefix + key).encode())
 
         def swap(compare: dict) -> tuple[bool, tuple[bytes, int] | None]:
             answer = self._leased(lambda lease: self._txn({
@@ -395,7 +409,7 @@ class EtcdStore(dist.Store):
         """The counter under ``key`` (decimal, no lease: it outlives the member), moved by ``amount``: a
         transaction on the revision read, tried again when another member moved it first."""
         deadline = self._deadline()
-        encoded = _b64((PREFIX + key).encode())
+        encoded = _b64((self._prefix + key).encode())
         while True:
             found = self._range(key, deadline)
             current = int(found[0] or b"0") if found is not None else 0
@@ -418,14 +432,14 @@ class EtcdStore(dist.Store):
 
     def list_prefix(self, prefix: str) -> dict[str, bytes]:
         """Every key under ``prefix`` (without this store's own prefix) with its value: one linearizable range."""
-        start = (PREFIX + prefix).encode()
+        start = (self._prefix + prefix).encode()
         end = start[:-1] + bytes([start[-1] + 1])
         answer = self._post("/kv/range", {"key": _b64(start), "range_end": _b64(end)}, self._deadline())
-        return {base64.b64decode(kv["key"]).decode()[len(PREFIX):]: base64.b64decode(kv.get("value", ""))
+        return {base64.b64decode(kv["key"]).decode()[len(self._prefix):]: base64.b64decode(kv.get("value", ""))
                 for kv in answer.get("kvs") or []}
 
     def num_keys(self) -> int:
-        prefix = PREFIX.encode()
+        prefix = self._prefix.encode()
         end = prefix[:-1] + bytes([prefix[-1] + 1])
         answer = self._post("/kv/range", {"key": _b64(prefix), "range_end": _b64(end), "count_only": True},
                             self._deadline())

@@ -9,11 +9,13 @@ not use it), the next call reconnects once it is back, and the heartbeat thread 
 values, a rank counter past its own rank. Everything written goes through ``Rendezvous``'s sealing.
 
 The directory is the embedded one (``tcp://``: ``directory_store.py``'s authenticated connection to ``directory.py``)
-or an etcd cluster (``etcd://``: ``etcd_store.py``, which fails over between its endpoints by itself). Either way
-this member's keys live under its lease, which the heartbeat keeps alive: the embedded directory keeps them while
-the connection lives and speaks at least every twice ``liveness_s``; etcd's lease has that TTL. A member that died
-leaves the directory at once (embedded) or within twice ``liveness_s`` (etcd), and one whose lease ended while it
-could not reach the directory writes its keys again under a new lease, as into a directory that came back empty.
+or an etcd cluster (``etcd://``: ``etcd_store.py``, which fails over between its endpoints by itself), each behind
+one link (``directory_links.py``: where, keep alive, reconnect, release), so nothing here branches on the kind.
+Either way this member's keys live under its lease, which the heartbeat keeps alive: the embedded directory keeps
+them while the connection lives and speaks at least every twice ``liveness_s``; etcd's lease has that TTL. A member
+that died leaves the directory at once (embedded) or within twice ``liveness_s`` (etcd), and one whose lease ended
+while it could not reach the directory writes its keys again under a new lease, as into a directory that came back
+empty.
 """
 
 from __future__ import annotations
@@ -22,15 +24,16 @@ import dataclasses
 import socket
 import threading
 import time
+from typing import NoReturn
 
 import torch.distributed as dist
 
 from ..environment import OPEN_WORLD, Environment
 from ..errors import AuthenticationError, InvalidArgumentError, PeerLostError, TensorwireError, WaitTimeoutError
 from ..sealing import seal
+from .directory_links import link_for
 from .directory_store import DirectoryStore, NotYet
 from .etcd_access import EtcdAccess
-from .etcd_store import EtcdStore
 from .membership import Member, Membership
 from .rendezvous import Rendezvous
 
@@ -48,15 +51,15 @@ class Fleet(Rendezvous):
         self._claims: dict[str, bytes] = {}  # keys taken with claim()/take_over() -> the exact bytes written
         self._written: dict[str, bytes] = {}  # values as written (sealed): put back into a directory that lost them
         self._next_reconnect = 0.0
-        self._etcd_lease_lost = False  # found expired while reconnecting: its keys are written again
+        self._lease_lost = False  # found expired while reconnecting (etcd): its keys are written again
         self._reconnecting = threading.Lock()
         self._heartbeat: threading.Thread | None = None
         self._membership: Membership | None = None
         self._stopping = threading.Event()
-        # etcd: the lease outlives two missed heartbeats; a call gives up before Rendezvous's bound (liveness_s).
-        self._etcd = EtcdStore(env.etcd, lease_ttl_s=2 * liveness_s, request_s=0.8 * liveness_s,
-                               access=etcd_access) if env.etcd else None
-        super().__init__(env, timeout_s, self._etcd, token=token, liveness_s=liveness_s)
+        self._link = link_for(env, token, liveness_s, etcd_access)  # the embedded directory or etcd
+        super().__init__(env, timeout_s, self._link.store, token=token, liveness_s=liveness_s)
+
+    _superseded: str | None = None  # why this member lost its name to another: the directory is lost to it
 
     # --- the meeting interface -------------------------------------------------------------------------------
     has_peers = True
@@ -103,15 +106,12 @@ class Fleet(Rendezvous):
 
     # --- the directory ------------------------------------------------------------------------------------------
 
-    def _connect(self, timeout_s: float | None = None) -> DirectoryStore:
-        """An authenticated connection to the embedded directory (``AuthenticationError`` for another token),
-        trying for ``timeout_s`` (init's timeout) while it does not take connections."""
-        return DirectoryStore(self.env.master_addr, self.env.master_port, token=self._token,
-                              lease_s=2 * self.liveness_s, connect_s=self.timeout_s if timeout_s is None else timeout_s,
-                              request_s=self.liveness_s)
+    def _connect(self) -> dist.Store:
+        """This member's connection to its directory, tried for init's timeout while it does not take any."""
+        return self._link.connect(self.timeout_s)
 
     def _sockets_of(self, store: dist.Store, before: set[int]) -> list[socket.socket]:
-        return [store.socket] if isinstance(store, DirectoryStore) else []
+        return self._link.sockets(store)
 
     @property
     def token(self) -> bytes | None:
@@ -132,9 +132,7 @@ class Fleet(Rendezvous):
     @property
     def where(self) -> str:
         """The directory, as ``init``'s ``directory=`` names it."""
-        if self._etcd is not None:
-            return "etcd://" + ",".join(self._etcd.endpoints)
-        return f"tcp://{self.env.master_addr}:{self.env.master_port}"
+        return self._link.where
 
     def _claim_identity(self) -> Environment:
         """A fleet member's rank: the directory's next number (``add``: a counter, so unauthenticated; it only
@@ -153,16 +151,18 @@ class Fleet(Rendezvous):
                 time.sleep(e.seconds)
                 continue
             if not 0 <= proposed < OPEN_WORLD:
-                raise PeerLostError(f"init: the directory {self.where} proposed rank {proposed}, outside "
-                                    f"0..{OPEN_WORLD - 1}: its rank counter was set by hand; start it again")
+                raise PeerLostError(f"init: the directory {self.where} proposed rank {proposed}, outside the ranks a "
+                                    f"member can hold (0..{OPEN_WORLD - 1}): its rank counter (fleet/next_rank) was "
+                                    "moved past them by a process with write access to it; reset that key")
             self.env = dataclasses.replace(self.env, rank=proposed)
             try:
                 self._claim_rank()
             except InvalidArgumentError:
                 continue
             return self.env
-        raise PeerLostError(f"init: no free member rank in the directory {self.where} after 64 tries; its counter "
-                            "is being tampered with")
+        raise PeerLostError(f"init: no free member rank in the directory {self.where} after 64 tries: the 64 ranks "
+                            "its counter proposed were each claimed already (by members joining at once, or claims "
+                            "made ahead of the counter); try again")
 
     def _store_sealed(self, key: str, value: bytes) -> None:
         self._written[key] = value
@@ -240,15 +240,14 @@ class Fleet(Rendezvous):
                     self._reconnected(waiting=False)
                 elif not self._lease_kept() or not self.check(f"member/{self.env.rank}"):
                     self._restore()
+                else:
+                    self._claims_held()
             except Exception:  # noqa: BLE001 - down: found down again next time; nothing here may end the thread
                 continue
 
     def _lease_kept(self) -> bool:
-        """Keep this member's etcd lease alive; False when it had expired (its keys are gone). True for the
-        embedded directory (no leases)."""
-        if self._etcd is None:
-            return True
-        return bool(self._call(self._etcd.keep_alive, "keeping this member's etcd lease alive"))
+        """Keep this member's lease alive; False when it had expired (its keys are gone)."""
+        return bool(self._call(self._link.keep_alive, "keeping this member's lease alive"))
 
     def _reconnected(self, waiting: bool = True) -> bool:
         """A fleet member whose directory was lost: connect again and put its values back; True once connected. A
@@ -259,7 +258,7 @@ class Fleet(Rendezvous):
         was: a call right after the directory came back must not fail on the memory of a failed attempt made
         while it was coming back (an etcd cluster electing its leader). Either way within one ``liveness_s``, the
         bound of the call."""
-        if not self._owns_store and self._etcd is None:
+        if self._superseded is not None:
             return False
         now = time.monotonic()
         if not self._reconnecting.acquire(blocking=False):
@@ -277,49 +276,90 @@ class Fleet(Rendezvous):
 
     def _connect_again(self, now: float) -> bool:
         self._next_reconnect = now + self.liveness_s / 2
-        if self._etcd is not None:  # no connection to make: back once a quorum answers (bounded like every call)
-            try:
-                if not self._calls.run(self._etcd.keep_alive, self.liveness_s):
-                    self._etcd_lease_lost = True
-            except Exception:  # noqa: BLE001 - still no quorum: the caller raises with the reason kept
-                return False
-        else:
-            try:
-                store = self._connect(self.liveness_s)
-            except TensorwireError:  # still down (or restarted with another token): the caller raises the reason
-                return False
-            old = self._use_store(store, [store.socket])
+        try:
+            store, lease_lost = self._link.reconnect(lambda fn, s: self._calls.run(fn, s), self.liveness_s)
+        except Exception:  # noqa: BLE001 - still down (no quorum, another token): the caller raises the reason kept
+            return False
+        self._lease_lost = self._lease_lost or lease_lost
+        if store is not None:
+            old = self._use_store(store, self._link.sockets(store))
             if isinstance(old, DirectoryStore):
                 old.close()
         self._found_again()
         try:
-            if self._etcd_lease_lost or not self.check(f"member/{self.env.rank}"):
+            if self._lease_lost or not self.check(f"member/{self.env.rank}"):
                 self._restore()
-                self._etcd_lease_lost = False
+                self._lease_lost = False
         except TensorwireError:
             return False
         return True
 
     def _restore(self) -> None:
         """Put this member's values back into a directory that lost them: its claims (from empty only: a
-        claim someone else made meanwhile stands), its records, and a rank counter past its own rank."""
+        claim someone else made meanwhile stands), then, only if every claim is still its own, its records and a
+        rank counter past its own rank. A claim someone else holds now (its name, taken while this member was
+        stalled past its lease) means this member was superseded: it writes nothing back (its record would make
+        a second present member of that name) and every later directory call raises (``_supersede``)."""
         for key, mine in [(f"rank/{self.env.rank}", self._claim), *self._claims.items()]:
-            if mine is not None:
-                self._compare_set(key, b"", mine)
+            if mine is not None and self._compare_set(key, b"", mine) != mine:
+                self._supersede(key)
         for key, value in list(self._written.items()):
             self._call(lambda k=key, v=value: self.store.set(k, v), f"restoring {key!r}")
-        self._call(lambda: self.store.raise_to("fleet/next_rank", self.env.rank + 1), "restoring the rank counter")
+        try:
+            self._call(lambda: self.store.raise_to("fleet/next_rank", self.env.rank + 1), "restoring the rank counter")
+        except InvalidArgumentError:
+            pass  # the directory kept its counter's mark (a state file): no rank of this member is above it
+
+    def _claims_held(self) -> bool:
+        """Whether every claim of this member still holds its own value (one round trip per claim: its name). A
+        claim that went (deleted by another process) or holds a value that does not open (forged) is put back; one
+        that another member holds with its record written means this member was superseded (``_supersede``
+        raises). One held by a member without a record is left for the next heartbeat: a newcomer that found the
+        claim empty gives it back once it sees this member present (``membership``)."""
+        for key, mine in list(self._claims.items()):
+            found = self._call(lambda k=key: self.store.get(k) if self.store.check([k]) else None, f"reading {key!r}")
+            if found == mine:
+                continue
+            if not found or not self._verifies(key, found):
+                self._compare_set(key, found or b"", mine)
+                continue
+            holder = self._open(key, found).decode(errors="replace")
+            if holder.isdigit() and self.check(f"member/{holder}"):
+                self._supersede(key)
+        return True
+
+    def _supersede(self, key: str) -> NoReturn:
+        """Another member holds ``key`` (this member's name) now: give back what this member still holds in the
+        directory and make every later directory call raise ``PeerLostError`` saying so. Never returns."""
+        why = (f"{self.env.name!r} (rank {self.env.rank}) was superseded in the fleet at {self.where}: another "
+               f"member holds {key!r} now (this process was stopped or cut off past its lease of "
+               f"{2 * self.liveness_s:g}s, or the claim was deleted, and the name was taken meanwhile); this "
+               "communicator no longer belongs to the fleet: close it and init again (under another name, or once "
+               "the other member left)")
+        for other, mine in [(f"rank/{self.env.rank}", self._claim), *self._claims.items()]:
+            if other != key and mine is not None:
+                try:
+                    self._compare_set(other, mine, b"")
+                except TensorwireError:
+                    pass
+        self._claims.clear()
+        self._written.clear()
+        self._claim = None
+        self._superseded = why
+        self._lost = why
+        self._stopping.set()
+        raise PeerLostError(why)
 
     def _store_name(self) -> str:
         return f"the directory {self.where}"
 
     def close(self) -> None:
-        """Local, plus in etcd one bounded round trip: this member's lease is revoked, so its keys leave at once
-        (skipped while etcd does not answer: they expire)."""
+        """Local, plus where the directory needs it (etcd) one bounded round trip: this member's lease is revoked,
+        so its keys leave at once (skipped while it does not answer: they expire)."""
         self.stop_heartbeat()
-        if self._etcd is not None and self._lost is None and self._calls is not None:
+        if self._lost is None and self.store is not None:
             try:
-                self._call(self._etcd.revoke, "revoking this member's etcd lease")
+                self._call(self._link.release, "releasing this member's lease")
             except TensorwireError:
                 pass
         super().close()

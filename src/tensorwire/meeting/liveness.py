@@ -20,14 +20,14 @@ The handshake (``liveness_handshake.py``): a connection counts for a rank only o
 Local trouble is not a verdict. A peer counts as gone only on evidence from its side: end-of-file, a reset, a
 refused connection or a timeout on its connection. Failing to open a socket here (no descriptor to spare,
 ``EMFILE``/``ENFILE``, or no memory, ``ENOMEM``/``ENOBUFS``) raises ``TransferError`` from ``check``/``watch``,
-saying so and how to fix it, and the next check tries again. Connections that have not finished their handshake
-are capped per listener (``_MAX_PENDING``; the oldest is closed), so that whoever floods the port costs this
-process a bounded number of descriptors.
+saying so and how to fix it, and the next check tries again. A connection is served as it is accepted, and those
+that have not finished their handshake are capped per listener (``_MAX_PENDING``; the one silent the longest is
+closed): a flood of the port costs a bounded number of descriptors and never crowds out a member that speaks.
 
-Questions. Any process may ask the listener who runs it or which memory map epoch its rank published last, on a
-connection of its own that the listener answers (bound to the asker's nonce under the token) and closes; such a
-connection never counts for a rank (``listener_queries``). ``serve`` waits for connections and handshakes on the
-listener (the revocation thread runs it), so questions and handshakes are answered at once, not at a next poll.
+Questions. A process that proves the token may ask the listener who runs it or which memory map epoch its rank
+published last, on a connection of its own that the listener answers (bound to the asker's nonce) and closes; it
+never counts for a rank (``listener_queries``). ``serve`` (the revocation thread runs it) waits on the listener and
+its handshakes, so questions and handshakes are answered at once, not at a next poll.
 
 Non-goals: the connections are authenticated once, when they open; after that nothing travels on them to
 protect, and whoever sits on the path can still reset one (a denial of service, like deleting store values). A
@@ -49,7 +49,7 @@ from collections.abc import Callable
 
 from ..environment import hostname
 from ..errors import PeerLostError, TransferError
-from .listener_queries import HELLO, MAP_EPOCH, NONCE_BYTES, PROBE, WAKE, answer
+from .listener_queries import HELLO, MAP_EPOCH, NONCE_BYTES, PROBE, QUESTION_BYTES, WAKE, answer, asked
 from .liveness_handshake import (
     ACCEPTED,
     ANSWER_BYTES,
@@ -60,6 +60,7 @@ from .liveness_handshake import (
     Outgoing,
     answer_mac,
     collected,
+    keep_bounded,
     wake_mac,
 )
 from .peer_sockets import broken, from_peer, local_trouble, read_up_to, send_now, tune
@@ -106,8 +107,7 @@ class Liveness:
     # --- the public checks ------------------------------------------------------------------------
     def check(self, rank: int, what: str | Callable[[], str]) -> None:
         """Raise ``PeerLostError`` (naming ``what``, a string or a callable that makes one) if ``rank`` is known to
-        be gone; otherwise return at once. Rate-limited: a peer's sockets are looked at every ``_CHECK_PERIOD_S``
-        at most."""
+        be gone; otherwise return at once. Rate-limited (a peer's sockets: every ``_CHECK_PERIOD_S`` at most)."""
         reason = self.lost(rank, fresh=rank in self._trouble)
         if reason is None:
             self._raise_trouble(rank, what)
@@ -306,17 +306,17 @@ class Liveness:
             self._answer_challenge(sock, outgoing)
 
     def _accept(self) -> None:
-        """Accept what is pending (no descriptor to spare: the rest waits in the kernel's backlog), keeping at
-        most ``_MAX_PENDING`` unfinished handshakes: a genuine rank whose handshake is dropped reconnects."""
+        """Accept what is pending (no descriptor to spare: the rest waits in the kernel's backlog), each served at
+        once (a member's question or hello comes with it), keeping at most ``_MAX_PENDING`` unfinished ones."""
         while True:
             try:
                 sock, _ = self._listener.accept()
             except OSError:  # BlockingIOError: none pending; EMFILE and the like: later
                 return
             sock.setblocking(False)
-            self._incoming.append(Incoming(sock))
-            if len(self._incoming) > _MAX_PENDING:
-                self._incoming.pop(0).sock.close()
+            pending = Incoming(sock)
+            if not self._verify(pending):  # else settled at once: answered, counted or refused
+                keep_bounded(self._incoming, pending, _MAX_PENDING)
 
     def _verify(self, pending: Incoming) -> bool:
         """One step of an accepted connection's handshake; True once it is settled (counted for its rank, or
@@ -379,8 +379,8 @@ class Liveness:
         return Handshake.COUNTED
 
     def _take_wake(self, pending: Incoming) -> Handshake:
-        """A poke's proof: a time (ms) and its MAC under the token, within a minute of this host's clock (a wake
-        from a stranger, or an old one replayed, wakes the thread once but keeps it from polling for a second)."""
+        """A poke's proof: a time (ms) and its MAC, within a minute of this host's clock (a stranger's wake, or
+        one replayed, wakes the thread once but keeps it from polling for a second)."""
         received = collected(pending, WAKE_PROOF.size + ANSWER_BYTES)
         if isinstance(received, Handshake):
             return received
@@ -391,13 +391,13 @@ class Liveness:
         return Handshake.PROBED
 
     def _take_probe(self, pending: Incoming) -> Handshake:
-        """Answer a question (``listener_queries``: who runs this listener, or its map epoch), bound to its nonce
-        under the token."""
-        received = collected(pending, NONCE_BYTES)
-        if isinstance(received, Handshake):
-            return received
+        """Answer a member's question (``listener_queries``), bound to its nonce; a stranger's goes unanswered."""
+        received = collected(pending, QUESTION_BYTES(self._token))
+        nonce = asked(pending.probe, self._token, self.rank, received) if isinstance(received, bytes) else None
+        if nonce is None:
+            return received if isinstance(received, Handshake) else Handshake.REFUSED
         payload = self._who if pending.probe == PROBE else struct.pack("<I", self.map_epoch())
-        send_now(pending.sock, answer(pending.probe, self._token, received, self.rank, payload))
+        send_now(pending.sock, answer(pending.probe, self._token, nonce, self.rank, payload))
         return Handshake.PROBED
 
     def _answer_challenge(self, sock: socket.socket, outgoing: Outgoing) -> None:

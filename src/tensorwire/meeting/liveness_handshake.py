@@ -27,7 +27,7 @@ import time
 from .peer_sockets import read_up_to
 
 __all__ = ["MAGIC", "ANSWER_BYTES", "ACCEPTED", "WAKE_PROOF", "Handshake", "Incoming", "Outgoing", "answer_mac",
-           "wake_mac", "collected"]
+           "wake_mac", "collected", "keep_bounded"]
 
 MAGIC = b"TWL"
 ANSWER_BYTES = 32  # HMAC-SHA256(token, _ANSWER_LABEL | nonce | connecting rank u32 | listening rank u32)
@@ -66,6 +66,16 @@ class Incoming:
         self.rank: int | None = None  # claimed by the hello
         self.nonce = b""  # the challenge sent (with a token)
         self.probe = b""  # a question's kind (``listener_queries``), not a rank's connection
+
+
+def keep_bounded(incoming: list[Incoming], pending: Incoming, limit: int) -> None:
+    """Add ``pending`` to ``incoming``; over ``limit``, close the one silent the longest (no byte received): a
+    flood of idle connections drops its own first, never a member that spoke; a member dropped anyway asks again."""
+    incoming.append(pending)
+    if len(incoming) > limit:
+        silent = next((p for p in incoming if not p.received and p.rank is None), incoming[0])
+        incoming.remove(silent)
+        silent.sock.close()
 
 
 def collected(pending: Incoming, size: int) -> bytes | Handshake:

@@ -77,8 +77,15 @@ class Membership:
         for _ in range(8):
             holder = self._rendezvous.claim(key, mine)
             if holder is None:
+                self._no_present_namesake()
                 return
             found, opened = holder
+            if found and opened is None:
+                raise InvalidArgumentError(
+                    f"init: the name {self.name!r} in the fleet at {self._rendezvous.where} is held by a claim this "
+                    "member's job token cannot open (written by a process with another TENSORWIRE_JOB_TOKEN, or "
+                    "forged); it is not taken over while its holder's lease lasts: check that every member has the "
+                    "fleet's token, or choose another name")
             rank = _rank(opened)
             if rank is not None and self._present(rank):
                 raise InvalidArgumentError(
@@ -88,6 +95,22 @@ class Membership:
             if self._rendezvous.take_over(key, found, mine):  # its holder is gone (or it was forged, or released)
                 return
         raise InvalidArgumentError(f"init: could not claim the name {self.name!r}: other members keep taking it")
+
+    def _no_present_namesake(self) -> None:
+        """After the name's claim was found empty: if a present member's record still says this name (its claim
+        was deleted by another process; its heartbeat puts it back), give the claim back and refuse, so that two
+        present members never share a name. One directory round trip; a probe only for a record of this name."""
+        for key, record in self._rendezvous.listed("member/").items():
+            rank = _rank(key.rsplit("/", 1)[1].encode())
+            if rank is None or rank == self.rank or record.split(b"\n", 1)[0] != self.name.encode():
+                continue
+            if self._present(rank):
+                self._rendezvous.release(f"name/{self.name}")
+                raise InvalidArgumentError(
+                    f"init: the name {self.name!r} is held by member rank {rank} of the fleet at "
+                    f"{self._rendezvous.where}, which is present (its name's claim had been deleted; it puts it back "
+                    "at its next heartbeat); give each member its own name (TENSORWIRE_NAME / name=), or close the "
+                    "other one first")
 
     def _present(self, rank: int) -> bool:
         """Whether ``rank`` runs: one too busy to answer counts (its name is not taken from it)."""
