@@ -121,6 +121,8 @@ def test_in_one_job_a_refused_load_fails_alone():
     assert results["b"].reason == "replayed"
     (local, remote), = comm.transfers[0].posted
     assert (local, remote) == ([1], [7])  # only the granted load's blocks moved
+    releases = [m for _, m in comm.runtime.sent if isinstance(m, Claim) and not m.read]
+    assert [r.requests[0][0] for r in releases] == ["p-b"]  # the refused load is released where it was granted
     consumer.close(5)
 
 

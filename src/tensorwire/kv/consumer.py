@@ -108,6 +108,8 @@ class _Lane:
         claimed = time.perf_counter()
         granted, refused = self._claim(loads, sources, {r.producer_rank for r in reads})
         claim_s = time.perf_counter() - claimed
+        if refused:
+            self._release([ld for group in refused.values() for ld in group], sources)
         posted = time.perf_counter()
         reading = [ld for ld in granted if ld.local_block_ids]
         moved = self._read(reading, reads, sources) if reading else 0
@@ -118,6 +120,17 @@ class _Lane:
             transport = next((s.transport for s in sources.values() if s.transport), "")
             results.append(LoadResult(granted, None, blocks, moved, transfer_s, contact_s, claim_s, transport))
         return results
+
+    def _release(self, loads: list[Load], sources: dict[int, Source]) -> None:
+        """Loads refused somewhere are read nowhere: the sources that granted them may free their blocks now
+        rather than at expiry (a release under the same claim; where it was refused it changes nothing).
+        Not answered: their grants are discarded by ticket."""
+        member = self.consumer.member
+        release = Claim(secrets.token_hex(8), tuple((ld.handoff.request_id, ld.handoff.issued_at, ld.claim)
+                                                    for ld in loads), False, member.sharding.tp_size, member.tp_rank,
+                        self.consumer.read_bound_s).encode()
+        for source in sources.values():
+            source.send(release)
 
     def _refused(self, loads: list[Load], reason: str) -> LoadResult:
         error = (f"LoadFailed: the producer refused {len(loads)} handoff(s) ({reason}): each is read once, by one "
