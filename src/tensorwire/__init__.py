@@ -46,12 +46,12 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "Registration": (".registration", "Registration"),
     "open_for_job": (".sealing", "open_for_job"), "seal_for_job": (".sealing", "seal_for_job"),
     "shared_empty": (".shared_memory", "shared_empty"), "Transfer": (".transfer", "Transfer"),
-    "in_shared_file": (".backends.shm", "in_shared_file"),
+    "in_shared_file": (".backends.shared_files", "in_shared_file"),
 }
 
 if TYPE_CHECKING:  # what a checker, and the layering test, see: the same names, imported eagerly
     from . import moe, testing
-    from .backends.shm import in_shared_file
+    from .backends.shared_files import in_shared_file
     from .block_transfer import BlockTransfer
     from .blocks import BlockPool, BlockPoolDesc
     from .communicator import Communicator
