@@ -11,7 +11,7 @@ import torch
 
 import tensorwire as tw
 from tensorwire.testing.data import assert_equal, rank_values, sentinel
-from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch, pace, scaled
+from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, close_patiently, launch, pace, scaled
 
 
 # --- rank functions --------------------------------------------------------------------------------
@@ -313,7 +313,8 @@ def _stale_descriptor_of_reregistered_memory():
         target = sentinel(4096)
         src = rank_values(comm.rank, 4096)
         message = None
-        with comm.register(src):
+        source = comm.register(src)
+        try:
             if comm.rank == 1:
                 first = comm.register(target)
                 comm.publish("first", first.descs)
@@ -336,6 +337,8 @@ def _stale_descriptor_of_reregistered_memory():
                 assert_equal(target, rank_values(0, 4096), "WRITE through the fresh descriptor")
                 second.close()
             comm.barrier(timeout=WAIT)
+        finally:  # both ranks close at once, each waiting for the other's answer: a busy box may answer late
+            close_patiently(source)
     return message
 
 

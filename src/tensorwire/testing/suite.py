@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ..communicator import Communicator
 
 __all__ = ["INIT_TIMEOUT", "WAIT", "LAUNCH_TIMEOUT", "GPU_ENV", "launch", "drain", "raises_after", "ring_peers",
-           "rss_bytes", "cpu_seconds", "cores_used_while", "pace", "scaled"]
+           "rss_bytes", "cpu_seconds", "cores_used_while", "pace", "scaled", "close_patiently"]
 
 
 def pace() -> float:
@@ -41,6 +41,22 @@ def pace() -> float:
 def scaled(seconds: float) -> float:
     """``seconds``, a bound on how soon something must happen on an idle machine, at this machine's ``pace()``."""
     return seconds * pace()
+
+
+def close_patiently(registration: Any, seconds: float = 30.0) -> None:
+    """``registration.close()``, called again while it raises ``WaitTimeoutError`` (a live peer that did not
+    acknowledge the revocation within ``2 x TENSORWIRE_LIVENESS_S``: on a busy machine its answer can come later;
+    ``close()`` again waits more, as documented) until ``scaled(seconds)``. Blocks."""
+    from ..errors import WaitTimeoutError
+
+    deadline = time.monotonic() + scaled(seconds)
+    while True:
+        try:
+            registration.close()
+            return
+        except WaitTimeoutError:
+            if time.monotonic() >= deadline:
+                raise
 
 
 INIT_TIMEOUT = scaled(30.0)  # tw.init(timeout=...) in every rank
