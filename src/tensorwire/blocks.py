@@ -19,11 +19,15 @@ pool (stream-ordered, graph-capturable with ids in device tensors); ``nixl`` mak
 descriptor lists prepared once per transfer; ``shm`` and ``local`` (host) copy with one ``memmove`` per run of
 consecutive blocks. This module holds the pools, their descriptors and the checks of a pair of pools.
 
-A transfer between parts of blocks (the heads one tensor-parallel rank holds of a peer's wider block) pairs
-narrowed pools: ``pool.narrow(offsets, sizes)`` and ``desc.narrow(offsets, sizes)`` keep bytes ``[offset, offset +
-size)`` of every block of each view (one range per block, so the heads must be outermost inside a block).
+A transfer between parts of blocks (the heads one tensor-parallel rank holds of a peer's wider block, the tokens of
+a smaller block inside a larger one) pairs derived pools: ``pool.select(ranges)`` and ``desc.select(ranges)`` make
+each ``(view, offset, size)`` range of every block a view of its own (``narrow(offsets, sizes)``: one range per
+view). Which ranges a KV layout needs is ``tensorwire.kv``'s arithmetic; here they are bytes.
 
-Non-goals: different block sizes or view counts on the two sides.
+A block is one dense byte range whatever the order of its dims: vLLM's ``HND`` cache is a stride-permuted view of a
+logical ``[num_blocks, block_size, heads, head_dim]`` shape, each block still one range of memory.
+
+Non-goals: ids that differ between the views of one post (post each part with its own ids).
 """
 
 from __future__ import annotations
@@ -92,8 +96,17 @@ class BlockPoolDesc:
         int: the same for every view). A peer's ``prepare_blocks`` still checks the whole span against the
         owner's map. Raises ``InvalidArgumentError`` for a range outside a block."""
         ranges = narrowed_ranges(self.block_bytes, offsets, sizes, "BlockPoolDesc.narrow")
+        return self.select([(v, o, n) for v, (o, n) in enumerate(ranges)])
+
+    def select(self, ranges: Sequence[tuple[int, int, int]]) -> BlockPoolDesc:
+        """A pool whose view ``i`` is bytes ``[offset, offset + size)`` of every block of this pool's view ``view``,
+        for ``ranges[i] = (view, offset, size)`` (any order, views repeated). The peer's ``prepare_blocks`` checks
+        every span against the owner's map as for the whole pool. Raises ``InvalidArgumentError`` for a view out
+        of range, a range outside a block, or more than 65535 ranges."""
+        checked = selected_ranges(self.block_bytes, ranges, "BlockPoolDesc.select")
         return BlockPoolDesc(self.rank, self.kind, self.device_index, self.num_blocks,
-                             tuple((a + o, st, n, e) for (a, st, _, e), (o, n) in zip(self.regions, ranges)))
+                             tuple((self.regions[v][0] + o, self.regions[v][1], n, self.regions[v][3])
+                                   for v, o, n in checked))
 
     def spans(self) -> list[TensorDesc]:
         """Each region's bytes as a descriptor of the registration it lies in (checked against the owner's map)."""
@@ -237,10 +250,21 @@ class BlockPool(Closeable):
         releases only its transfers. Raises ``InvalidArgumentError`` for a range outside a block."""
         self.check_open("narrow")
         ranges = narrowed_ranges(self.block_bytes, offsets, sizes, "BlockPool.narrow")
-        layout = BlockLayout(tuple(BlockRegion(r.addr + o, r.stride, n) for r, (o, n) in zip(self.layout.regions,
-                                                                                            ranges)),
+        return self.select([(v, o, n) for v, (o, n) in enumerate(ranges)])
+
+    def select(self, ranges: Sequence[tuple[int, int, int]]) -> BlockPool:
+        """A pool whose view ``i`` is bytes ``[offset, offset + size)`` of every block of this pool's view ``view``,
+        for ``ranges[i] = (view, offset, size)``, sharing this pool's registration: for ``prepare_blocks`` with a
+        ``BlockPoolDesc.select`` of a peer's pool (the rows of a token-major block that hold some heads, the part
+        of a larger block that one smaller block fills). Closed with this pool; closing it releases only its
+        transfers. Raises ``InvalidArgumentError`` as ``BlockPoolDesc.select``."""
+        self.check_open("select")
+        checked = selected_ranges(self.block_bytes, ranges, "BlockPool.select")
+        regions = self.layout.regions
+        layout = BlockLayout(tuple(BlockRegion(regions[v].addr + o, regions[v].stride, n) for v, o, n in checked),
                              self.num_blocks, self.layout.kind, self.layout.device_index)
-        part = BlockPool(self._runtime, self.views, layout, self._holders, None, self._expose, self._withdraw)
+        holders = [self._holders[v] for v, _, _ in checked]
+        part = BlockPool(self._runtime, self.views, layout, holders, None, self._expose, self._withdraw)
         self._parts.add(part)
         return part
 
@@ -306,6 +330,28 @@ def narrowed_ranges(block_bytes: tuple[int, ...], offsets: int | Sequence[int], 
     return list(zip(offsets, sizes))
 
 
+def selected_ranges(block_bytes: tuple[int, ...], ranges: Sequence[tuple[int, int, int]],
+                    fn: str) -> list[tuple[int, int, int]]:
+    """``ranges`` as a list of ``(view, offset, size)``, each checked to lie inside one of that view's blocks."""
+    if isinstance(ranges, (str, bytes)) or not isinstance(ranges, Sequence) or not 0 < len(ranges) <= _MAX_REGIONS:
+        raise InvalidArgumentError(f"{fn}: got {ranges!r:.80}; give a list of 1 to {_MAX_REGIONS} (view, offset, "
+                                   "size) ranges")
+    checked = []
+    for i, item in enumerate(ranges):
+        if not isinstance(item, (tuple, list)) or len(item) != 3 or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in item):
+            raise InvalidArgumentError(f"{fn}: range {i} is {item!r}; give (view, offset, size) ints")
+        view, offset, size = item
+        if not 0 <= view < len(block_bytes):
+            raise InvalidArgumentError(f"{fn}: range {i} names view {view} of a pool of {len(block_bytes)} views")
+        if offset < 0 or size < 1 or offset + size > block_bytes[view]:
+            raise InvalidArgumentError(f"{fn}: range {i}: bytes [{offset}, +{size}) of view {view}'s "
+                                       f"{block_bytes[view]}-byte block; give 0 <= offset and 1 <= size with offset "
+                                       "+ size <= the block's bytes")
+        checked.append((view, offset, size))
+    return checked
+
+
 def _desc_holding(registration: Registration, span: Segment) -> TensorDesc:
     return next(d for d, s in zip(registration.descs, registration.segments)
                 if s.addr <= span.addr and span.addr + span.nbytes <= s.addr + s.nbytes)
@@ -328,10 +374,11 @@ def pool_layout(views: torch.Tensor | Sequence[torch.Tensor]) -> tuple[list[torc
         block = view[0]
         block_bytes = block.numel() * view.element_size()
         stride = view.stride(0) * view.element_size()
-        if not block.is_contiguous() or block_bytes == 0:
+        if not _dense(block) or block_bytes == 0:
             raise InvalidArgumentError(
                 f"register_blocks: a block of view {i} (shape {tuple(block.shape)}, strides {block.stride()}) is not "
-                "one non-empty contiguous byte range; make every dim after the first contiguous")
+                "one non-empty dense byte range; give views whose dims after the first cover their bytes once, in "
+                "any order (e.g. .contiguous(), or a permutation of a contiguous tensor's dims)")
         if view.shape[0] > 1 and stride < block_bytes:
             raise InvalidArgumentError(f"register_blocks: view {i} has blocks {stride} bytes apart but {block_bytes} "
                                        "bytes long: they overlap; dim 0 must step over whole blocks")
@@ -339,6 +386,17 @@ def pool_layout(views: torch.Tensor | Sequence[torch.Tensor]) -> tuple[list[torc
     kind = MemoryKind.CPU if first.device.type == "cpu" else MemoryKind.CUDA
     device_index = -1 if kind is MemoryKind.CPU else first.device.index
     return views, BlockLayout(tuple(regions), first.shape[0], kind, device_index)
+
+
+def _dense(block: torch.Tensor) -> bool:
+    """Whether ``block``'s elements fill ``numel`` consecutive elements from its first one, in any dim order (a
+    stride-permuted contiguous tensor is dense: its bytes are one range, in another order)."""
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(block.shape, block.stride()) if n > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def spans_to_register(views: list[torch.Tensor], layout: BlockLayout) -> list[torch.Tensor]:

@@ -186,8 +186,43 @@ def test_mismatched_pools_and_views_are_refused(comm):
             comm.prepare_blocks("READ", pool, pool.desc)
     with pytest.raises(tw.InvalidArgumentError, match="same num_blocks"):
         comm.register_blocks([torch.zeros(4, 8), torch.zeros(5, 8)])
-    with pytest.raises(tw.InvalidArgumentError, match="not one non-empty contiguous byte range"):
-        comm.register_blocks([torch.zeros(4, 8, 2).transpose(1, 2)])
+    with pytest.raises(tw.InvalidArgumentError, match="not one non-empty dense byte range"):
+        comm.register_blocks([torch.zeros(4, 8, 4)[:, :, :2]])  # every other pair of elements: gaps in a block
+
+
+def test_a_stride_permuted_view_is_a_pool_of_its_bytes(comm):
+    """vLLM lays a logical [2, num_blocks, block_size, heads, dim] cache out heads-outermost (HND) and hands over the
+    permuted view: each block is still one byte range, registered and moved as such."""
+    physical = torch.arange(2 * NUM_BLOCKS * 4 * 8 * 16, dtype=torch.int32).reshape(2, NUM_BLOCKS, 4, 8, 16)
+    logical = physical.permute(0, 1, 3, 2, 4)  # [2, num_blocks, tokens=8, heads=4, dim=16], heads outermost in memory
+    target = torch.zeros_like(physical).permute(0, 1, 3, 2, 4)
+    with comm.register_blocks([logical[0], logical[1]]) as source, \
+            comm.register_blocks([target[0], target[1]]) as destination:
+        assert source.block_bytes == (4 * 8 * 16 * 4,) * 2
+        with comm.prepare_blocks(tw.READ, destination, source.desc) as transfer:
+            transfer.post([0, 3], [5, 1])
+            transfer.wait(timeout=30)
+    assert torch.equal(target[:, 0], logical[:, 5]) and torch.equal(target[:, 3], logical[:, 1])
+    assert not target[:, 1].any()
+
+
+def test_selected_ranges_move_only_their_bytes(comm):
+    """select(): (view, offset, size) ranges of every block, in any order, each a view of the derived pool."""
+    source_views = [torch.arange(NUM_BLOCKS * 64, dtype=torch.uint8).reshape(NUM_BLOCKS, 64) for _ in range(2)]
+    target = [torch.zeros(NUM_BLOCKS, 64, dtype=torch.uint8) for _ in range(2)]
+    with comm.register_blocks(source_views) as source, comm.register_blocks(target) as destination:
+        local = destination.select([(1, 0, 8), (0, 40, 8)])
+        remote = source.desc.select([(0, 16, 8), (1, 56, 8)])
+        with comm.prepare_blocks(tw.READ, local, remote) as transfer:
+            transfer.post([2], [4])
+            transfer.wait(timeout=30)
+        for bad, match in (([(2, 0, 8)], "names view 2"), ([(0, 60, 8)], "outside|offset"), ([], "1 to"),
+                           ([(0, 0)], "give \\(view, offset, size\\)")):
+            with pytest.raises(tw.InvalidArgumentError, match=match):
+                destination.select(bad)
+    assert torch.equal(target[1][2, 0:8], source_views[0][4, 16:24])
+    assert torch.equal(target[0][2, 40:48], source_views[1][4, 56:64])
+    assert int(target[0].count_nonzero()) + int(target[1].count_nonzero()) == 16  # nothing else written
 
 
 def test_views_inside_a_registered_tensor_use_that_registration(comm):
