@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.block_transfer import as_ids
+from tensorwire.block_transfer import DestinationIds, as_ids
 from tensorwire.shared_memory import owned_file_name
 from tensorwire.testing.data import assert_equal
 from tensorwire.testing.suite import INIT_TIMEOUT, WAIT, launch
@@ -79,6 +79,21 @@ def test_bad_ids_are_refused_with_the_fix(ids, fragment):
 
 def test_duplicate_sources_are_allowed():
     assert as_ids([2, 2], 8, "ids", None, unique=False).tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("num_blocks, count", [(1000, 900), (1000, 40), (100_000, 50)])  # bitmap, then positions
+def test_duplicate_check_kept_across_posts_finds_every_repeat(num_blocks, count):
+    rng = np.random.default_rng(num_blocks + count)
+    destinations = DestinationIds(num_blocks)
+    for _ in range(50):  # one scratch for many posts: what one post leaves behind must not show in the next
+        ids = rng.permutation(num_blocks)[:count]
+        assert not destinations.repeated(ids)
+        repeat = ids.copy()
+        first, second = sorted(rng.choice(count, 2, replace=False))
+        repeat[second] = repeat[first]
+        assert destinations.repeated(repeat), f"block {repeat[first]} at {first} and {second} not found"
+        with pytest.raises(tw.InvalidArgumentError, match=f"destination block {repeat[first]} appears 2 times"):
+            as_ids(repeat, num_blocks, "ids", None, unique=True, destinations=destinations)
 
 
 def test_pool_desc_round_trips_and_rejects_corrupt_bytes():
