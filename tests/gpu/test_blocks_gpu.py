@@ -96,6 +96,26 @@ def test_repeated_posts_of_every_id_count_and_alignment(comm):
                 check(target, before, source, dst_ids, src_ids, f"{n} {ids_on} ids")
 
 
+def test_host_ids_of_any_count_launch_the_kernel_compiled_at_prepare(comm):
+    """Host ids are staged 16-byte aligned whatever their count, so every eager post launches one of the two
+    kernels compiled when the transfer was prepared (int32 and int64 ids, aligned), never Triton's JIT, which
+    binds every argument in Python and would compile another variant inside the post."""
+    device, num_blocks = comm.device, 20_000
+    source, target = pool(0, num_blocks, [(64,)], device), pool(1, num_blocks, [(64,)], device)
+    rng = np.random.default_rng(4)
+    with comm.register_blocks(source) as src_pool, comm.register_blocks(target) as dst_pool, \
+            comm.prepare_blocks(tw.READ, dst_pool, src_pool.desc) as x:
+        compiled = x._request._compiled
+        assert len(compiled) == 2, f"prepare compiled {len(compiled)} kernels, not 2 (int32 and int64 ids)"
+        for n in (1, 3, 5, 17, 10_001, 4, 10_000):
+            dst_ids, src_ids = rng.permutation(num_blocks)[:n], rng.integers(0, num_blocks, n)
+            before = [t.clone() for t in target]
+            x.post(dst_ids, src_ids)
+            x.wait(timeout=WAIT)
+            check(target, before, source, dst_ids, src_ids, f"{n} host ids")
+            assert len(compiled) == 2, f"{n} host ids went through Triton's JIT: keys {sorted(map(str, compiled))}"
+
+
 def _graph_capture(comm, x, source, target, num_blocks: int, n: int, replays: int) -> int:
     """Capture post(stream)+wait(stream) of n blocks with device ids; replay with new ids; count correct."""
     device = comm.device

@@ -248,10 +248,12 @@ class DeviceBlockRequest(StreamOrderedRequest):
 
 
 class _Slot:
-    def __init__(self, capacity: int, device: torch.device) -> None:
-        self.host = torch.empty(2 * capacity, dtype=torch.int32, pin_memory=True)
+    """``words`` int32 of pinned host memory and as many on the device: one post's local then remote ids."""
+
+    def __init__(self, words: int, device: torch.device) -> None:
+        self.host = torch.empty(words, dtype=torch.int32, pin_memory=True)
         self.host_array = self.host.numpy()  # the same pinned bytes, written by numpy without torch's dispatch
-        self.device = torch.empty(2 * capacity, dtype=torch.int32, device=device)
+        self.device = torch.empty(words, dtype=torch.int32, device=device)
         self.host_addr, self.device_addr = self.host.data_ptr(), self.device.data_ptr()
         self.event = torch.cuda.Event()
         self.used = False
@@ -275,32 +277,35 @@ class _IdStaging:
 
     def stage(self, local_ids: np.ndarray, remote_ids: np.ndarray, stream: torch.cuda.Stream,
               handle: Any) -> tuple[_Slot, torch.Tensor, torch.Tensor]:
-        """Copy the ids into a slot and enqueue its host-to-device copy on ``stream`` (``handle``: its driver
-        handle); their device views."""
+        """Copy the ids into a slot (int64 to int32, one vectorised cast each) and enqueue its host-to-device copy
+        on ``stream`` (``handle``: its driver handle); their device views, int32, 16-byte aligned."""
         n = len(local_ids)
-        slot = self._slot(n, stream)
-        slot.host_array[:n], slot.host_array[n:2 * n] = local_ids, remote_ids
+        # The remote ids start on a 16-byte boundary whatever n is: the kernel compiled at warm-up assumes aligned
+        # ids, and a misaligned view would go through Triton's JIT (and compile another variant) inside the post.
+        half = -(-n // 4) * 4
+        slot = self._slot(2 * half, stream)
+        slot.host_array[:n], slot.host_array[half:half + n] = local_ids, remote_ids
         if slot.kept:
             # One cuMemcpyAsync: torch's copy_ under a stream context cost more than the kernel's launch.
-            enqueue_on([(slot.device_addr, slot.host_addr, 8 * n)], handle, self._device.index,
+            enqueue_on([(slot.device_addr, slot.host_addr, 4 * (half + n))], handle, self._device.index,
                        "post: copying block ids to the GPU")
         else:  # a one-off slot: torch's copy keeps its pinned buffer alive until the copy has run
             with torch.cuda.stream(stream):
-                slot.device[:2 * n].copy_(slot.host[:2 * n], non_blocking=True)
+                slot.device[:half + n].copy_(slot.host[:half + n], non_blocking=True)
         slot.used = True
-        return slot, slot.device[:n], slot.device[n:2 * n]
+        return slot, slot.device[:n], slot.device[half:half + n]
 
-    def _slot(self, n: int, stream: torch.cuda.Stream) -> _Slot:
-        # The first free slot that fits, querying no more events than it takes to find it: in the eager loop of
-        # post then wait, slot 0 is free again at every post.
+    def _slot(self, words: int, stream: torch.cuda.Stream) -> _Slot:
+        # The first free slot of at least ``words`` int32, querying no more events than it takes to find it: in the
+        # eager loop of post then wait, slot 0 is free again at every post.
         free = []
         for i, s in enumerate(self._slots):
             if s.free():
-                if s.host.numel() >= 2 * n:
+                if s.host.numel() >= words:
                     return s
                 free.append(i)
         with torch.cuda.stream(stream):  # a new slot's device buffer belongs to the stream that reads it
-            slot = _Slot(1 << max(10, (n - 1).bit_length()), self._device)
+            slot = _Slot(1 << max(11, (words - 1).bit_length()), self._device)
         if len(self._slots) < self._MAX_SLOTS:
             self._slots.append(slot)
             slot.kept = True
