@@ -27,7 +27,7 @@ import torch
 from tensorwire import kv
 
 LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 4, 64, 16, 8, 32
-LAYOUT = f"example layers={LAYERS} kv_heads={KV_HEADS} head_dim={HEAD_DIM} block_size={BLOCK_SIZE} float32"
+LAYOUT = f"example layers={LAYERS} kv_heads={KV_HEADS} head_dim={HEAD_DIM} float32"
 PROMPT = list(range(3, 3 + 200))  # 13 blocks of 16 tokens
 
 
@@ -43,8 +43,8 @@ def engine_rank(role: str, tp: int, rank: int, directory: str, client: mp.Queue,
     sharding = kv.Sharding(tp, KV_HEADS)
     start, stop = sharding.heads(rank)
     caches = [torch.zeros(NUM_BLOCKS, stop - start, BLOCK_SIZE, HEAD_DIM) for _ in range(LAYERS)]
-    member = kv.KVMember(caches, instance=role, tp_rank=rank, sharding=sharding, layout=LAYOUT, heads_outermost=True,
-                         directory=directory)
+    member = kv.KVMember(caches, instance=role, tp_rank=rank, sharding=sharding, layout=LAYOUT, block_size=BLOCK_SIZE,
+                         order="HND", directory=directory)
     if role == "prefill":
         blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1))[:-(-len(PROMPT) // BLOCK_SIZE)]
         for layer, cache in enumerate(caches):
@@ -52,7 +52,8 @@ def engine_rank(role: str, tp: int, rank: int, directory: str, client: mp.Queue,
         producer = kv.Producer(member, hold_s=300)
         issued_at = client.get()  # every prefill rank holds the same handoff: the engine's scheduler made it
         handoff = kv.Handoff("prefill", tuple(blocks.tolist()), "request-1", len(PROMPT), LAYOUT,
-                             kv.prompt_hash(PROMPT), issued_at, issued_at + 300, producer_tp=tp)
+                             kv.prompt_hash(PROMPT), issued_at, issued_at + 300, producer_tp=tp,
+                             block_size=BLOCK_SIZE)
         producer.hold(handoff)
         if rank == 0:
             out.put(handoff.to_params(sealed=True))  # to the client

@@ -54,6 +54,42 @@ def test_a_consumer_of_any_tp_reads_exactly_its_heads_once(case, memory, fleet):
     _check(report, spec, memory)
 
 
+# As vLLM lays caches out on GPUs, and block sizes that differ: id -> (PairSpec fields, transport). The arithmetic of
+# every order x block-size x TP combination is in tests/unit/test_kv_shapes.py; these run each kind of plan between
+# real processes (one descriptor per block, rows per token, a row per head and token, several parts per request).
+_IDS_16 = (3, 9, 1, 14, 6)  # five blocks of 16 tokens: 70 tokens
+LAYOUTS = {
+    "nhd-tp2-to-1": (dict(producer_tp=2, consumer_tp=1, total_heads=8, producer_order="NHD", consumer_order="NHD"),
+                     "nixl"),
+    "nhd-flashinfer-tp1-to-2": (dict(producer_tp=1, consumer_tp=2, total_heads=8, producer_order="NHD",
+                                     consumer_order="NHD", kv_first=False), "shm"),
+    "hnd-flashinfer-tp2-to-4": (dict(producer_tp=2, consumer_tp=4, total_heads=8, kv_first=False), "nixl"),
+    "hnd-to-nhd-tp4-to-2": (dict(producer_tp=4, consumer_tp=2, total_heads=8, consumer_order="NHD"), "nixl"),
+    "nhd-gqa-consumer-replicates": (dict(producer_tp=1, consumer_tp=4, total_heads=2, producer_order="NHD",
+                                         consumer_order="NHD"), "shm"),
+    "blocks-16-to-32-tp2-to-1": (dict(producer_tp=2, consumer_tp=1, total_heads=4, producer_block=16,
+                                      consumer_block=32, remote_ids=_IDS_16, local_ids=(5, 11, 0), num_tokens=70),
+                                 "nixl"),
+    "blocks-32-to-16-nhd-tp1-to-2": (dict(producer_tp=1, consumer_tp=2, total_heads=4, producer_block=32,
+                                          consumer_block=16, producer_order="NHD", consumer_order="NHD",
+                                          remote_ids=(5, 11, 0), local_ids=_IDS_16, num_tokens=70), "shm"),
+    "blocks-16-to-64-mla": (dict(producer_tp=2, consumer_tp=1, total_heads=1, mla=True, producer_block=16,
+                                 consumer_block=64, remote_ids=_IDS_16, local_ids=(8, 2), num_tokens=70), "nixl"),
+    "blocks-64-to-16-hnd-to-nhd": (dict(producer_tp=1, consumer_tp=2, total_heads=4, producer_block=64,
+                                        consumer_block=16, consumer_order="NHD", remote_ids=(8, 2), local_ids=_IDS_16,
+                                        num_tokens=70), "nixl"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_gpu_cache_layouts_and_block_sizes_read_every_row_once(case, fleet):
+    fields, transport = LAYOUTS[case]
+    spec = PairSpec(**{"dim": 4, **fields, "shm": transport == "shm"})
+    report = run_pair(spec, *fleet)
+    _check(report, spec, transport)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["tp2-to-1", "mla-2-to-1"])
 def test_a_replayed_handoff_is_refused_before_any_byte_moves(case, fleet):

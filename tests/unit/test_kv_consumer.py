@@ -10,7 +10,7 @@ import tensorwire as tw
 from tensorwire import kv
 from tensorwire.kv.messages import Claim, Grant, parse
 
-LAYOUT = "LlamaForCausalLM layers=2 kv_heads=2 head_dim=64 kv_dtype=float32 block_size=96"
+LAYOUT = "LlamaForCausalLM layers=2 kv_heads=2 head_dim=64 kv_dtype=float32"
 
 
 class _Channels:
@@ -28,18 +28,19 @@ class _Channels:
         self.sent.append((rank, parse(message)))
         claim = parse(message)
         if isinstance(claim, Claim):
-            grant = Grant(claim.ticket, {r: self.per_request.get(r, self.verdict) for r, _, _ in claim.requests}, True)
+            grant = Grant(claim.ticket, {r: self.per_request.get(r, self.verdict) for r, _, _ in claim.requests}, "HND")
             self.grants.setdefault(rank, []).append(grant.encode())
 
 
 def _member(comm) -> SimpleNamespace:
     comm.runtime = getattr(comm, "runtime", None) or _Channels()
     return SimpleNamespace(comm=comm, tp_rank=0, sharding=kv.Sharding(1, 2), heads=(0, 2), layout=LAYOUT,
-                           heads_outermost=True, pool=None)
+                           shape=kv.BlockShape(96, 2), pool=None)
 
 
 def _load(request: str, local=(1,), producer: str = "prefill-0", remote=(7,), layout: str = LAYOUT) -> kv.Load:
-    handoff = kv.Handoff(producer, tuple(remote), f"p-{request}", 96 * len(remote), layout, "", 1.0, 2.0)
+    handoff = kv.Handoff(producer, tuple(remote), f"p-{request}", 96 * len(remote), layout, "", 1.0, 2.0,
+                         block_size=96)
     return kv.Load(request, tuple(local), handoff, claim=kv.new_claim())
 
 
@@ -82,7 +83,7 @@ class _Comm:
     def lookup_blocks(self, key, rank, timeout):
         return "desc"
 
-    def prepare_blocks(self, op, pool, remote):
+    def prepare_blocks(self, op, pool, remote, transport=None):
         self.transfers.append(_Transfer(fail_first_post=not self.transfers and getattr(self, "flaky", False)))
         return self.transfers[-1]
 
@@ -128,12 +129,23 @@ def test_in_one_job_a_refused_load_fails_alone():
 
 def test_a_producer_of_another_layout_is_refused_naming_both():
     consumer = kv.Consumer(_member(_Comm()), timeout_s=5)  # refused before any communication
-    other = LAYOUT.replace("block_size=96", "block_size=128")
+    other = LAYOUT.replace("kv_dtype=float32", "kv_dtype=bfloat16")
     consumer.submit([_load("r1", producer="prefill-9", layout=other)])
     (result,) = _results(consumer, 1)
     consumer.close(5)
-    assert "block_size=128" in result.error and "block_size=96" in result.error and "prefill-9" in result.error
+    assert "bfloat16" in result.error and "float32" in result.error and "prefill-9" in result.error
     assert result.reason == "layout"
+
+
+def test_block_sizes_that_do_not_divide_are_refused_naming_both():
+    consumer = kv.Consumer(_member(_Comm()), timeout_s=5)
+    load = _load("r1")
+    load = kv.Load(load.request_id, load.local_block_ids, kv.Handoff(**{**load.handoff.__dict__, "block_size": 64}),
+                   claim=load.claim)
+    consumer.submit([load])
+    (result,) = _results(consumer, 1)
+    consumer.close(5)
+    assert "96 tokens" in result.error and "64" in result.error and result.reason == "layout", result.error
 
 
 def test_a_producer_tp_that_does_not_divide_is_refused_naming_both():

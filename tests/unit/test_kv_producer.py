@@ -27,13 +27,13 @@ class _Runtime:
 def _producer(tp_size: int = 1, tp_rank: int = 0, heads: int = 8, hold_s: float = 60.0):
     runtime = _Runtime()
     member = SimpleNamespace(comm=SimpleNamespace(runtime=runtime), name="prefill", tp_rank=tp_rank,
-                             sharding=kv.Sharding(tp_size, heads), heads_outermost=True)
+                             sharding=kv.Sharding(tp_size, heads), shape=kv.BlockShape(96, 1))
     return kv.Producer(member, hold_s=hold_s), runtime
 
 
 def _handoff(request: str = "r1", issued_at: float = 100.0, hold_s: float = 60.0) -> kv.Handoff:
     now = time.time()
-    return kv.Handoff("prefill", (1, 2), request, 192, "L", "", issued_at, now + hold_s)
+    return kv.Handoff("prefill", (1, 2), request, 192, "L", "", issued_at, now + hold_s, block_size=96)
 
 
 def _claim(runtime, sender: int, claim: str, *, request="r1", issued_at=100.0, read=True, tp=1, rank=0) -> Grant:
@@ -159,7 +159,7 @@ def test_a_release_counts_as_done_at_once():
     # MLA at producer TP 2, consumer TP 1: the consumer reads rank 0 and releases rank 1.
     runtime = _Runtime()
     member = SimpleNamespace(comm=SimpleNamespace(runtime=runtime), name="prefill-tp1", tp_rank=1,
-                             sharding=kv.Sharding(2, 1, replicated=True), heads_outermost=True)
+                             sharding=kv.Sharding(2, 1, replicated=True), shape=kv.BlockShape(96, 1))
     producer = kv.Producer(member, hold_s=60.0)
     producer.hold(_handoff())
     assert _claim(runtime, 9, "A", read=False).verdicts == {"r1": "granted"}

@@ -79,6 +79,7 @@ HOSTILE = {  # field -> value a client may send instead of the producer's
     "remote_seal": [None, "", "AAAA", "not base64 !", 5, "x" * (2 << 20)],
     "do_remote_prefill": ["yes", 1, [True]],
     "remote_tp_size": [0, -1, "2", True, 2.0, 2**63, None],
+    "remote_block_size": [None, 0, -1, "96", True, 96.0, 2**63, 7, 100],  # 7, 100: neither divides 96
     "remote_issued_at": ["soon", True, None, float("inf")],
 }
 
@@ -152,7 +153,7 @@ def test_a_consumer_handoff_sent_to_a_producer_is_computed_there_whatever_the_po
         producer = _side("prefill-1", "kv_producer", policy=policy)
         answer, plan = _judged(copy.deepcopy(params), producer)
         assert answer == (0, False) and plan.refused == ["role"] and plan.loads == []
-    worker = WorkerSide(producer._settings, "kv_producer", LAYOUT, 0, kv.Sharding(1, 2))
+    worker = WorkerSide(producer._settings, "kv_producer", LAYOUT, 0, kv.Sharding(1, 2), 16)
     worker.start(plan)  # nothing to load, nothing failed
     assert worker.finished() == (set(), set()) and worker.load_errors() == set()
     assert worker.stats.take()["refused_handoffs"] == ["role"]

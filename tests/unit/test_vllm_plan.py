@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.integrations.vllm.layout import heads_outermost, pool_views
+from tensorwire.integrations.vllm.layout import block_order, pool_views
 from tensorwire.integrations.vllm.scheduler import SchedulerSide
 from tensorwire.integrations.vllm.settings import Settings
 from tensorwire.kv import Handoff, check_params
 
-LAYOUT = "LlamaForCausalLM layers=2 kv_heads=2 head_dim=64 kv_dtype=float32 block_size=96"
+LAYOUT = "LlamaForCausalLM layers=2 kv_heads=2 head_dim=64 kv_dtype=float32"
 
 
 def _settings(**extra) -> Settings:
@@ -53,7 +53,7 @@ def test_producer_holds_the_blocks_and_hands_them_off():
 
 def test_consumer_plans_one_load_per_request_into_its_new_blocks():
     side = SchedulerSide(_settings(name="decode"), LAYOUT, role="kv_consumer", block_size=96)
-    params = Handoff("prefill-0", (3, 4, 5), "p-1", 250, LAYOUT).to_params(sealed=False)
+    params = Handoff("prefill-0", (3, 4, 5), "p-1", 250, LAYOUT, block_size=96).to_params(sealed=False)
     request = _request(params)
     assert side.num_new_matched_tokens(request, 96) == (154, True)
     side.after_alloc(request, SimpleNamespace(get_unhashed_block_ids=lambda: [8, 9]), 154)
@@ -75,7 +75,18 @@ def test_pool_views_of_both_cache_layouts():
         pool_views({"layer0": torch.zeros(3, 7, 4)}, 10)
 
 
-def test_only_the_cpu_layout_holds_heads_outermost():
-    assert heads_outermost({"a": torch.zeros(10, 2, 32, 128)}, 10, 2)  # [blocks, kv_heads, block, 2 * head_dim]
-    assert not heads_outermost({"a": torch.zeros(2, 10, 32, 2, 64)}, 10, 2)  # FlashAttention: K/V first
-    assert not heads_outermost({"a": torch.zeros(10, 2, 2, 32, 64)}, 10, 2)  # FlashInfer: K/V inside a block
+def test_the_order_of_a_blocks_rows_is_read_from_the_strides():
+    assert block_order(pool_views({"a": torch.zeros(10, 2, 32, 128)}, 10), 32, 2) == "HND"  # CPU: [blocks, heads, ...]
+    flash = torch.zeros(2, 10, 32, 2, 64)  # FlashAttention NHD: [2, blocks, block, heads, dim]
+    assert block_order(pool_views({"a": flash}, 10), 32, 2) == "NHD"
+    hnd = torch.zeros(2, 10, 2, 32, 64).transpose(2, 3)  # the HND view vLLM hands over: heads outermost in memory
+    assert hnd.shape == flash.shape and block_order(pool_views({"a": hnd}, 10), 32, 2) == "HND"
+    flashinfer_hnd = torch.zeros(10, 2, 2, 32, 64).transpose(2, 3)  # [blocks, K/V, block, heads, dim] as HND
+    views = pool_views({"a": flashinfer_hnd}, 10)
+    assert len(views) == 2 and block_order(views, 32, 2) == "HND"
+    assert block_order(pool_views({"a": torch.zeros(10, 32, 576)}, 10), 32, 1) == "NHD"  # MLA: one head
+    with pytest.raises(tw.InvalidArgumentError, match="not supported"):
+        block_order(pool_views({"a": flash}, 10), 16, 2)  # not blocks of 16 tokens
+    with pytest.raises(tw.InvalidArgumentError, match="one order"):
+        block_order(pool_views({"a": flash, "b": hnd}, 10), 32, 2)
+

@@ -11,9 +11,10 @@ A job, at consumer rank d of an engine at tensor parallelism D, from a producer 
      until a member under its name is listed again);
   2. one CLAIM to each of them (``messages.py``), the GRANTs awaited together: the producer grants each handoff to
      one claim, so a replayed or second consumer's load fails here (``replayed``), before any byte moves;
-  3. one block READ per source for all the job's granted requests, each of a head range when the TP sizes differ
-     (``BlockPool.narrow``: one descriptor per block per source), its notification the DONE that lets the producer
-     free the blocks once every consumer rank reported.
+  3. one block READ per source and part for all the job's granted requests (``shapes.BlockPlan``: the rows of a
+     head range when the TP sizes differ, one part per producer block inside a larger consumer block or per consumer
+     block inside a larger producer block; HND blocks of one size on both sides: one descriptor per block per
+     source), then the DONE that lets the producer free the blocks once every consumer rank reported.
 
 A lane never dies: any exception becomes the failure of that job, with a reason (a short word, counted in the
 stats) and one log line.
@@ -27,8 +28,6 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-
-import numpy as np
 
 import tensorwire as tw
 
@@ -144,7 +143,7 @@ class _Lane:
         handoff = loads[0].handoff
         if handoff.layout != member.layout:
             raise LoadFailed("layout", f"producer {self.instance!r} serves {handoff.layout!r}, this consumer "
-                             f"{member.layout!r}; start both with the same model, KV dtype and block size")
+                             f"{member.layout!r}; start both with the same model and KV dtype")
         own = member.sharding
         try:
             return HeadMap(Sharding(handoff.producer_tp, own.total_heads, own.replicated), own)
@@ -156,7 +155,7 @@ class _Lane:
         if key not in self.sources:
             consumer = self.consumer
             self.sources[key] = Source(consumer.member, consumer.to_producers, (consumer.timeout_s, consumer.contact_s),
-                                       self.instance, producer_rank, producer_tp)
+                                       self.instance, producer_rank, producer_tp, consumer.transport)
         return self.sources[key]
 
     def _claim(self, loads: list[Load], sources: dict[int, Source],
@@ -179,7 +178,7 @@ class _Lane:
         for grant in self._grants(tickets, sources):
             for request_id, verdict in grant.verdicts.items():
                 verdicts.setdefault(request_id, []).append(verdict)
-            sources[tickets[grant.ticket]].heads_outermost = grant.heads_outermost
+            sources[tickets[grant.ticket]].order = grant.order
         granted, refused = [], {}
         for ld in loads:
             bad = [v for v in verdicts.get(ld.handoff.request_id, ["unknown"]) if v != "granted"]
@@ -217,10 +216,9 @@ class _Lane:
         """READ every source's heads of ``loads``' blocks (posted together, then waited), then tell each source it
         may free them (DONE, only now: a READ retried after a failure must not find the blocks reused); returns
         the bytes."""
-        local = np.fromiter((b for ld in loads for b in ld.local_block_ids), dtype=np.int64)
-        remote = np.fromiter((b for ld in loads for b in ld.remote_block_ids()), dtype=np.int64)
-        posted = [sources[read.producer_rank].post(read, local, remote) for read in reads]
-        moved = sum(source.wait(nbytes) for source, nbytes in posted)
+        moved = sum(sources[read.producer_rank].post(read, loads) for read in reads)
+        for p in dict.fromkeys(read.producer_rank for read in reads):
+            sources[p].wait()
         done = Done(tuple((ld.handoff.request_id, ld.claim) for ld in loads), self.consumer.member.tp_rank).encode()
         for p in dict.fromkeys(read.producer_rank for read in reads):
             sources[p].send(done)
@@ -238,10 +236,14 @@ class _Lane:
 
 class Consumer:
     """Runs load jobs for ``member``'s pool, in order per producer instance, on one thread per instance.
-    ``submit`` and ``take_results`` never block; ``load`` does (for a plain program)."""
+    ``submit`` and ``take_results`` never block; ``load`` does (for a plain program). ``transport``: the one the
+    READs take (``prepare_blocks``'s ``transport=``: ``"nixl"`` between GPU caches of one host, say); None: the
+    fastest that reaches the producer."""
 
-    def __init__(self, member: KVMember, *, timeout_s: float = 30.0, contact_s: float = 5.0) -> None:
+    def __init__(self, member: KVMember, *, timeout_s: float = 30.0, contact_s: float = 5.0,
+                 transport: str | None = None) -> None:
         self.member, self.timeout_s, self.contact_s = member, timeout_s, contact_s
+        self.transport = transport
         # How long a READ may run after its grant: its wait, and one more on a fresh transfer (``Source.wait``).
         self.read_bound_s = 2 * timeout_s + 5.0
         self.channel = member.comm.runtime.channel(TO_CONSUMER)  # grants come here

@@ -1,7 +1,7 @@
 """What travels between a producer (prefill) and a consumer (decode) engine: the handoff, through the client.
 
-A ``Handoff`` is what a producer instance holds for one request: its member name, tensor-parallel size, block ids,
-request id, prompt length and hash, the layout fingerprint, issue and expiry times. Its client form
+A ``Handoff`` is what a producer instance holds for one request: its member name, tensor-parallel size, block ids
+and block size, request id, prompt length and hash, the layout fingerprint, issue and expiry times. Its client form
 (``to_params``) is a dict of ``remote_*`` keys plus ``remote_seal``: every field sealed with the job token under
 one versioned KV wire tag (``SEAL_CONTEXT``). The consumer believes only what it opens (``params.check_params``).
 
@@ -17,14 +17,14 @@ import base64
 import hashlib
 import json
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import tensorwire as tw
 
 __all__ = ["Handoff", "Load", "SEAL_CONTEXT", "prompt_hash", "new_claim", "member_name"]
 
-SEAL_CONTEXT = "tensorwire.kv/handoff/v2"  # the KV wire tag: what a sealed handoff is, and its version
+SEAL_CONTEXT = "tensorwire.kv/handoff/v3"  # the KV wire tag: what a sealed handoff is, and its version
 
 
 @dataclass(frozen=True)
@@ -35,16 +35,18 @@ class Handoff:
     block_ids: tuple[int, ...]  # the producer's blocks holding the prompt's KV, in token order
     request_id: str  # the producer's request id (named in the claim and the read messages)
     num_tokens: int  # prompt tokens whose KV the blocks hold
-    layout: str  # the producer's layout fingerprint (model, KV heads, dtype, block size; not its TP)
+    layout: str  # the producer's layout fingerprint (model, KV heads, dtype; not its TP or block size)
     prompt_hash: str = ""  # ``prompt_hash`` of those tokens
     issued_at: float = 0.0  # the producer's wall clock when it handed the prefill off
     expires_at: float = 0.0  # after this the producer frees the blocks (its ``hold_s`` after issue)
     producer_tp: int = 1  # the producer instance's tensor-parallel size: which members hold the heads
+    block_size: int = field(kw_only=True)  # tokens per producer block: block_ids has ceil(num_tokens / it)
 
     def sealed_fields(self) -> dict[str, Any]:
         return {"member": self.member, "block_ids": list(self.block_ids), "request_id": self.request_id,
                 "num_tokens": self.num_tokens, "layout": self.layout, "prompt_hash": self.prompt_hash,
-                "issued_at": self.issued_at, "expires_at": self.expires_at, "producer_tp": self.producer_tp}
+                "issued_at": self.issued_at, "expires_at": self.expires_at, "producer_tp": self.producer_tp,
+                "block_size": self.block_size}
 
     def to_params(self, sealed: bool) -> dict[str, Any]:
         """The client form (an engine's ``kv_transfer_params``); ``sealed``: with ``remote_seal``, the handoff
@@ -53,7 +55,7 @@ class Handoff:
                   "remote_block_ids": list(self.block_ids), "remote_request_id": self.request_id,
                   "remote_num_tokens": self.num_tokens, "remote_layout": self.layout,
                   "remote_expires_at": self.expires_at, "remote_issued_at": self.issued_at,
-                  "remote_tp_size": self.producer_tp}
+                  "remote_tp_size": self.producer_tp, "remote_block_size": self.block_size}
         if sealed:
             blob = tw.seal_for_job(SEAL_CONTEXT, json.dumps(self.sealed_fields()).encode())
             params["remote_seal"] = base64.urlsafe_b64encode(blob).decode()

@@ -11,6 +11,7 @@ import tensorwire as tw
 
 from .handoff import member_name
 from .heads import Sharding
+from .shapes import BlockShape
 
 __all__ = ["KVMember", "POOL_KEY"]
 
@@ -20,23 +21,25 @@ POOL_KEY = "kv-cache"  # under which each rank publishes its block pool
 class KVMember:
     """One rank of a serving engine, as a fleet member holding a KV cache.
 
-    ``views``: the cache as block views (``[num_blocks, ...]`` each, one device; block i of the pool = block i of
-    every view, e.g. one view per layer); ``instance``: the engine's name in the fleet (rank ``tp_rank`` joins as
-    ``member_name(instance, tp_rank, sharding.tp_size)``); ``sharding``: how the model's KV heads are spread over
-    the engine's ranks (``heads.Sharding``); ``heads_outermost``: a block of every view holds its heads outermost
-    (``[heads, ...]``), so the heads one peer rank needs are one byte range (needed to read across TP sizes);
-    ``layout``: the fingerprint that must match between producer and consumer (model, KV heads, dtype, block size;
-    not TP). ``comm``: a communicator to use (not closed here); otherwise one is made with
-    ``tw.init(directory=, name=, timeout=)``. Blocks while joining and registering; ``close()`` is idempotent."""
+    ``views``: the cache as block views (``[num_blocks, ...]`` each, one device; block i of the pool = block i of every
+    view, e.g. one view per layer); ``instance``: the engine's name in the fleet (rank ``tp_rank`` joins as
+    ``member_name(instance, tp_rank, sharding.tp_size)``); ``sharding``: how the model's KV heads are spread over the
+    engine's ranks (``heads.Sharding``); ``block_size``: tokens per block; ``order``: how a block of every view holds
+    its rows (one head of one token): ``"HND"`` heads outermost (a head range is one byte range: cheapest across TP
+    sizes) or ``"NHD"`` tokens outermost (``shapes.py``); ``layout``: the fingerprint that must match between producer
+    and consumer (model, KV heads, dtype; not TP, block size or order). ``comm``: a communicator to use (not closed
+    here); otherwise one is made with ``tw.init(directory=, name=, timeout=)``. Blocks while joining and registering;
+    ``close()`` is idempotent."""
 
     def __init__(self, views: Sequence[torch.Tensor], *, instance: str, tp_rank: int, sharding: Sharding,
-                 layout: str, heads_outermost: bool, directory: str | None = None, timeout_s: float = 30.0,
-                 comm: tw.Communicator | None = None) -> None:
+                 layout: str, block_size: int, order: str = "HND", directory: str | None = None,
+                 timeout_s: float = 30.0, comm: tw.Communicator | None = None) -> None:
         if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < sharding.tp_size:
             raise tw.InvalidArgumentError(f"KVMember: tp_rank={tp_rank!r} for tensor parallelism "
                                           f"{sharding.tp_size}; give the rank in [0, {sharding.tp_size})")
         self.instance, self.tp_rank, self.sharding = instance, tp_rank, sharding
-        self.layout, self.heads_outermost = layout, heads_outermost
+        start, stop = sharding.heads(tp_rank)
+        self.layout, self.shape = layout, BlockShape(block_size, stop - start, order)
         self.name = member_name(instance, tp_rank, sharding.tp_size)
         self._owns_comm = comm is None
         if comm is None:

@@ -3,7 +3,7 @@
 
     consumer rank d -> producer rank p   CLAIM  {ticket, requests: [[request id, issued_at, claim], ...], read: bool,
                                                   consumer_tp: D, consumer_rank: d, lease_s: its READ's bound}
-    producer rank p -> consumer rank d   GRANT  {ticket (the claim's), heads_outermost: bool,
+    producer rank p -> consumer rank d   GRANT  {ticket (the claim's), order: "HND" | "NHD",
                                                   verdicts: {request id: "granted" | "taken" | "spent" | "unknown"}}
     consumer rank d -> producer rank p   DONE   {requests: [[request id, claim], ...], consumer_rank: d}
                                                   (sent once its READs completed: never before a retried one)
@@ -21,11 +21,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .shapes import ORDERS
+
 __all__ = ["TO_PRODUCER", "TO_CONSUMER", "Claim", "Grant", "Done", "parse", "MAX_REQUESTS"]
 
 # The channels of KV handoffs (the wire version is in the names; neither is a prefix of the other).
-TO_PRODUCER = b"twkv1p"
-TO_CONSUMER = b"twkv1c"
+TO_PRODUCER = b"twkv2p"
+TO_CONSUMER = b"twkv2c"
 MAX_REQUESTS = 4096  # requests one message names at most (one engine step's loads from one producer)
 _MAX_BYTES = 1 << 20
 _MAX_ID_CHARS = 256
@@ -51,11 +53,10 @@ class Claim:
 class Grant:
     ticket: str
     verdicts: dict[str, str]  # producer request id -> one of VERDICTS
-    heads_outermost: bool  # the producer rank's blocks hold their heads outermost (a head range is one run)
+    order: str  # the producer rank's blocks' order of rows (``shapes.ORDERS``: "HND" heads outermost, or "NHD")
 
     def encode(self) -> bytes:
-        return _encode(TO_CONSUMER, "grant", {"ticket": self.ticket, "verdicts": self.verdicts,
-                                              "heads_outermost": self.heads_outermost})
+        return _encode(TO_CONSUMER, "grant", {"ticket": self.ticket, "verdicts": self.verdicts, "order": self.order})
 
 
 @dataclass(frozen=True)
@@ -112,11 +113,11 @@ def _grant(body: dict) -> Grant | None:
     verdicts = body.get("verdicts")
     if not _text(body.get("ticket")) or not isinstance(verdicts, dict) or len(verdicts) > MAX_REQUESTS:
         return None
-    if not isinstance(body.get("heads_outermost"), bool):
+    if body.get("order") not in ORDERS:
         return None
     if not all(_text(k) and v in VERDICTS for k, v in verdicts.items()):
         return None
-    return Grant(body["ticket"], dict(verdicts), body["heads_outermost"])
+    return Grant(body["ticket"], dict(verdicts), body["order"])
 
 
 def _done(body: dict) -> Done | None:

@@ -1,11 +1,11 @@
 """The checks of a consumer request's handoff params (``Handoff.to_params``): everything in them comes from the
 client.
 
-``check_params`` runs where the engine first hands the params over (vLLM: ``get_num_new_matched_tokens``), before
-the scheduler is told to wait for a load: a value of the wrong type, out of range, inconsistent with the prompt or the
-block size, of another layout, or a handoff that does not open with the job token, was altered, was issued for
-another prompt or has expired raises ``HandoffRefused`` naming the field, the value and the reason (a short word
-for the stats). Nothing else escapes: the hooks turn a refusal into a recompute or a failed request.
+``check_params`` runs where the engine first hands the params over (vLLM: ``get_num_new_matched_tokens``), before the
+scheduler is told to wait for a load: a value of the wrong type, out of range, inconsistent with the prompt or the block
+sizes (one must divide the other), of another layout, or a handoff that does not open with the job token, was altered,
+was issued for another prompt or has expired raises ``HandoffRefused`` naming the field, the value and the reason (a
+short word for the stats). Nothing else escapes: the hooks turn a refusal into a recompute or a failed request.
 
 What the consumer then uses is the sealed handoff, never the plaintext fields: those only have to agree with it.
 Replays (one handoff used twice, by this consumer or another one) are refused by the producer, which grants each
@@ -23,6 +23,7 @@ from typing import Any
 import tensorwire as tw
 
 from .handoff import SEAL_CONTEXT, Handoff, prompt_hash
+from .shapes import MAX_BLOCK_SIZE
 
 __all__ = ["HandoffRefused", "check_params", "MAX_BLOCK_ID", "EXPIRY_MARGIN_S"]
 
@@ -85,17 +86,22 @@ def _plaintext(params: dict, prompt_token_ids: list[int], block_size: int, layou
     their_layout = _string(params, "remote_layout", 4096)
     if their_layout != layout:
         raise HandoffRefused("layout", "remote_layout", their_layout,
-                             f"this consumer serves {layout!r}; start both instances with the same model, KV dtype "
-                             "and block size")
+                             f"this consumer serves {layout!r}; start both instances with the same model and KV "
+                             "dtype")
     num_tokens = _integer(params, "remote_num_tokens", 1, max(len(prompt_token_ids), 1))
     if num_tokens != len(prompt_token_ids):
         raise HandoffRefused("prompt", "remote_num_tokens", num_tokens,
                              f"this request's prompt has {len(prompt_token_ids)} tokens; send the same prompt to both")
-    blocks = _block_ids(params, math.ceil(num_tokens / block_size))
+    their_block_size = _integer(params, "remote_block_size", 1, MAX_BLOCK_SIZE)
+    if max(their_block_size, block_size) % min(their_block_size, block_size):
+        raise HandoffRefused("layout", "remote_block_size", their_block_size,
+                             f"this consumer's blocks hold {block_size} tokens and neither size divides the other; "
+                             "start the engines with block sizes where one is a multiple of the other")
+    blocks = _block_ids(params, math.ceil(num_tokens / their_block_size))
     producer_tp = _integer(params, "remote_tp_size", 1, MAX_TP_SIZE) if "remote_tp_size" in params else 1
     expires_at, issued_at = _time(params, "remote_expires_at"), _time(params, "remote_issued_at")
     return Handoff(member, blocks, request_id, num_tokens, layout, prompt_hash(prompt_token_ids), issued_at,
-                   expires_at, producer_tp)
+                   expires_at, producer_tp, block_size=their_block_size)
 
 
 def _time(params: dict, field: str) -> float:
@@ -123,7 +129,8 @@ def _opened(params: dict) -> dict[str, Any]:
 def check_params(params: Any, prompt_token_ids: list[int], block_size: int, layout: str, *, sealed: bool,
                  now: float) -> Handoff:
     """The handoff of a consumer request's ``kv_transfer_params``, checked against its prompt (token ids), this
-    engine's ``block_size`` and ``layout``, and (``sealed``: the job has a token) verified: the sealed handoff
+    engine's ``block_size`` (the producer's, ``remote_block_size``, may differ where one divides the other) and
+    ``layout``, and (``sealed``: the job has a token) verified: the sealed handoff
     opens, agrees with every plaintext field, was issued for this prompt and has not expired at ``now`` (wall
     clock). Raises ``HandoffRefused``; nothing else. No I/O (the job token is read from the environment)."""
     if not isinstance(params, dict):

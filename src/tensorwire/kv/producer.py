@@ -180,7 +180,7 @@ class Producer:
         for verdict in verdicts.values():
             if verdict != "granted":
                 self.refused[verdict] = self.refused.get(verdict, 0) + 1
-        return Grant(claim.ticket, verdicts, self._member.heads_outermost)
+        return Grant(claim.ticket, verdicts, self._member.shape.order)
 
     def _verdict(self, request_id: str, issued_at: float, value: str, claim: Claim, reporters: frozenset[int] | None,
                  lease_s: float) -> str:

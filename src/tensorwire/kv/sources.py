@@ -1,5 +1,6 @@
 """One producer rank as a consumer lane sees it: finding it in the fleet (bounded; one that left is remembered),
-its published pool, the messages to it, and the READs of a head range of its blocks into ours."""
+its published pool, the messages to it, and the READs of a head range of its blocks into ours, as the two engines'
+block shapes pair them (``shapes.BlockPlan``)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import numpy as np
 
 import tensorwire as tw
 
-from .handoff import member_name
+from .handoff import Load, member_name
 from .heads import HeadRead, Sharding
 from .member import POOL_KEY, KVMember
+from .shapes import BlockPlan, BlockShape, Part
 
 __all__ = ["Source", "LoadFailed"]
 
@@ -23,6 +25,7 @@ _PRESENCE_S = 0.2  # how long a departed producer's name is looked up before its
 # A lost producer still listed under its rank is taken as gone this long: the directory forgets a dead member
 # within TENSORWIRE_LIVENESS_S, so one listed after this is alive (its loss was a false alarm) and is contacted again.
 _DEPARTED_S = 15.0
+_MAX_RANGES = 65535  # views of a derived pool (the block kernel's grid, a pool descriptor's count)
 
 
 class LoadFailed(Exception):
@@ -35,24 +38,27 @@ class LoadFailed(Exception):
 
 class Source:
     """Producer rank ``producer_rank`` of instance ``instance`` (TP ``producer_tp``), as consumer ``member`` reaches
-    it (``channel``: the consumer's channel to producers; ``bounds``: its ``timeout_s``, ``contact_s``). A lane
-    thread's only."""
+    it (``channel``: the consumer's channel to producers; ``bounds``: its ``timeout_s``, ``contact_s``;
+    ``transport``: the READs' one, None: the fastest). A lane thread's only."""
 
     def __init__(self, member: KVMember, channel: Any, bounds: tuple[float, float], instance: str, producer_rank: int,
-                 producer_tp: int) -> None:
+                 producer_tp: int, transport: str | None = None) -> None:
+        self._forced = transport
         self.own, self.channel = member, channel
         self.timeout_s, self.contact_s = bounds
         self.producer_rank, self.producer_tp = producer_rank, producer_tp
         self.member = member_name(instance, producer_rank, producer_tp)
         self.rank = -1  # its fleet rank at the last contact
         self.desc: tw.BlockPoolDesc | None = None
-        self.heads_outermost = False  # as its last grant said
+        self.order = "HND"  # its blocks' order of rows, as its last grant said
         self.transport = ""
-        self._transfers: dict[tuple[int, int, int], tuple[tw.BlockTransfer, tw.BlockPool | None]] = {}
+        self._plans: dict[tuple, list[Part]] = {}
+        self._transfers: dict[tuple, tuple[tw.BlockTransfer, tw.BlockPool | None]] = {}
+        self._warned = False  # logged once that its blocks take several descriptors each
         self._departed_rank: int | None = None  # the rank it had when it left (-1: never found)
         self._departed_at = 0.0
         self._fresh = True  # no READ from it completed yet (its connection is being set up)
-        self._last: tuple = ()
+        self._last: list[tuple] = []  # the last posts: (plan, part, local ids, remote ids)
 
     # --- finding it ---------------------------------------------------------------------------------------------
     def contact(self, layout: str) -> None:
@@ -104,73 +110,105 @@ class Source:
         self.channel.send(self.rank, message)
 
     # --- reading ------------------------------------------------------------------------------------------------
-    def post(self, read: HeadRead, local: np.ndarray, remote: np.ndarray) -> tuple[Source, int]:
-        """Post the READ of ``read``'s heads of blocks ``remote`` into ours ``local``; returns (self, bytes)."""
-        transfer = self._transfer(read)
-        transfer.post(local, remote)
-        self._last = (read, local, remote)
-        return self, len(local) * transfer.bytes_per_block
+    def post(self, read: HeadRead, loads: list[Load]) -> int:
+        """Post the READs of ``read``'s heads of ``loads``' blocks into ours: one per part of the block plan
+        (``shapes.BlockPlan``: one part when both engines' blocks hold the same tokens); returns the bytes."""
+        block_size = loads[0].handoff.block_size
+        if any(ld.handoff.block_size != block_size for ld in loads):
+            raise LoadFailed("layout", f"{self.member!r}'s handoffs name different block sizes "
+                             f"{sorted({ld.handoff.block_size for ld in loads})}; one engine has one block size")
+        plan = self._plan(read, block_size)
+        moved = 0
+        for part in self._parts(plan):
+            pairs = [plan.pairs(part.index, np.asarray(ld.local_block_ids, dtype=np.int64),
+                                np.asarray(ld.handoff.block_ids, dtype=np.int64), ld.handoff.num_tokens)
+                     for ld in loads]
+            local, remote = (np.concatenate([p[i] for p in pairs]) for i in (0, 1))
+            if not len(local):
+                continue  # a part past every prompt's last block (larger consumer blocks, short prompts)
+            transfer = self._transfer(plan, part)
+            transfer.post(local, remote)
+            self._last.append((plan, part, local, remote))
+            moved += len(local) * transfer.bytes_per_block
+        return moved
 
-    def wait(self, moved: int) -> int:
-        """Wait for the last post. The first READ to a producer sets up its transport's connection; on a loaded box
-        that can miss its bound while the producer is fine: once more on a fresh transfer, if it is still listed
-        (a READ only rewrites our own blocks of these requests, and the producer frees them only after our DONE,
+    def wait(self) -> None:
+        """Wait for the posts since the last wait. The first READ to a producer sets up its transport's connection; on a
+        loaded box that can miss its bound while the producer is fine: once more on fresh transfers, if it is still
+        listed (a READ only rewrites our own blocks of these requests, and the producer frees them only after our DONE,
         which follows the last wait: repeating it is harmless)."""
-        read, local, remote = self._last
+        posted, self._last = self._last, []
         try:
-            self._transfer(read).wait(timeout=self.timeout_s)
+            for plan, part, _, _ in posted:
+                self._transfer(plan, part).wait(timeout=self.timeout_s)
         except tw.TensorwireError as e:
             if not self._fresh or not self.listed():
                 raise
             log.info("KV consumer: the first READ from %r failed, once more: %s", self.member, e)
             self.drop()
-            self._transfer(read).post(local, remote)
-            self._transfer(read).wait(timeout=self.timeout_s)
+            for plan, part, local, remote in posted:
+                self._transfer(plan, part).post(local, remote)
+            for plan, part, _, _ in posted:
+                self._transfer(plan, part).wait(timeout=self.timeout_s)
         self._fresh = False
-        return moved
 
-    @staticmethod
-    def _key(read: HeadRead) -> tuple[int, int, int]:
-        return read.local_offset, read.remote_offset, read.num_heads
+    def _plan(self, read: HeadRead, block_size: int) -> BlockPlan:
+        """Our blocks and its, as ``read`` pairs them (its shape: the handoff's block size, its grant's order)."""
+        own = self.own.sharding
+        start, stop = Sharding(self.producer_tp, own.total_heads, own.replicated).heads(self.producer_rank)
+        try:
+            return BlockPlan(self.own.shape, BlockShape(block_size, stop - start, self.order), read)
+        except tw.InvalidArgumentError as e:
+            raise LoadFailed("layout", f"{self.member!r}: {e}") from None
 
-    def _transfer(self, read: HeadRead) -> tw.BlockTransfer:
-        key = self._key(read)
+    def _parts(self, plan: BlockPlan) -> list[Part]:
+        key = (plan.read, plan.remote)
+        if key not in self._plans:
+            self._plans[key] = plan.parts()
+        return self._plans[key]
+
+    def _transfer(self, plan: BlockPlan, part: Part) -> tw.BlockTransfer:
+        key = (plan.read, plan.remote, part.index)
         if key not in self._transfers:
-            comm, pool = self.own.comm, self.own.pool
-            local, remote = self._narrowed(read, pool)
-            transfer = comm.prepare_blocks(tw.READ, local or pool, remote)
+            local, remote = self._selected(plan, part)
+            transfer = self.own.comm.prepare_blocks(tw.READ, local or self.own.pool, remote, transport=self._forced)
             self._transfers[key] = (transfer, local)
             self.transport = transfer.transport
         return self._transfers[key][0]
 
-    def _narrowed(self, read: HeadRead, pool: tw.BlockPool) -> tuple[tw.BlockPool | None, tw.BlockPoolDesc]:
-        """Our pool and its pool reduced to ``read``'s heads of every block (None, desc: whole blocks)."""
-        member = self.own
-        local_heads = member.heads[1] - member.heads[0]
-        own = member.sharding
-        start, stop = Sharding(self.producer_tp, own.total_heads, own.replicated).heads(self.producer_rank)
-        remote_heads = stop - start
-        if member.sharding.replicated or read.num_heads == local_heads == remote_heads:
+    def _selected(self, plan: BlockPlan, part: Part) -> tuple[tw.BlockPool | None, tw.BlockPoolDesc]:
+        """Our pool and its pool reduced to ``part``'s rows of every block of every view (None, desc: whole
+        blocks)."""
+        pool = self.own.pool
+        if plan.whole:
             return None, self.desc
-        if not (member.heads_outermost and self.heads_outermost):
-            raise LoadFailed("layout", f"reading heads {read.first_head}..{read.first_head + read.num_heads - 1} of "
-                             f"{self.member!r} needs both caches with heads outermost inside a block (this consumer: "
-                             f"{member.heads_outermost}, the producer: {self.heads_outermost}); use a head-outermost "
-                             "(HND) KV layout on both, or the same tensor parallelism")
-        local_bph = _per_head(pool.block_bytes, local_heads)
-        remote_bph = _per_head(self.desc.block_bytes, remote_heads)
-        if local_bph is None or local_bph != remote_bph:
-            raise LoadFailed("layout", f"bytes per head per view differ: this consumer {local_bph}, {self.member!r} "
-                             f"{remote_bph}; both must serve the same model, KV dtype and block size")
-        sizes = [b * read.num_heads for b in local_bph]
-        local = pool.narrow([b * read.local_offset for b in local_bph], sizes)
-        return local, self.desc.narrow([b * read.remote_offset for b in remote_bph], sizes)
-
+        local_row = _per_row(pool.block_bytes, plan.local.rows)
+        remote_row = _per_row(self.desc.block_bytes, plan.remote.rows)
+        if local_row is None or local_row != remote_row:
+            raise LoadFailed("layout", f"bytes per row (one head of one token) per view differ: this consumer "
+                             f"{local_row}, {self.member!r} {remote_row} (blocks of {pool.block_bytes} and "
+                             f"{self.desc.block_bytes} bytes, {plan.local} and {plan.remote}); both must serve the "
+                             "same model and KV dtype, and give KVMember their own block_size")
+        regions = len(local_row) * len(part.ranges)
+        if regions > _MAX_RANGES:
+            raise LoadFailed("layout", f"reading {self.member!r}'s {plan.remote.order} blocks into our "
+                             f"{plan.local.order} ones takes {len(part.ranges)} ranges per block and view, {regions} "
+                             f"in all (at most {_MAX_RANGES}); run both engines with the HND layout")
+        if len(part.ranges) > 1 and not self._warned:
+            self._warned = True
+            log.info("KV consumer: %r's %s blocks of %d tokens into our %s blocks of %d: %d descriptors per block and "
+                     "view (HND on both sides needs one)", self.member, plan.remote.order, plan.remote.block_size,
+                     plan.local.order, plan.local.block_size, len(part.ranges))
+        local = pool.select([(v, row * lr, row * n) for v, row in enumerate(local_row) for lr, _, n in part.ranges])
+        remote = self.desc.select([(v, row * rr, row * n) for v, row in enumerate(remote_row)
+                                   for _, rr, n in part.ranges])
+        return local, remote
     def failed(self, reason: str) -> None:
         """After a job failed: a lost producer is remembered as departed; its transfers are contacted afresh."""
         if reason == "lost":
             self._departed_rank, self._departed_at = self.rank, time.monotonic()
         self.drop()
+        self._last = []
         self.desc = None
 
     def drop(self) -> None:
@@ -184,7 +222,7 @@ class Source:
         self._transfers.clear()
 
 
-def _per_head(block_bytes: tuple[int, ...], heads: int) -> list[int] | None:
-    if any(b % heads for b in block_bytes):
+def _per_row(block_bytes: tuple[int, ...], rows: int) -> list[int] | None:
+    if any(b % rows for b in block_bytes):
         return None
-    return [b // heads for b in block_bytes]
+    return [b // rows for b in block_bytes]

@@ -1,14 +1,20 @@
 """A producer and a consumer engine of any tensor parallelism, each rank a process of one fleet, over KV caches whose
-values encode (layer, block, head, token, element): the multi-process KV tests and ``bench kv --tp`` run it.
+values encode (layer, K/V, token, head, element): the multi-process KV tests and ``bench kv --tp`` run it.
 
-Each rank's cache is one view per layer, ``[num_blocks, its heads, tokens, dim]`` float32 (heads outermost in a
-block, as vLLM's CPU backend), or ``[num_blocks, tokens, dim]`` for MLA (every rank holds it whole). Producer ranks
-fill their blocks with ``code(...)`` (never 0); consumer ranks start from zeros and check, after their load, that each
-of their heads of each loaded block holds the producer's code and nothing else was written.
+Each rank's cache is one tensor per layer laid out as vLLM lays its caches out on GPUs: K/V first
+(FlashAttention, ``[2, num_blocks, block_size, heads, dim]``) or blocks first (FlashInfer, ``[num_blocks, 2, ...]``),
+in memory either heads outermost (``HND``: the logical shape is a stride-permuted view, as vLLM hands it over) or
+tokens outermost (``NHD``); MLA: ``[num_blocks, block_size, dim]`` (every rank holds it whole). The pool's views are
+the K and V halves (``cache[0]``, ``cache[:, 0]``...), ``[num_blocks, block_size, heads, dim]`` each. The two engines
+may differ in order and block size. Producer ranks fill every block with ``code``s of the prompt's tokens (its
+handoff blocks, in token order) or of a token outside the prompt (negative: any other block); consumer ranks start
+from zeros and check, after their load, that each of their rows of each loaded block holds the producer's code of
+that token and head, and that nothing else was written.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import time
@@ -19,7 +25,7 @@ import torch
 import tensorwire as tw
 from tensorwire import kv
 
-__all__ = ["PairSpec", "code", "run_pair"]
+__all__ = ["PairSpec", "run_pair"]
 
 LAYERS = 2
 _WAIT_S = 120.0
@@ -28,9 +34,12 @@ _WAIT_S = 120.0
 @dataclass(frozen=True)
 class PairSpec:
     """Producer TP, consumer TP, the model's KV heads (1 with ``mla``), host memory in shared files (``shm``: the
-    ``shm`` transport between ranks of one host) or not (NIXL), the blocks a request moves, each head's
-    ``tokens x dim`` floats per block, and how many requests (each its own handoff of the same blocks) are loaded
-    one after the other."""
+    ``shm`` transport between ranks of one host) or not (NIXL), GPU memory (``cuda``: one GPU shared by every rank,
+    ``cuda_ipc``), the producer's blocks of the prompt and the consumer's blocks it loads into (in token order), each
+    side's tokens per block (``tokens`` unless ``producer_block``/``consumer_block`` say otherwise) and order, the
+    cache's shape (``kv_first``), dtype (``"float32"``, or ``"bfloat16"`` whose bits are int16 codes), the prompt's
+    tokens (all of the producer's blocks unless ``num_tokens``) and how many requests (each its own handoff of the
+    same blocks) are loaded one after the other."""
 
     producer_tp: int
     consumer_tp: int
@@ -44,85 +53,148 @@ class PairSpec:
     dim: int = 8
     requests: int = 1
     cuda: bool = False  # GPU memory (one GPU shared by every rank: cuda_ipc)
+    producer_block: int | None = None
+    consumer_block: int | None = None
+    producer_order: str = "HND"
+    consumer_order: str = "HND"
+    kv_first: bool = True
+    dtype: str = "float32"
+    num_tokens: int | None = None
+    transport: str | None = None  # the consumer's READs' (None: the fastest)
 
     @property
     def layout(self) -> str:
-        return f"testing-kv layers={LAYERS} tokens={self.tokens} dim={self.dim} float32"
+        return f"testing-kv layers={LAYERS} dim={self.dim} {self.dtype}"
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.num_tokens or len(self.remote_ids) * self.block_size("producer")
+
+    def block_size(self, side: str) -> int:
+        return (self.producer_block if side == "producer" else self.consumer_block) or self.tokens
 
     def sharding(self, tp_size: int) -> kv.Sharding:
         return kv.Sharding(tp_size, 1 if self.mla else self.total_heads, replicated=self.mla)
 
 
-def code(spec: PairSpec, layer: int, block: int, head: int, token: int, element: int) -> int:
-    """The value at (layer, block, head, token, element) of the producer's cache: unique, exact in float32, > 0."""
-    heads = 1 if spec.mla else spec.total_heads
-    return ((((layer * spec.num_blocks + block) * heads + head) * spec.tokens + token) * spec.dim + element) + 1
+def _codes(spec: PairSpec, side: str, start: int, heads: int, block_token) -> torch.Tensor:
+    """int64 ``[LAYERS, 2, num_blocks, block_size, heads, dim]``: the code of (layer, K/V, token, head, element) for
+    ``block_token(block)``, the prompt token of a block's first row (None: not a prompt block, a negative code)."""
+    size = spec.block_size(side)
+    layer, half, block, token, head, element = torch.meshgrid(
+        torch.arange(LAYERS), torch.arange(2), torch.arange(spec.num_blocks), torch.arange(size),
+        torch.arange(heads), torch.arange(spec.dim), indexing="ij")
+    firsts = [block_token(b) for b in range(spec.num_blocks)]
+    first = torch.tensor([-1 if f is None else f for f in firsts]).view(1, 1, -1, 1, 1, 1)
+    prompt = first >= 0
+    global_token = torch.where(prompt, first + token, block * size + token)
+    total = 1 if spec.mla else spec.total_heads
+    value = (((layer * 2 + half) * spec.prompt_tokens + global_token) * total + head + start) * spec.dim + element
+    limit = 32000 if spec.dtype == "bfloat16" else 1 << 24  # exact in int16 bits / in float32
+    if LAYERS * 2 * spec.prompt_tokens * total * spec.dim >= limit:
+        raise ValueError(f"PairSpec: {spec.prompt_tokens} tokens x {total} heads x {spec.dim} do not fit unique "
+                         f"{spec.dtype} codes; use fewer")
+    return torch.where(prompt, value + 1, -(value % limit) - 1)  # other blocks' codes need only be negative
 
 
-def _views(spec: PairSpec, tp_rank: int, tp_size: int, fill: bool) -> list[torch.Tensor]:
+def _views(spec: PairSpec, side: str, tp_rank: int, tp_size: int, fill: bool) -> tuple[list[torch.Tensor],
+                                                                                          list[torch.Tensor]]:
+    """(the storage, the pool views): per layer one cache as vLLM lays it out (its flat storage: a ``shm`` file lives
+    as long as that tensor), its K and V halves as views."""
     start, stop = spec.sharding(tp_size).heads(tp_rank)
-    shape = ((spec.num_blocks, spec.tokens, spec.dim) if spec.mla
-             else (spec.num_blocks, stop - start, spec.tokens, spec.dim))
-    views = []
-    for layer in range(LAYERS):
-        view = tw.shared_empty(shape) if spec.shm else torch.empty(shape, device="cuda" if spec.cuda else "cpu")
-        view.zero_()
-        if fill:
-            index = torch.cartesian_prod(*(torch.arange(n) for n in shape))
-            heads = torch.zeros(len(index), dtype=torch.long) if spec.mla else index[:, 1] + start
-            token, element = index[:, -2], index[:, -1]
-            codes = ((((layer * spec.num_blocks + index[:, 0]) * (1 if spec.mla else spec.total_heads) + heads)
-                      * spec.tokens + token) * spec.dim + element) + 1
-            view.copy_(codes.to(torch.float32).view(shape).to(view.device))
-        views.append(view)
-    return views
+    size, heads = spec.block_size(side), stop - start
+    order = spec.producer_order if side == "producer" else spec.consumer_order
+    storage = torch.int16 if spec.dtype == "bfloat16" else torch.float32
+    device = "cuda" if spec.cuda else "cpu"
+    storages, views = [], []
+    for _ in range(LAYERS):
+        if spec.mla:
+            physical = (spec.num_blocks, size, spec.dim)
+        else:
+            inner = (heads, size, spec.dim) if order == "HND" else (size, heads, spec.dim)
+            physical = (2, spec.num_blocks, *inner) if spec.kv_first else (spec.num_blocks, 2, *inner)
+        numel = math.prod(physical)
+        flat = tw.shared_empty((numel,), dtype=storage) if spec.shm else torch.empty(numel, dtype=storage,
+                                                                                      device=device)
+        flat.zero_()
+        storages.append(flat)
+        cache = flat.view(physical)
+        if not spec.mla and order == "HND":
+            cache = cache.transpose(-3, -2)  # the logical [..., block_size, heads, dim] over heads-outermost memory
+        if spec.dtype == "bfloat16":
+            cache = cache.view(torch.bfloat16)
+        if spec.mla:
+            views.append(cache)
+        else:
+            views.extend((cache[0], cache[1]) if spec.kv_first else (cache[:, 0], cache[:, 1]))
+    if fill:
+        ids = spec.remote_ids
+        codes = _codes(spec, side, start, 1 if spec.mla else heads,
+                       lambda b: ids.index(b) * size if b in ids else None)
+        for layer in range(LAYERS):
+            for half in range(1 if spec.mla else 2):
+                view = views[layer if spec.mla else 2 * layer + half]
+                value = codes[layer, half, :, :, 0] if spec.mla else codes[layer, half]
+                _bits(view).copy_(value.to(_bits(view).dtype).to(view.device))
+    return storages, views
+
+
+def _bits(view: torch.Tensor) -> torch.Tensor:
+    """The view as the type its codes are written in (bfloat16 caches hold int16 codes)."""
+    return view.view(torch.int16) if view.dtype == torch.bfloat16 else view
 
 
 def _problems(spec: PairSpec, views: list[torch.Tensor], tp_rank: int, loaded: bool) -> list[str]:
-    """What differs from the producer's codes in the loaded blocks, or from zero elsewhere."""
-    start, _ = spec.sharding(spec.consumer_tp).heads(tp_rank)
-    host = PairSpec(**{**spec.__dict__, "shm": False, "cuda": False})
-    expected = _views(host, 0, 1, fill=True) if spec.mla else None
+    """What differs from the producer's codes in the loaded blocks' rows of the prompt (a consumer block's rows past
+    the prompt: zero or the producer's code of that token, never another block's), or from zero elsewhere."""
+    start, stop = spec.sharding(spec.consumer_tp).heads(tp_rank)
+    size = spec.block_size("consumer")
+    ids = spec.local_ids
+    codes = _codes(spec, "consumer", start, 1 if spec.mla else stop - start,
+                   lambda b: ids.index(b) * size if b in ids else None)
+    tokens = torch.arange(spec.num_blocks).view(-1, 1) * 0 + torch.arange(size).view(1, -1)
     problems = []
-    for layer, view in enumerate(views):
-        view = view.cpu()
+    for index, view in enumerate(views):
+        layer, half = (index, 0) if spec.mla else divmod(index, 2)
+        got = _bits(view).cpu().to(torch.int64)
+        want = codes[layer, half, :, :, 0] if spec.mla else codes[layer, half]
         for block in range(spec.num_blocks):
-            got = view[block]
-            if loaded and block in spec.local_ids:
-                remote = spec.remote_ids[spec.local_ids.index(block)]
-                if spec.mla:
-                    want = expected[layer][remote]
-                else:
-                    heads = torch.arange(start, start + got.shape[0]).view(-1, 1, 1)
-                    want = ((((layer * spec.num_blocks + remote) * spec.total_heads + heads) * spec.tokens
-                             + torch.arange(spec.tokens).view(1, -1, 1)) * spec.dim
-                            + torch.arange(spec.dim).view(1, 1, -1) + 1)
-                if not torch.equal(got, want.to(torch.float32)):
-                    problems.append(f"layer {layer} block {block}: {got.flatten()[:4].tolist()}... expected "
-                                    f"{want.flatten()[:4].tolist()}...")
-            elif got.abs().sum() != 0:
-                problems.append(f"layer {layer} block {block} was written")
+            if loaded and block in ids:
+                first = ids.index(block) * size
+                in_prompt = (first + tokens[block]) < spec.prompt_tokens
+                rows_ok = (got[block] == want[block]).flatten(1).all(1)
+                tail_ok = rows_ok | (got[block] == 0).flatten(1).all(1)
+                if not bool(torch.where(in_prompt, rows_ok, tail_ok).all()):
+                    bad = int(torch.nonzero(~torch.where(in_prompt, rows_ok, tail_ok))[0])
+                    problems.append(f"layer {layer} {'KV'[half]} block {block} token {bad}: "
+                                    f"{got[block][bad].flatten()[:4].tolist()}... expected "
+                                    f"{want[block][bad].flatten()[:4].tolist()}...")
+            elif got[block].abs().sum() != 0:
+                problems.append(f"layer {layer} {'KV'[half]} block {block} was written")
     return problems
 
 
-def _member(spec: PairSpec, address: str, token: str, instance: str, tp_rank: int, tp_size: int,
-            fill: bool) -> tuple[kv.KVMember, list[torch.Tensor]]:
+def _member(spec: PairSpec, side: str, address: str, token: str, instance: str, tp_rank: int, tp_size: int,
+            fill: bool) -> tuple[kv.KVMember, list[torch.Tensor], list[torch.Tensor]]:
+    """(the member, its pool's views, their storage: keep it while the member lives)."""
     os.environ["TENSORWIRE_JOB_TOKEN"] = token  # this spawned process's own environment
-    views = _views(spec, tp_rank, tp_size, fill)
+    storages, views = _views(spec, side, tp_rank, tp_size, fill)
+    order = spec.producer_order if side == "producer" else spec.consumer_order
     member = kv.KVMember(views, instance=instance, tp_rank=tp_rank, sharding=spec.sharding(tp_size),
-                         layout=spec.layout, heads_outermost=True, directory=address, timeout_s=30.0)
-    return member, views
+                         layout=spec.layout, block_size=spec.block_size(side), order=order, directory=address,
+                         timeout_s=30.0)
+    return member, views, storages
 
 
 def handoff_of(spec: PairSpec, issued_at: float, request: int = 0) -> kv.Handoff:
-    return kv.Handoff("prefill", spec.remote_ids, f"p-{request}", len(spec.remote_ids) * spec.tokens, spec.layout, "",
-                      issued_at, issued_at + _WAIT_S * 2, spec.producer_tp)
+    return kv.Handoff("prefill", spec.remote_ids, f"p-{request}", spec.prompt_tokens, spec.layout, "", issued_at,
+                      issued_at + _WAIT_S * 2, spec.producer_tp, block_size=spec.block_size("producer"))
 
 
 def producer_rank(spec: PairSpec, address: str, token: str, tp_rank: int, issued_at: float, out: mp.Queue,
                   stop: mp.Event) -> None:
     """A producer rank: hold the requests' blocks, say when they were all released, stay until ``stop``."""
-    member, _ = _member(spec, address, token, "prefill", tp_rank, spec.producer_tp, fill=True)
+    member, _, storages = _member(spec, "producer", address, token, "prefill", tp_rank, spec.producer_tp, fill=True)
     producer = kv.Producer(member, hold_s=_WAIT_S * 2)
     for request in range(spec.requests):
         producer.hold(handoff_of(spec, issued_at, request))
@@ -136,6 +208,7 @@ def producer_rank(spec: PairSpec, address: str, token: str, tp_rank: int, issued
     out.put(("refused", tp_rank, producer.refused))
     producer.close()
     member.close()
+    del storages  # the cache's memory outlived the member that registered it
 
 
 def consumer_rank(spec: PairSpec, address: str, token: str, instance: str, tp_rank: int, tp_size: int,
@@ -144,8 +217,8 @@ def consumer_rank(spec: PairSpec, address: str, token: str, instance: str, tp_ra
     rank), check every byte, report (rank, first error reason, transport, problems, claim and transfer seconds of
     each load)."""
     consumer_spec = PairSpec(**{**spec.__dict__, "consumer_tp": tp_size})
-    member, views = _member(consumer_spec, address, token, instance, tp_rank, tp_size, fill=False)
-    consumer = kv.Consumer(member, timeout_s=30.0)
+    member, views, storages = _member(consumer_spec, "consumer", address, token, instance, tp_rank, tp_size, fill=False)
+    consumer = kv.Consumer(member, timeout_s=30.0, transport=spec.transport)
     results = []
     for request in range(spec.requests):
         load = kv.Load(f"c-{request}", spec.local_ids, handoff_of(spec, issued_at, request), claim=f"{claim}-{request}")
@@ -156,6 +229,7 @@ def consumer_rank(spec: PairSpec, address: str, token: str, instance: str, tp_ra
              [r.claim_s for r in results], [r.transfer_s for r in results]))
     consumer.close()
     member.close()
+    del storages  # the cache's memory outlived the member that registered it
 
 
 def run_pair(spec: PairSpec, address: str, token: str, *, replay_tp: int | None = None) -> dict:

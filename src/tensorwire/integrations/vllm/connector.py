@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import tensorwire as tw
 
-from .layout import fingerprint, sharding
+from .layout import REQUIRED_ORDER, fingerprint, sharding
 from .plan import Plan
 from .scheduler import SchedulerSide
 from .settings import Settings
@@ -96,7 +96,19 @@ class TensorwireConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._worker = WorkerSide(self._settings, transfer_config.kv_role, layout,
-                                      get_tensor_model_parallel_rank() if tp_size > 1 else 0, sharding(vllm_config))
+                                      get_tensor_model_parallel_rank() if tp_size > 1 else 0, sharding(vllm_config),
+                                      vllm_config.cache_config.block_size)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """What the connector asks vLLM for: heads outermost in a block (``HND``) for a head-split cache, so that a
+        head range of a block is one byte range (one descriptor per block and view across TP sizes); nothing for
+        MLA (no head split). An engine that cannot honour it still works: its order is read from the cache's
+        strides and ``tensorwire.kv`` pairs rows across orders (more descriptors per block)."""
+        model = getattr(vllm_config, "model_config", None)
+        if model is None or getattr(model, "use_mla", False):
+            return None
+        return REQUIRED_ORDER
 
     # --- worker side --------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

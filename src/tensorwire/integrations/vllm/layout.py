@@ -1,12 +1,19 @@
-"""The engine's KV cache as a tensorwire block pool, the fingerprint that both instances compare, and how the
-model's KV heads are spread over the engine's tensor-parallel ranks.
+"""The engine's KV cache as a tensorwire block pool, the fingerprint that both instances compare, the order of a
+block's rows, and how the model's KV heads are spread over the engine's tensor-parallel ranks.
 
-vLLM allocates one cache tensor per attention layer. Two layouts occur: blocks first (the CPU backend:
-``[num_blocks, kv_heads, block_size, 2 * head_dim]``; FlashInfer: ``[num_blocks, 2, ...]``), where block i of the
-layer is ``cache[i]``, and K/V first (FlashAttention: ``[2, num_blocks, block_size, kv_heads, head_dim]``), where
-it is ``cache[0][i]`` and ``cache[1][i]``. Either way block i of the pool is that block in every layer, so one
-request moves a vLLM block of all layers at once. Only the CPU layout holds a block's heads outermost, which reading
-across tensor-parallel sizes needs (a head range is one byte range); MLA caches are the same on every rank.
+vLLM allocates one cache tensor per attention layer. Its layouts:
+
+- K/V first (FlashAttention): ``[2, num_blocks, block_size, kv_heads, head_dim]``; views ``cache[0]``, ``cache[1]``;
+- blocks first, K/V inside a block (FlashInfer): ``[num_blocks, 2, block_size, kv_heads, head_dim]``; views
+  ``cache[:, 0]``, ``cache[:, 1]`` (the pool registers their common span once);
+- the CPU backend: ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` (heads outermost, K and V in one row);
+- MLA: ``[num_blocks, block_size, latent]``, the same on every rank.
+
+On GPUs the logical shape stays ``[..., block_size, kv_heads, head_dim]`` whatever the memory order: with the ``HND``
+layout (``get_required_kvcache_layout``, which the connector declares for non-MLA models) vLLM hands over a
+stride-permuted view whose heads are outermost in memory. ``block_order`` reads the order from the strides, so a pool
+registers whatever the engine allocated; ``tensorwire.kv`` pairs rows across orders and block sizes
+(``kv.BlockPlan``: ``HND`` on both sides moves a head range as one descriptor per block and view).
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ import torch
 import tensorwire as tw
 from tensorwire import kv
 
-__all__ = ["fingerprint", "pool_views", "sharding", "heads_outermost"]
+__all__ = ["fingerprint", "pool_views", "sharding", "block_order", "REQUIRED_ORDER"]
+
+REQUIRED_ORDER = "HND"  # what the connector asks vLLM for (non-MLA): a head range is one byte range of a block
 
 
 def fingerprint(vllm_config: Any) -> str:
@@ -31,7 +40,7 @@ def fingerprint(vllm_config: Any) -> str:
     dtype = model.dtype if cache.cache_dtype in (None, "auto") else cache.cache_dtype
     attention = "mla" if getattr(model, "use_mla", False) else f"kv_heads={model.get_total_num_kv_heads()}"
     return (f"{architecture} layers={model.get_num_layers(parallel)} {attention} head_dim={model.get_head_size()} "
-            f"kv_dtype={str(dtype).removeprefix('torch.')} block_size={cache.block_size}")
+            f"kv_dtype={str(dtype).removeprefix('torch.')}")
 
 
 def sharding(vllm_config: Any) -> kv.Sharding:
@@ -42,12 +51,32 @@ def sharding(vllm_config: Any) -> kv.Sharding:
     return kv.Sharding(parallel.tensor_parallel_size, model.get_total_num_kv_heads())
 
 
-def heads_outermost(kv_caches: dict[str, torch.Tensor], num_blocks: int, local_heads: int) -> bool:
-    """Whether every cache is the CPU backend's ``[num_blocks, kv_heads, block_size, 2 * head_dim]``: a block's
-    heads outermost, so a range of heads is one byte range of the block. Told by the device as well as the shape:
-    a GPU backend's 4-D cache may put the tokens first with as many tokens per block as heads."""
-    return all(c.device.type == "cpu" and c.dim() == 4 and c.shape[0] == num_blocks and c.shape[1] == local_heads
-               for c in kv_caches.values())
+def block_order(views: list[torch.Tensor], block_size: int, local_heads: int) -> str:
+    """The order of the rows (one head of one token) in a block of every view of ``pool_views``: ``"HND"`` (heads
+    outermost) or ``"NHD"`` (tokens outermost), read from the views' strides. Raises ``tw.InvalidArgumentError`` for
+    a view of no known shape, or views of different orders."""
+    orders = {_order(view, block_size, local_heads) for view in views}
+    if None in orders or len(orders) != 1:
+        shapes = sorted({(tuple(v.shape), v.stride()) for v in views})[:3]
+        raise tw.InvalidArgumentError(
+            f"TensorwireConnector: KV cache views of shapes/strides {shapes} hold no block of {block_size} tokens x "
+            f"{local_heads} heads in one order (HND or NHD); this attention backend's layout is not supported")
+    return orders.pop()
+
+
+def _order(view: torch.Tensor, block_size: int, local_heads: int) -> str | None:
+    shape, strides = tuple(view.shape[1:]), view.stride()[1:]
+    if len(shape) == 2 and shape[0] == block_size:  # MLA: [block_size, latent], one head per token
+        return "NHD"
+    if len(shape) != 3:
+        return None
+    if view.device.type == "cpu" and shape[:2] == (local_heads, block_size):  # the CPU backend's [heads, block, 2d]
+        return "HND"
+    if shape[:2] != (block_size, local_heads):
+        return None
+    if block_size == 1 or local_heads == 1:
+        return "HND"  # both orders are one: heads outermost is the one a head range needs
+    return "HND" if strides[1] > strides[0] else "NHD"
 
 
 def pool_views(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[torch.Tensor]:
@@ -59,7 +88,9 @@ def pool_views(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[torc
         if cache.data_ptr() in seen:
             continue
         seen.add(cache.data_ptr())
-        if cache.dim() >= 2 and cache.shape[0] == num_blocks:
+        if cache.dim() == 5 and cache.shape[0] == num_blocks and cache.shape[1] == 2:  # FlashInfer: K/V per block
+            views.extend((cache[:, 0], cache[:, 1]))
+        elif cache.dim() >= 2 and cache.shape[0] == num_blocks:
             views.append(cache)
         elif cache.dim() >= 3 and cache.shape[0] == 2 and cache.shape[1] == num_blocks:
             views.extend((cache[0], cache[1]))

@@ -93,9 +93,10 @@ class SchedulerSide:
                 return
             request.kv_transfer_params["do_remote_prefill"] = False  # judged and planned: never again
             local = tuple(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else ()
-            if isinstance(verdict, Handoff) and len(local) > len(verdict.block_ids):
-                log.warning("TensorwireConnector: request %s: %d blocks allocated for %d handed off; failed",
-                            request.request_id, len(local), len(verdict.block_ids))
+            needed = math.ceil(verdict.num_tokens / self._block_size) if isinstance(verdict, Handoff) else 0
+            if isinstance(verdict, Handoff) and len(local) > needed:
+                log.warning("TensorwireConnector: request %s: %d blocks allocated for %d tokens (%d blocks) handed "
+                            "off; failed", request.request_id, len(local), verdict.num_tokens, needed)
                 verdict = HandoffRefused("params", "remote_block_ids", list(verdict.block_ids), "too few blocks")
             if isinstance(verdict, HandoffRefused):
                 if local:
@@ -151,4 +152,5 @@ class SchedulerSide:
             return None
         now = time.time()
         return Handoff(self._settings.name, blocks, request.request_id, num_tokens, self._layout,
-                       prompt_hash(prompt[:num_tokens]), now, now + self._settings.hold_s, self._tp_size)
+                       prompt_hash(prompt[:num_tokens]), now, now + self._settings.hold_s, self._tp_size,
+                       block_size=self._block_size)

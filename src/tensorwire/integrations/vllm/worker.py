@@ -11,7 +11,7 @@ import torch
 import tensorwire as tw
 from tensorwire import kv
 
-from .layout import heads_outermost, pool_views
+from .layout import block_order, pool_views
 from .plan import Plan
 from .settings import Settings
 
@@ -61,10 +61,12 @@ class StatsLog:
 
 class WorkerSide:
     """Hooks of ``KVConnectorBase_V1``'s worker role. ``role``: ``"kv_producer"``, ``"kv_consumer"`` or
-    ``"kv_both"``; ``layout``: ``layout.fingerprint(vllm_config)``; ``sharding``: ``layout.sharding(vllm_config)``."""
+    ``"kv_both"``; ``layout``: ``layout.fingerprint(vllm_config)``; ``sharding``: ``layout.sharding(vllm_config)``;
+    ``block_size``: the engine's tokens per block."""
 
-    def __init__(self, settings: Settings, role: str, layout: str, tp_rank: int, sharding: kv.Sharding) -> None:
-        self._settings, self._role, self._layout = settings, role, layout
+    def __init__(self, settings: Settings, role: str, layout: str, tp_rank: int, sharding: kv.Sharding,
+                 block_size: int) -> None:
+        self._settings, self._role, self._layout, self._block_size = settings, role, layout, block_size
         self._tp_rank, self._sharding = tp_rank, sharding
         self._member: kv.KVMember | None = None
         self._producer: kv.Producer | None = None
@@ -83,10 +85,11 @@ class WorkerSide:
                 "'tcp://HOST:PORT', ...} or set TENSORWIRE_DIRECTORY (a `tensorwire directory`)")
         views = pool_views(kv_caches, num_blocks)
         start, stop = self._sharding.heads(self._tp_rank)
+        order = block_order(views, self._block_size, 1 if self._sharding.replicated else stop - start)
         self._member = kv.KVMember(views, instance=self._settings.name, tp_rank=self._tp_rank,
-                                   sharding=self._sharding, layout=self._layout,
-                                   heads_outermost=heads_outermost(kv_caches, num_blocks, stop - start),
-                                   directory=self._settings.directory, timeout_s=self._settings.timeout_s)
+                                   sharding=self._sharding, layout=self._layout, block_size=self._block_size,
+                                   order=order, directory=self._settings.directory,
+                                   timeout_s=self._settings.timeout_s)
         if self._role != "kv_consumer":
             self._producer = kv.Producer(self._member, hold_s=self._settings.hold_s)
         if self._role != "kv_producer":
