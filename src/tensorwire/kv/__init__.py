@@ -15,11 +15,11 @@ READs, the job token), below the engine adapters (``tensorwire.integrations.vllm
 
 Modules: handoff.py (the handoff, sealed under one versioned KV wire tag; loads and claims), params.py (the client
 form's checks: types, ranges, prompt binding, seal, expiry), heads.py (which producer ranks hold which heads:
-intervals, GQA replication, MLA), shapes.py (which rows of which blocks a head range moves, whatever the block
-sizes and the orders of the rows: ``BlockShape``, ``BlockPlan``), member.py (a rank's cache in a fleet, as a published block pool), producer.py
-(holds granted to one claim, freed after the expected reads, drain), consumer.py (lanes per producer, claims,
-head-range READs, reasons for every failure) with sources.py (one producer rank as a lane sees it), messages.py
-(claim / grant / done).
+intervals, GQA replication, MLA), shapes.py (which rows of which blocks a head range moves, whatever the block sizes
+and the orders of the rows: ``BlockShape``, ``BlockPlan``), member.py (a rank's cache in a fleet, as a published
+block pool), producer.py (holds granted to one claim, freed after the expected reads, drain), consumer.py (lanes per
+producer, claims, head-range READs, reasons for every failure) with sources.py (one producer rank as a lane sees
+it), messages.py (claim / grant / done).
 """
 
 from __future__ import annotations
