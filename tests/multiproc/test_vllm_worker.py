@@ -25,18 +25,24 @@ from tensorwire.integrations.vllm.settings import Settings
 from tensorwire.integrations.vllm.worker import WorkerSide
 from tensorwire.kv import Handoff, Load
 
-LAYOUT = "LlamaForCausalLM layers=2 kv_heads=2 head_dim=64 kv_dtype=float32 block_size=32"
+LAYOUT = "LlamaForCausalLM layers=2 kv_heads=2 head_dim=64 kv_dtype=float32"
+BLOCK = 32
 SHARDING = kv.Sharding(1, 2)
 NUM_BLOCKS, LAYERS = 40, 2
 WAIT = 30.0
 ISSUED = 1000.0  # the issue time of the producer's one handoff
 
 def _caches(device: str, producer: bool) -> dict[str, torch.Tensor]:
-    shape = (NUM_BLOCKS, 2, 32, 128) if device == "cpu" else (2, NUM_BLOCKS, 32, 2, 64)
+    """cpu: the CPU backend's cache; cuda: FlashAttention's (NHD); cuda-hnd: the same logical shape over
+    heads-outermost memory, the stride-permuted view vLLM hands over under the HND layout."""
+    shape = (NUM_BLOCKS, 2, BLOCK, 128) if device == "cpu" else (2, NUM_BLOCKS, BLOCK, 2, 64)
     caches = {}
     for layer in range(LAYERS):
         values = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape) + layer * 1e7
-        caches[f"model.layers.{layer}.attn"] = (values if producer else torch.zeros(shape)).to(device)
+        cache = (values if producer else torch.zeros(shape)).to(device.removesuffix("-hnd"))
+        if device == "cuda-hnd":
+            cache = cache.transpose(2, 3).contiguous().transpose(2, 3)  # [2, blocks, block, heads, dim] over HND
+        caches[f"model.layers.{layer}.attn"] = cache
     return caches
 
 
@@ -49,14 +55,15 @@ def _worker(directory: str, name: str, role: str, token: str) -> WorkerSide:
     os.environ["TENSORWIRE_JOB_TOKEN"] = token  # this spawned process's own environment
     settings = Settings.from_extra_config({"directory": directory, "name": name, "timeout_s": 5, "hold_s": 60},
                                           None, None)
-    return WorkerSide(settings, role, LAYOUT, 0, SHARDING)
+    return WorkerSide(settings, role, LAYOUT, 0, SHARDING, BLOCK)
 
 
 def _producer(directory: str, token: str, device: str, done: mp.Queue) -> None:
     worker = _worker(directory, "prefill", "kv_producer", token)
     worker.register(_caches(device, producer=True), NUM_BLOCKS)
     now = time.time()
-    worker.start(Plan(holds=[Handoff("prefill", (7, 3, 30, 12), "p-1", 100, LAYOUT, "", ISSUED, now + 60)]))
+    worker.start(Plan(holds=[Handoff("prefill", (7, 3, 30, 12), "p-1", 100, LAYOUT, "", ISSUED, now + 60,
+                                     block_size=BLOCK)]))
     done.put("ready")
     released, deadline = set(), time.monotonic() + WAIT
     while "p-1" not in released and time.monotonic() < deadline:
@@ -76,7 +83,8 @@ def _finish(worker: WorkerSide, request_id: str) -> set[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu),
+                                    pytest.param("cuda-hnd", marks=pytest.mark.gpu)])
 def test_a_load_is_read_freed_and_a_dead_producer_becomes_load_errors(device, monkeypatch):
     token = secrets.token_hex(16)
     monkeypatch.setenv("TENSORWIRE_JOB_TOKEN", token)  # the consumer runs here: undone after the test
@@ -90,11 +98,12 @@ def test_a_load_is_read_freed_and_a_dead_producer_becomes_load_errors(device, mo
         assert done.get(timeout=120) == "ready"
         settings = Settings.from_extra_config({"directory": address, "name": "decode", "timeout_s": 5,
                                                "hold_s": 60}, None, None)
-        consumer = WorkerSide(settings, "kv_consumer", LAYOUT, 0, SHARDING)
+        consumer = WorkerSide(settings, "kv_consumer", LAYOUT, 0, SHARDING, BLOCK)
         caches = _caches(device, producer=False)
         consumer.register(caches, NUM_BLOCKS)
         remote, local = [7, 3, 30, 12], [0, 1, 2, 39]
-        handoff = Handoff("prefill", tuple(remote), "p-1", 100, LAYOUT, "", ISSUED, time.time() + 60)
+        handoff = Handoff("prefill", tuple(remote), "p-1", 100, LAYOUT, "", ISSUED, time.time() + 60,
+                          block_size=BLOCK)
         consumer.start(Plan(loads=[Load("c-1", tuple(local), handoff, claim=kv.new_claim())]))
         assert _finish(consumer, "c-1") == set()
         expected = _caches(device, producer=True)
@@ -103,13 +112,14 @@ def test_a_load_is_read_freed_and_a_dead_producer_becomes_load_errors(device, mo
                 assert torch.equal(_block(caches, layer, ll, device), _block(expected, layer, r, device))
         assert _block(caches, 0, 5, device).abs().sum() == 0  # nothing else was written
         assert done.get(timeout=WAIT) == ["p-1"]  # freed by the consumer's READ, long before hold_s
-        assert consumer.transports == {"cuda_ipc" if device == "cuda" else "nixl"}
+        assert consumer.transports == {"nixl" if device == "cpu" else "cuda_ipc"}
+        assert consumer._member.shape.order == ("NHD" if device == "cuda" else "HND")
         stats = consumer.stats.take()
         assert stats["num_blocks"] == [4] and stats["bytes_transferred"] == [4 * 2 * 32 * 128 * 4 * LAYERS]
 
         producer.kill()
         producer.join(30)
-        handoff = Handoff("prefill", (1, 2), "p-2", 64, LAYOUT, "", ISSUED, time.time() + 60)
+        handoff = Handoff("prefill", (1, 2), "p-2", 64, LAYOUT, "", ISSUED, time.time() + 60, block_size=BLOCK)
         consumer.start(Plan(loads=[Load("c-2", (4, 5), handoff, claim=kv.new_claim())]))
         assert _finish(consumer, "c-2") == {4, 5}
         assert consumer.stats.take()["num_failed_transfers"] == [1]
