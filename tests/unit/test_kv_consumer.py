@@ -17,8 +17,9 @@ class _Channels:
     """The member's runtime: claims sent to a producer rank are answered at once (``verdict``) on the grant
     channel; what was sent is kept."""
 
-    def __init__(self, verdict: str = "granted", per_request: dict | None = None) -> None:
+    def __init__(self, verdict: str = "granted", per_request: dict | None = None, order: str = "HND") -> None:
         self.verdict, self.per_request, self.sent, self.grants = verdict, per_request or {}, [], {}
+        self.order = order  # the producer's order of rows, as its grants say
 
     def channel(self, prefix: bytes):
         return SimpleNamespace(send=self._send, try_pop=lambda rank: self.grants.get(rank, []).pop(0)
@@ -28,7 +29,8 @@ class _Channels:
         self.sent.append((rank, parse(message)))
         claim = parse(message)
         if isinstance(claim, Claim):
-            grant = Grant(claim.ticket, {r: self.per_request.get(r, self.verdict) for r, _, _ in claim.requests}, "HND")
+            verdicts = {r: self.per_request.get(r, self.verdict) for r, _, _ in claim.requests}
+            grant = Grant(claim.ticket, verdicts, self.order)
             self.grants.setdefault(rank, []).append(grant.encode())
 
 
@@ -241,3 +243,51 @@ def test_a_first_read_that_fails_is_made_once_more_on_a_fresh_transfer():
     (result,) = _results(consumer, 1)
     assert result.error is None and len(comm.transfers) == 2 and comm.transfers[1].posted
     consumer.close(5)
+
+
+def _split_load(request: str, block_bytes: tuple[int, ...], views: int) -> tuple[_Comm, kv.Load]:
+    """A consumer at TP 1 of a producer at TP 2 (each producer rank: one of the two heads): head ranges, so the
+    pools are reduced to rows; the producer's pool has ``block_bytes`` per view."""
+
+    class Comm(_Comm):
+        def lookup_blocks(self, key, rank, timeout):
+            return SimpleNamespace(block_bytes=block_bytes, select=lambda ranges: ranges)
+
+    comm = Comm()
+    load = _load(request)
+    load = kv.Load(load.request_id, load.local_block_ids, kv.Handoff(**{**load.handoff.__dict__, "producer_tp": 2}),
+                   claim=load.claim)
+    return comm, load
+
+
+def _split_member(comm, views: int, order: str = "HND") -> SimpleNamespace:
+    comm.runtime = _Channels(order=order)
+    member = _member(comm)
+    member.pool = SimpleNamespace(block_bytes=(96 * 2 * 128,) * views, select=lambda ranges: ranges)
+    return member
+
+
+def test_producer_rows_of_another_size_are_refused_naming_both():
+    comm, load = _split_load("r1", (96 * 64,) * 2, 2)  # 64 bytes per row there, 128 here: another dtype or dim
+    consumer = kv.Consumer(_split_member(comm, 2), timeout_s=5)
+    consumer.submit([load])
+    (result,) = _results(consumer, 1)
+    consumer.close(5)
+    assert result.reason == "layout" and "bytes per row" in result.error and "[128, 128]" in result.error
+    assert "[64, 64]" in result.error and not comm.transfers  # refused before anything was prepared
+
+
+def test_orders_that_differ_past_the_descriptor_limit_are_refused_with_the_fix():
+    views = 400  # x 192 rows (96 tokens x 2 heads) paired one by one (the orders differ): 76,800 ranges per block
+
+    class Comm(_Comm):
+        def lookup_blocks(self, key, rank, timeout):
+            return SimpleNamespace(block_bytes=(96 * 2 * 128,) * views, select=lambda ranges: ranges)
+
+    comm = Comm()
+    consumer = kv.Consumer(_split_member(comm, views, order="NHD"), timeout_s=5)
+    consumer.submit([_load("r1")])
+    (result,) = _results(consumer, 1)
+    consumer.close(5)
+    assert result.reason == "layout" and "76800 in all" in result.error and "HND" in result.error, result.error
+    assert not comm.transfers
