@@ -245,7 +245,7 @@ def test_a_first_read_that_fails_is_made_once_more_on_a_fresh_transfer():
     consumer.close(5)
 
 
-def _split_load(request: str, block_bytes: tuple[int, ...], views: int) -> tuple[_Comm, kv.Load]:
+def _split_load(request: str, block_bytes: tuple[int, ...]) -> tuple[_Comm, kv.Load]:
     """A consumer at TP 1 of a producer at TP 2 (each producer rank: one of the two heads): head ranges, so the
     pools are reduced to rows; the producer's pool has ``block_bytes`` per view."""
 
@@ -268,7 +268,7 @@ def _split_member(comm, views: int, order: str = "HND") -> SimpleNamespace:
 
 
 def test_producer_rows_of_another_size_are_refused_naming_both():
-    comm, load = _split_load("r1", (96 * 64,) * 2, 2)  # 64 bytes per row there, 128 here: another dtype or dim
+    comm, load = _split_load("r1", (96 * 64,) * 2)  # 64 bytes per row there, 128 here: another dtype or dim
     consumer = kv.Consumer(_split_member(comm, 2), timeout_s=5)
     consumer.submit([load])
     (result,) = _results(consumer, 1)
