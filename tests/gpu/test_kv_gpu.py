@@ -34,7 +34,7 @@ def _need(transport: str) -> None:
 
 
 def _check(report: dict, spec: PairSpec, transport: str) -> None:
-    for rank, (reason, used, problems, _, _) in sorted(report["loaded"].items()):
+    for rank, (reason, used, problems, *_) in sorted(report["loaded"].items()):
         assert reason == "" and not problems, (rank, reason, problems[:4])
         assert used == transport, (rank, used)
     assert report["released"] == set(range(spec.producer_tp)), report

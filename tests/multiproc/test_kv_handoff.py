@@ -38,7 +38,7 @@ def fleet():
 
 
 def _check(report: dict, spec: PairSpec, transport: str) -> None:
-    for rank, (reason, used, problems, _, _) in sorted(report["loaded"].items()):
+    for rank, (reason, used, problems, *_) in sorted(report["loaded"].items()):
         assert reason == "" and not problems, (rank, reason, problems)
         assert used == transport, (rank, used)
     assert report["released"] == set(range(spec.producer_tp)), report  # every producer rank heard all it expected
@@ -97,7 +97,7 @@ def test_a_replayed_handoff_is_refused_before_any_byte_moves(case, fleet):
     spec = PairSpec(producer_tp, consumer_tp, heads, mla=mla)
     report = run_pair(spec, *fleet, replay_tp=1)
     _check(report, spec, "nixl")
-    for rank, (reason, _, problems, _, _) in report["replayed"].items():
+    for rank, (reason, _, problems, *_) in report["replayed"].items():
         assert reason == "replayed" and not problems, (rank, reason, problems)  # its cache still all zeros
     assert sum(r.get("spent", 0) for r in report["refused"].values()) >= 1, report["refused"]
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import tensorwire as tw
 from tensorwire import kv
-from tensorwire.kv.messages import Claim, Grant, parse
+from tensorwire.kv.messages import Claim, Done, Grant, parse
 
 LAYOUT = "LlamaForCausalLM layers=2 kv_heads=2 head_dim=64 kv_dtype=float32"
 
@@ -291,3 +291,81 @@ def test_orders_that_differ_past_the_descriptor_limit_are_refused_with_the_fix()
     consumer.close(5)
     assert result.reason == "layout" and "76800 in all" in result.error and "HND" in result.error, result.error
     assert not comm.transfers
+
+
+class _HeldChannels(_Channels):
+    """Grants kept until ``release()``: what went out before a producer answered can be seen."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.held = False
+        self._kept: list[tuple[int, bytes]] = []
+
+    def _send(self, rank: int, message: bytes) -> None:
+        super()._send(rank, message)
+        if self.held and isinstance(parse(message), Claim):
+            self._kept.append((rank, self.grants[rank].pop()))
+
+    def release(self) -> None:
+        for rank, grant in self._kept:
+            self.grants.setdefault(rank, []).append(grant)
+        self._kept.clear()
+
+
+def _second_load(channels: _HeldChannels) -> tuple[_Comm, kv.Consumer]:
+    """A consumer that loaded once from prefill-0 (its order of rows known), its grants now held."""
+    comm = _Comm()
+    comm.runtime = channels
+    consumer = kv.Consumer(_member(comm), timeout_s=30)
+    consumer.submit([_load("a", (1,), remote=(7,))])
+    assert _results(consumer, 1)[0].error is None
+    channels.held = True
+    return comm, consumer
+
+
+def _wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def test_once_the_order_is_known_the_read_goes_out_with_the_claim():
+    channels = _HeldChannels()
+    comm, consumer = _second_load(channels)
+    consumer.submit([_load("b", (2, 3), remote=(8, 9))])
+    _wait_for(lambda: len(comm.transfers[0].posted) == 2, "the READ waited for the grant")
+    assert not consumer.take_results()  # not done before the grant
+    assert not [m for _, m in channels.sent if isinstance(m, Done) and m.requests[0][0] == "p-b"]
+    channels.release()
+    (result,) = _results(consumer, 1)
+    assert result.error is None and comm.transfers[0].posted[1] == ([2, 3], [8, 9])
+    assert [m for _, m in channels.sent if isinstance(m, Done) and m.requests[0][0] == "p-b"]  # DONE after both
+    consumer.close(5)
+
+
+def test_a_load_refused_after_its_early_read_fails_and_frees_nothing_it_was_not_granted():
+    channels = _HeldChannels(per_request={"p-b": "spent"})
+    comm, consumer = _second_load(channels)
+    consumer.submit([_load("b", (2,), remote=(8,)), _load("c", (4,), remote=(6,))])
+    _wait_for(lambda: len(comm.transfers[0].posted) == 2, "the READ waited for the grant")
+    channels.release()
+    results = {r.loads[0].request_id: r for r in _results(consumer, 2)}
+    assert results["b"].reason == "replayed" and results["c"].error is None
+    dones = [m for _, m in channels.sent if isinstance(m, Done)]
+    assert [r[0] for m in dones for r in m.requests] == ["p-a", "p-c"]  # no DONE for what was refused
+    consumer.close(5)
+
+
+def test_a_producer_whose_order_changed_under_an_early_read_fails_it_and_releases_the_grants():
+    channels = _HeldChannels()
+    comm, consumer = _second_load(channels)
+    channels.order = "NHD"  # its engine restarted with another cache layout
+    consumer.submit([_load("b", (2,), remote=(8,))])
+    _wait_for(lambda: len(comm.transfers[0].posted) == 2, "the READ waited for the grant")
+    channels.release()
+    (result,) = _results(consumer, 1)
+    assert result.reason == "layout" and "NHD" in result.error
+    releases = [m for _, m in channels.sent if isinstance(m, Claim) and not m.read]
+    assert [r.requests[0][0] for r in releases] == ["p-b"]
+    consumer.close(5)

@@ -53,13 +53,14 @@ def _spec(producer_tp: int, consumer_tp: int, seed: int) -> Any:
 
 def _record(producer_tp: int, consumer_tp: int, report: dict) -> Record:
     loaded = report["loaded"]
-    problems = [f"rank {r}: {reason or 'wrong bytes'}" for r, (reason, _, wrong, _, _) in loaded.items()
+    problems = [f"rank {r}: {reason or 'wrong bytes'}" for r, (reason, _, wrong, *_) in loaded.items()
                 if reason or wrong]
     if problems:
         raise RuntimeError(f"bench kv --tp {producer_tp}:{consumer_tp}: {'; '.join(problems)}")
     claims = [max(values) for values in zip(*(row[3] for row in loaded.values()))]
     transfers = [max(values) for values in zip(*(row[4] for row in loaded.values()))]
-    requests = [c + t for c, t in zip(claims, transfers)][1:]  # the first one sets the connections up
+    # A load's claim and READ overlap: its cost to the request is from the claims to the last READ's end.
+    requests = [max(values) for values in zip(*(row[5] for row in loaded.values()))][1:]  # the first sets up
     nbytes = BLOCKS * LAYERS * KV_HEADS * TOKENS * DIM * 4  # every head of every block, over all consumer ranks
     transport = next(iter(loaded.values()))[1]
     return Record.measured("kv", "cpu", "READ", f"handoff TP {producer_tp}->{consumer_tp}", transport, nbytes,

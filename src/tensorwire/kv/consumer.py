@@ -53,11 +53,12 @@ class LoadResult:
     error: str | None
     num_blocks: int = 0
     num_bytes: int = 0
-    transfer_s: float = 0.0  # post + wait of the READs
+    transfer_s: float = 0.0  # post + wait of the READs (they go out with the claims once a source's order is known)
     contact_s: float = 0.0  # finding the producer ranks and preparing the transfers (first contact only; else 0)
-    claim_s: float = 0.0  # the claims' round trip (what single use costs a load)
+    claim_s: float = 0.0  # the claims' round trip (single use's check, overlapped with the READs)
     transport: str = ""  # what moved the bytes: "cuda_ipc" (GPU caches, one host), "nixl", "shm"
     reason: str = ""  # a failure's kind, for the stats: "layout", "replayed", "departed", "lost", "timeout"...
+    load_s: float = 0.0  # from the claims to the end of the last READ: what the load cost the request
 
 
 def _reason(error: BaseException) -> str:
@@ -105,19 +106,45 @@ class _Lane:
             source.contact(loads[0].handoff.layout)
         contact_s = time.perf_counter() - started if first else 0.0
         claimed = time.perf_counter()
-        granted, refused = self._claim(loads, sources, {r.producer_rank for r in reads})
-        claim_s = time.perf_counter() - claimed
+        tickets = self._send_claims(loads, sources, {r.producer_rank for r in reads})
+        # Single use at no round trip: the READs go out with the claims, and their bytes count only once every source
+        # granted. A refused load's blocks are reported failed (the engine recomputes or fails them; nothing of what
+        # landed there is used), and every READ is waited for before anything is reported, so that no byte lands in
+        # blocks the engine has taken back.
+        # A source's first load learns its order of rows from its grant: that one READ waits for the grants.
+        early = all(sources[read.producer_rank].order is not None for read in reads)
+        reading = [ld for ld in loads if ld.local_block_ids]
+        moved, posted_at, read_error = 0, time.perf_counter(), None
+        try:
+            if early and reading:
+                moved = sum(sources[read.producer_rank].post(read, reading) for read in reads)
+            granted, refused, changed = self._grants_of(loads, tickets, sources, early)
+            claim_s = time.perf_counter() - claimed
+            reading = [ld for ld in granted if ld.local_block_ids] if not early else reading
+            if not early and reading:
+                posted_at = time.perf_counter()
+                moved = sum(sources[read.producer_rank].post(read, reading) for read in reads)
+        finally:
+            read_error = self._wait_reads(reads, sources) if reading else None
+        transfer_s = time.perf_counter() - posted_at
         if refused:
             self._release([ld for group in refused.values() for ld in group], sources)
-        posted = time.perf_counter()
-        reading = [ld for ld in granted if ld.local_block_ids]
-        moved = self._read(reading, reads, sources) if reading else 0
-        transfer_s = time.perf_counter() - posted
+        if changed:
+            self._release(granted, sources)
+            raise LoadFailed("layout", f"the producer's order of rows changed under the READ ({'; '.join(changed)}): "
+                             "its engine restarted with another KV cache layout; the next loads use the new one")
+        if read_error is not None:
+            raise read_error
+        read = [ld for ld in granted if ld.local_block_ids]
+        if read:
+            self._done(read, reads, sources)
         results = [self._refused(group, reason) for reason, group in refused.items()]
         if granted:
             blocks = sum(len(ld.local_block_ids) for ld in granted)
             transport = next((s.transport for s in sources.values() if s.transport), "")
-            results.append(LoadResult(granted, None, blocks, moved, transfer_s, contact_s, claim_s, transport))
+            load_s = time.perf_counter() - claimed
+            results.append(LoadResult(granted, None, blocks, moved, transfer_s, contact_s, claim_s, transport,
+                                      load_s=load_s))
         return results
 
     def _release(self, loads: list[Load], sources: dict[int, Source]) -> None:
@@ -158,10 +185,9 @@ class _Lane:
                                        self.instance, producer_rank, producer_tp, consumer.transport)
         return self.sources[key]
 
-    def _claim(self, loads: list[Load], sources: dict[int, Source],
-               readers: set[int]) -> tuple[list[Load], dict[str, list[Load]]]:
+    def _send_claims(self, loads: list[Load], sources: dict[int, Source], readers: set[int]) -> dict[str, int]:
         """Claim every load at every source (a release where this rank reads nothing from it, or the load needs
-        no blocks); wait for all grants. Returns (loads granted everywhere, the refused ones by reason)."""
+        no blocks); returns ticket -> producer rank. Never waits."""
         member = self.consumer.member
         tickets: dict[str, int] = {}
         for p, source in sources.items():
@@ -174,11 +200,22 @@ class _Lane:
                                   self.consumer.read_bound_s)
                     source.send(claim.encode())
                     tickets[ticket] = p
+        return tickets
+
+    def _grants_of(self, loads: list[Load], tickets: dict[str, int], sources: dict[int, Source],
+                   posted: bool) -> tuple[list[Load], dict[str, list[Load]], list[str]]:
+        """Wait for every grant of ``tickets``. Returns (loads granted everywhere, the refused ones by reason, the
+        sources whose order of rows changed). ``posted``: the READs went out under each source's last known order;
+        a grant naming another one (the producer restarted with another cache layout) makes them all wrong."""
         verdicts: dict[str, list[str]] = {}
+        changed = []
         for grant in self._grants(tickets, sources):
             for request_id, verdict in grant.verdicts.items():
                 verdicts.setdefault(request_id, []).append(verdict)
-            sources[tickets[grant.ticket]].order = grant.order
+            source = sources[tickets[grant.ticket]]
+            if posted and source.order != grant.order:
+                changed.append(f"{source.member!r} now {grant.order}, was {source.order}")
+            source.order = grant.order
         granted, refused = [], {}
         for ld in loads:
             bad = [v for v in verdicts.get(ld.handoff.request_id, ["unknown"]) if v != "granted"]
@@ -186,7 +223,7 @@ class _Lane:
                 refused.setdefault(_REFUSED[bad[0]], []).append(ld)
             else:
                 granted.append(ld)
-        return granted, refused
+        return granted, refused, changed
 
     def _grants(self, tickets: dict[str, int], sources: dict[int, Source]) -> list[Grant]:
         """The grants of ``tickets`` (ticket -> producer rank), in any order. Sleeps between polls; bounded by the
@@ -212,17 +249,23 @@ class _Lane:
             pause = min(pause * 2, 1e-3)
         return grants
 
-    def _read(self, loads: list[Load], reads: list, sources: dict[int, Source]) -> int:
-        """READ every source's heads of ``loads``' blocks (posted together, then waited), then tell each source it
-        may free them (DONE, only now: a READ retried after a failure must not find the blocks reused); returns
-        the bytes."""
-        moved = sum(sources[read.producer_rank].post(read, loads) for read in reads)
+    def _wait_reads(self, reads: list, sources: dict[int, Source]) -> BaseException | None:
+        """Wait for every source's READs (each bounded); the first failure, returned, not raised: every READ is
+        waited for first."""
+        error = None
         for p in dict.fromkeys(read.producer_rank for read in reads):
-            sources[p].wait()
+            try:
+                sources[p].wait()
+            except Exception as e:  # noqa: BLE001 - the job fails with it once every READ has ended
+                error = error or e
+        return error
+
+    def _done(self, loads: list[Load], reads: list, sources: dict[int, Source]) -> None:
+        """Tell each source read from that it may free ``loads``' blocks (DONE, only now: a READ retried after a
+        failure must not find the blocks reused)."""
         done = Done(tuple((ld.handoff.request_id, ld.claim) for ld in loads), self.consumer.member.tp_rank).encode()
         for p in dict.fromkeys(read.producer_rank for read in reads):
             sources[p].send(done)
-        return moved
 
     def _failed(self, loads: list[Load], error: BaseException) -> LoadResult:
         reason = _reason(error)

@@ -50,7 +50,7 @@ class Source:
         self.member = member_name(instance, producer_rank, producer_tp)
         self.rank = -1  # its fleet rank at the last contact
         self.desc: tw.BlockPoolDesc | None = None
-        self.order = "HND"  # its blocks' order of rows, as its last grant said
+        self.order: str | None = None  # its blocks' order of rows, as its last grant said (None: no grant yet)
         self.transport = ""
         self._plans: dict[tuple, list[Part]] = {}
         self._transfers: dict[tuple, tuple[tw.BlockTransfer, tw.BlockPool | None]] = {}

@@ -214,7 +214,7 @@ def producer_rank(spec: PairSpec, address: str, token: str, tp_rank: int, issued
 def consumer_rank(spec: PairSpec, address: str, token: str, instance: str, tp_rank: int, tp_size: int,
                   issued_at: float, claim: str, out: mp.Queue) -> None:
     """A consumer rank: load the requests one after the other (claim ``<claim>-<request>``, the same at every
-    rank), check every byte, report (rank, first error reason, transport, problems, claim and transfer seconds of
+    rank), check every byte, report (rank, first error reason, transport, problems, claim, transfer and load seconds of
     each load)."""
     consumer_spec = PairSpec(**{**spec.__dict__, "consumer_tp": tp_size})
     member, views, storages = _member(consumer_spec, "consumer", address, token, instance, tp_rank, tp_size, fill=False)
@@ -226,7 +226,7 @@ def consumer_rank(spec: PairSpec, address: str, token: str, instance: str, tp_ra
     failed = next((r for r in results if r.error), None)
     problems = _problems(consumer_spec, views, tp_rank, loaded=failed is None)
     out.put(("loaded", tp_rank, failed.reason if failed else "", results[0].transport, problems,
-             [r.claim_s for r in results], [r.transfer_s for r in results]))
+             [r.claim_s for r in results], [r.transfer_s for r in results], [r.load_s for r in results]))
     consumer.close()
     member.close()
     del storages  # the cache's memory outlived the member that registered it
