@@ -10,8 +10,9 @@ A job, at consumer rank d of an engine at tensor parallelism D, from a producer 
      releases; each is found in the fleet at first contact (bounded by ``contact_s``; one that left fails at once
      until a member under its name is listed again);
   2. one CLAIM to each of them (``messages.py``), the GRANTs awaited together: the producer grants each handoff to
-     one claim, so a replayed or second consumer's load fails here (``replayed``), before any byte moves;
-  3. one block READ per source and part for all the job's granted requests (``shapes.BlockPlan``: the rows of a
+     one claim, so a replayed or second consumer's load fails here (``replayed``), and nothing it read is used;
+  3. posted together with the claims (once each source's order of rows is known from a first grant), one block
+     READ per source and part for all the job's granted requests (``shapes.BlockPlan``: the rows of a
      head range when the TP sizes differ, one part per producer block inside a larger consumer block or per consumer
      block inside a larger producer block; HND blocks of one size on both sides: one descriptor per block per
      source), then the DONE that lets the producer free the blocks once every consumer rank reported.
