@@ -20,10 +20,18 @@ class _Channels:
     def __init__(self, verdict: str = "granted", per_request: dict | None = None, order: str = "HND") -> None:
         self.verdict, self.per_request, self.sent, self.grants = verdict, per_request or {}, [], {}
         self.order = order  # the producer's order of rows, as its grants say
+        self.lost: dict[int, str] = {}  # rank -> why it is gone
 
     def channel(self, prefix: bytes):
-        return SimpleNamespace(send=self._send, try_pop=lambda rank: self.grants.get(rank, []).pop(0)
-                               if self.grants.get(rank) else None)
+        return SimpleNamespace(send=self._send, take_all=self._take_all)
+
+    def _take_all(self) -> list[tuple[int, bytes]]:
+        taken = [(rank, m) for rank, messages in self.grants.items() for m in messages]
+        self.grants = {}
+        return taken
+
+    def peer_lost(self, rank: int, fresh: bool = False) -> str | None:
+        return self.lost.get(rank)
 
     def _send(self, rank: int, message: bytes) -> None:
         self.sent.append((rank, parse(message)))
@@ -368,4 +376,35 @@ def test_a_producer_whose_order_changed_under_an_early_read_fails_it_and_release
     assert result.reason == "layout" and "NHD" in result.error
     releases = [m for _, m in channels.sent if isinstance(m, Claim) and not m.read]
     assert [r.requests[0][0] for r in releases] == ["p-b"]
+    consumer.close(5)
+
+
+def test_the_grant_channel_keeps_nothing_no_lane_waits_for():
+    channels = _HeldChannels()
+    comm, consumer = _second_load(channels)
+    stranger = Grant("f" * 16, {"p-x": "granted"}, "HND").encode()
+    for _ in range(1000):  # from a rank that is no producer of ours, and garbage from a producer
+        channels.grants.setdefault(9, []).append(stranger)
+        channels.grants.setdefault(3, []).append(b"twkv2c {not json")
+    consumer.submit([_load("b", (2,), remote=(8,))])
+    _wait_for(lambda: len(comm.transfers[0].posted) == 2, "the READ waited for the grant")
+    channels.release()
+    (result,) = _results(consumer, 1)
+    assert result.error is None
+    assert consumer.grants.dropped == 2000 and not channels.grants  # taken from the channel and dropped
+    assert not consumer.grants._expected and not consumer.grants._arrived
+    consumer.close(5)
+
+
+def test_a_producer_gone_with_a_claim_unanswered_fails_within_the_liveness_bound():
+    channels = _HeldChannels()
+    comm, consumer = _second_load(channels)
+    started = time.monotonic()
+    consumer.submit([_load("b", (2,), remote=(8,))])
+    _wait_for(lambda: len(comm.transfers[0].posted) == 2, "the READ waited for the grant")
+    channels.lost[3] = "connection reset"  # its grant never comes
+    (result,) = _results(consumer, 1)
+    assert result.reason == "lost" and "connection reset" in result.error
+    assert time.monotonic() - started < consumer.timeout_s / 2  # not the whole timeout_s
+    assert not consumer.grants._expected  # the unanswered claim is forgotten
     consumer.close(5)

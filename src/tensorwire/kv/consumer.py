@@ -32,10 +32,11 @@ from dataclasses import dataclass
 
 import tensorwire as tw
 
+from .grants import GrantBox
 from .handoff import Load
 from .heads import HeadMap, Sharding
 from .member import KVMember
-from .messages import TO_CONSUMER, TO_PRODUCER, Claim, Done, Grant, parse
+from .messages import TO_CONSUMER, TO_PRODUCER, Claim, Done, Grant
 from .sources import LoadFailed, Source
 
 __all__ = ["Consumer", "LoadResult", "LoadFailed", "MAX_LANES"]
@@ -227,28 +228,35 @@ class _Lane:
         return granted, refused, changed
 
     def _grants(self, tickets: dict[str, int], sources: dict[int, Source]) -> list[Grant]:
-        """The grants of ``tickets`` (ticket -> producer rank), in any order. Sleeps between polls; bounded by the
-        consumer's ``timeout_s`` (``LoadFailed("timeout")``), a source gone fails at once (``lost``)."""
+        """The grants of ``tickets`` (ticket -> producer rank), in any order. Sleeps between looks; bounded by the
+        consumer's ``timeout_s`` (``LoadFailed("timeout")``); a source found gone fails it within the liveness
+        bound (``lost``)."""
         consumer = self.consumer
+        box, runtime = consumer.grants, consumer.member.comm.runtime
         deadline = time.monotonic() + consumer.timeout_s
         waiting, grants, pause = dict(tickets), [], 2e-5
-        while waiting:
-            for p in set(waiting.values()):
-                message = consumer.channel.try_pop(sources[p].rank)
-                grant = parse(message) if message is not None else None
-                if isinstance(grant, Grant) and grant.ticket in waiting:
+        box.expect({ticket: sources[p].rank for ticket, p in waiting.items()})
+        try:
+            while True:
+                for grant in box.take(set(waiting)):
                     grants.append(grant)
                     del waiting[grant.ticket]
-            if not waiting:
-                break
-            if time.monotonic() >= deadline:
+                if not waiting:
+                    return grants
                 for p in set(waiting.values()):
-                    sources[p].check_alive()
-                raise LoadFailed("timeout", f"{len(waiting)} claim(s) to {self.instance!r} not answered within "
-                                 f"{consumer.timeout_s:g}s")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-        return grants
+                    reason = runtime.peer_lost(sources[p].rank)
+                    if reason is not None:
+                        raise LoadFailed("lost", f"producer {sources[p].member!r} (rank {sources[p].rank}) is gone "
+                                         f"({reason}) with a claim unanswered")
+                if time.monotonic() >= deadline:
+                    for p in set(waiting.values()):
+                        sources[p].check_alive()
+                    raise LoadFailed("timeout", f"{len(waiting)} claim(s) to {self.instance!r} not answered within "
+                                     f"{consumer.timeout_s:g}s")
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+        finally:
+            box.forget(set(waiting))
 
     def _wait_reads(self, reads: list, sources: dict[int, Source]) -> BaseException | None:
         """Wait for every source's READs (each bounded); the first failure, returned, not raised: every READ is
@@ -290,7 +298,7 @@ class Consumer:
         self.transport = transport
         # How long a READ may run after its grant: its wait, and one more on a fresh transfer (``Source.wait``).
         self.read_bound_s = 2 * timeout_s + 5.0
-        self.channel = member.comm.runtime.channel(TO_CONSUMER)  # grants come here
+        self.grants = GrantBox(member.comm.runtime.channel(TO_CONSUMER))  # grants come here, for every lane
         self.to_producers = member.comm.runtime.channel(TO_PRODUCER)  # claims go there
         self.results: queue.Queue = queue.Queue()
         self._lanes: dict[str, _Lane] = {}  # by producer instance name; the submitting thread's only
