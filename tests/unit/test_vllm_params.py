@@ -168,3 +168,17 @@ def test_hooks_never_raise():
     assert side.num_new_matched_tokens(broken, 0) == (0, False)
     side.after_alloc(broken, None, 3)
     assert side.request_finished(broken, [1]) == (False, None)
+
+
+@pytest.mark.parametrize("status", ["FINISHED_ABORTED", "FINISHED_STOPPED"])
+def test_a_request_ended_before_its_params_were_judged_releases_the_producers_blocks(status):
+    """vLLM may abort a decode request before it ever asked the connector about it: its handoff is still released
+    (a load of no blocks), so the producer frees the blocks now, not at expiry."""
+    side = _side("decode-0", "kv_consumer")
+    request = _request(_handed_off(), request_id="c1", status=status)
+    assert side.request_finished(request, []) == (False, None)
+    (release,) = side.build_plan().loads
+    assert release.local_block_ids == () and release.handoff.block_ids == (4, 5, 6) and release.claim
+    forged = {**_handed_off(), "remote_seal": "AAAA"}  # what does not open is released nowhere, quietly
+    assert side.request_finished(_request(forged, request_id="c2", status=status), []) == (False, None)
+    assert side.build_plan().loads == []

@@ -130,6 +130,8 @@ class SchedulerSide:
         if not params or not isinstance(params, dict):
             return False, None
         if params.get("do_remote_prefill") not in (None, False):
+            if verdict is None and self._role != "kv_producer":
+                verdict = self._unjudged(request, params)  # aborted before the scheduler looked at it
             params["do_remote_prefill"] = False
             if isinstance(verdict, Handoff):
                 self._plan.loads.append(Load(request.request_id, (), verdict, claim=new_claim()))
@@ -142,6 +144,15 @@ class SchedulerSide:
             return False, None
         self._plan.holds.append(handoff)
         return True, handoff.to_params(self._sealed)
+
+    def _unjudged(self, request: Any, params: dict) -> Handoff | None:
+        """The handoff of a request that ended before its params were judged (aborted while waiting), so that the
+        producer frees its blocks now rather than at expiry; None (quietly: nothing is loaded) if they fail."""
+        try:
+            return check_params(params, list(request.prompt_token_ids or ()), self._block_size, self._layout,
+                                sealed=self._sealed, now=time.time())
+        except HandoffRefused:
+            return None
 
     def _handoff(self, request: Any, block_ids: list[int]) -> Handoff | None:
         """What the producer computed for the request: its prompt's tokens (not the sampled one) and their blocks."""
