@@ -54,7 +54,7 @@ def test_a_consumer_of_any_tp_reads_exactly_its_heads_once(case, memory, fleet):
     _check(report, spec, memory)
 
 
-# As vLLM lays caches out on GPUs, and block sizes that differ: id -> (PairSpec fields, transport). The arithmetic of
+# As vLLM lays caches out on GPUs (and its CPU backend: HKND), and block sizes that differ: id -> (PairSpec fields, transport). The arithmetic of
 # every order x block-size x TP combination is in tests/unit/test_kv_shapes.py; these run each kind of plan between
 # real processes (one descriptor per block, rows per token, a row per head and token, several parts per request).
 _IDS_16 = (3, 9, 1, 14, 6)  # five blocks of 16 tokens: 70 tokens
@@ -75,6 +75,12 @@ LAYOUTS = {
                                           remote_ids=(5, 11, 0), local_ids=_IDS_16, num_tokens=70), "shm"),
     "blocks-16-to-64-mla": (dict(producer_tp=2, consumer_tp=1, total_heads=1, mla=True, producer_block=16,
                                  consumer_block=64, remote_ids=_IDS_16, local_ids=(8, 2), num_tokens=70), "nixl"),
+    "cpu-cache-blocks-32-to-16-tp2-to-1": (dict(producer_tp=2, consumer_tp=1, total_heads=4, producer_block=32,
+                                                consumer_block=16, producer_order="HKND", consumer_order="HKND",
+                                                remote_ids=(5, 11, 0), local_ids=_IDS_16, num_tokens=70), "nixl"),
+    "cpu-cache-blocks-16-to-32-tp1-to-2": (dict(producer_tp=1, consumer_tp=2, total_heads=4, producer_block=16,
+                                                consumer_block=32, producer_order="HKND", consumer_order="HKND",
+                                                remote_ids=_IDS_16, local_ids=(5, 11, 0), num_tokens=70), "shm"),
     "blocks-64-to-16-hnd-to-nhd": (dict(producer_tp=1, consumer_tp=2, total_heads=4, producer_block=64,
                                         consumer_block=16, consumer_order="NHD", remote_ids=(8, 2), local_ids=_IDS_16,
                                         num_tokens=70), "nixl"),

@@ -10,19 +10,21 @@ from tensorwire.kv import BlockPlan, BlockShape, HeadMap, HeadRead, Sharding
 
 
 def _cache(shape: BlockShape, num_blocks: int, first_head: int, token_of) -> np.ndarray:
-    """[num_blocks, rows] of codes: each row holds (global token, global head) as token * 1000 + head."""
+    """[num_blocks, rows] of codes: each row holds (global token, global head, K/V) as token * 1000 + head * 2 + kv
+    (kv 0 unless the order holds both halves)."""
     blocks = np.zeros((num_blocks, shape.rows), dtype=np.int64)
-    tokens, heads = np.meshgrid(np.arange(shape.block_size), np.arange(shape.heads), indexing="ij")
-    rows = shape.row(tokens, heads)
+    tokens, heads, halves = np.meshgrid(np.arange(shape.block_size), np.arange(shape.heads),
+                                        np.arange(shape.halves), indexing="ij")
+    rows = shape.row(tokens, heads, halves)
     for block in range(num_blocks):
         token = token_of(block, tokens)
-        blocks[block, rows.ravel()] = (token * 1000 + heads + first_head).ravel()
+        blocks[block, rows.ravel()] = (token * 1000 + (heads + first_head) * 2 + halves).ravel()
     return blocks
 
 
 @pytest.mark.parametrize("tp", [(2, 1), (1, 2), (2, 4), (4, 2), (8, 2), (2, 8)])
 @pytest.mark.parametrize("sizes", [(16, 16), (16, 32), (32, 16), (16, 64), (64, 16)])
-@pytest.mark.parametrize("orders", list(itertools.product(("HND", "NHD"), repeat=2)))
+@pytest.mark.parametrize("orders", [*itertools.product(("HND", "NHD"), repeat=2), ("HKND", "HKND")])
 @pytest.mark.parametrize("prefix_blocks", [0, 1])
 def test_every_row_lands_where_its_token_and_head_belong(tp, sizes, orders, prefix_blocks):
     producer_tp, consumer_tp = tp
@@ -96,6 +98,14 @@ def test_pairs_follow_tokens_across_block_sizes():
 def test_shapes_from_peers_are_checked(bad):
     with pytest.raises(tw.InvalidArgumentError, match="BlockShape"):
         BlockShape(**bad)
+
+
+def test_the_cpu_cache_pairs_only_with_itself():
+    with pytest.raises(tw.InvalidArgumentError, match="HKND"):
+        BlockPlan(BlockShape(16, 1, "HKND"), BlockShape(16, 1, "HND"), HeadRead(0, 0, 1, 0, 0))
+    cpu = BlockPlan(BlockShape(32, 2, "HKND"), BlockShape(16, 2, "HKND"), HeadRead(0, 0, 2, 0, 0))
+    # per head and half, tokens [k*16, +16) of the consumer's 32 from the producer's 16: 4 ranges per part
+    assert cpu.parts()[1].ranges == ((16, 0, 16), (48, 16, 16), (80, 32, 16), (112, 48, 16))
 
 
 def test_block_sizes_that_do_not_divide_are_refused():

@@ -76,7 +76,7 @@ def test_pool_views_of_both_cache_layouts():
 
 
 def test_the_order_of_a_blocks_rows_is_read_from_the_strides():
-    assert block_order(pool_views({"a": torch.zeros(10, 2, 32, 128)}, 10), 32, 2) == "HND"  # CPU: [blocks, heads, ...]
+    assert block_order(pool_views({"a": torch.zeros(10, 2, 32, 128)}, 10), 32, 2) == "HKND"  # CPU: per head K, V
     flash = torch.zeros(2, 10, 32, 2, 64)  # FlashAttention NHD: [2, blocks, block, heads, dim]
     assert block_order(pool_views({"a": flash}, 10), 32, 2) == "NHD"
     hnd = torch.zeros(2, 10, 2, 32, 64).transpose(2, 3)  # the HND view vLLM hands over: heads outermost in memory

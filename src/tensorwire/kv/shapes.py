@@ -2,13 +2,14 @@
 whatever the block sizes and token/head orders of the two engines.
 
 A view's block (one layer's K, say) holds ``block_size`` tokens x ``heads`` KV heads (the rank's) of *rows*: one
-head of one token, ``head_bytes`` long (``head_dim`` elements; K and V together where the engine interleaves them).
-Two orders occur:
+head of one token, ``head_bytes`` long (``head_dim`` elements). Three orders occur:
 
 - ``HND``, heads outermost: row ``(t, h)`` is row ``h * block_size + t``; a range of heads is one run of the block.
-  vLLM asks GPU engines for it (NixlConnector's ``get_required_kvcache_layout``); the CPU backend's cache is it.
+  vLLM asks GPU engines for it (NixlConnector's ``get_required_kvcache_layout``).
 - ``NHD``, tokens outermost: row ``(t, h)`` is row ``t * heads + h``; a range of heads is one run per token.
   FlashAttention's and FlashInfer's default.
+- ``HKND``, vLLM's CPU backend: one view holds K and V, each head its K rows then its V rows: row ``(t, h, kv)`` is
+  row ``(h * 2 + kv) * block_size + t``. Pairs only with itself (the other orders keep K and V in views of their own).
 
 A ``BlockPlan`` pairs a consumer rank's blocks with a producer rank's for one ``HeadRead``. With block sizes ``Bc``
 (consumer) and ``Bp`` (producer), one of which divides the other (``ratio`` = the larger / the smaller), the request
@@ -43,7 +44,7 @@ from .heads import HeadRead
 
 __all__ = ["BlockShape", "BlockPlan", "ORDERS", "MAX_BLOCK_SIZE"]
 
-ORDERS = ("HND", "NHD")
+ORDERS = ("HND", "NHD", "HKND")
 MAX_BLOCK_SIZE = 1 << 16  # tokens per block; past it a peer's value is refused before any arithmetic
 
 
@@ -61,17 +62,25 @@ class BlockShape:
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
                 raise InvalidArgumentError(f"BlockShape: {name}={value!r}; give an int in [1, {high}]")
         if self.order not in ORDERS:
-            raise InvalidArgumentError(f"BlockShape: order={self.order!r}; give 'HND' (heads outermost in a block) "
-                                       "or 'NHD' (tokens outermost)")
+            raise InvalidArgumentError(f"BlockShape: order={self.order!r}; give 'HND' (heads outermost in a block), "
+                                       "'NHD' (tokens outermost) or 'HKND' (vLLM's CPU cache: per head K then V)")
+
+    @property
+    def halves(self) -> int:
+        """2 where the view holds K and V (``HKND``), else 1 (K and V are views of their own)."""
+        return 2 if self.order == "HKND" else 1
 
     @property
     def rows(self) -> int:
-        return self.block_size * self.heads
+        return self.block_size * self.heads * self.halves
 
-    def row(self, tokens: np.ndarray, heads: np.ndarray) -> np.ndarray:
-        """The row index of ``(token, head)`` for arrays of equal shape."""
+    def row(self, tokens: np.ndarray, heads: np.ndarray, halves: np.ndarray) -> np.ndarray:
+        """The row index of ``(token, head, K/V half)`` for arrays of equal shape (``halves`` all 0 unless
+        ``HKND``)."""
         if self.order == "HND":
             return heads * self.block_size + tokens
+        if self.order == "HKND":
+            return (heads * 2 + halves) * self.block_size + tokens
         return tokens * self.heads + heads
 
 
@@ -99,6 +108,11 @@ class BlockPlan:
                 f"BlockPlan: consumer blocks of {self.local.block_size} tokens and producer blocks of "
                 f"{self.remote.block_size}: neither divides the other; run block sizes where one is a multiple of "
                 "the other (16, 32, 64, 128...)")
+        if self.local.halves != self.remote.halves:
+            raise InvalidArgumentError(
+                f"BlockPlan: a consumer block in {self.local.order} and a producer block in {self.remote.order}: "
+                "vLLM's CPU cache (HKND, K and V in one view) pairs only with another CPU cache; run both engines "
+                "on the same kind of device")
         read = self.read
         if read.local_offset + read.num_heads > self.local.heads or read.remote_offset + read.num_heads > \
                 self.remote.heads:
@@ -126,9 +140,10 @@ class BlockPlan:
         tokens_per_part = min(local.block_size, remote.block_size)
         local_base = k * tokens_per_part if local.block_size > remote.block_size else 0
         remote_base = k * tokens_per_part if remote.block_size > local.block_size else 0
-        tokens, heads = np.meshgrid(np.arange(tokens_per_part), np.arange(read.num_heads), indexing="ij")
-        local_rows = local.row(tokens + local_base, heads + read.local_offset).ravel()
-        remote_rows = remote.row(tokens + remote_base, heads + read.remote_offset).ravel()
+        tokens, heads, halves = np.meshgrid(np.arange(tokens_per_part), np.arange(read.num_heads),
+                                            np.arange(local.halves), indexing="ij")
+        local_rows = local.row(tokens + local_base, heads + read.local_offset, halves).ravel()
+        remote_rows = remote.row(tokens + remote_base, heads + read.remote_offset, halves).ravel()
         order = np.argsort(local_rows, kind="stable")
         local_rows, remote_rows = local_rows[order], remote_rows[order]
         # A range ends where either side's next row is not the next one.

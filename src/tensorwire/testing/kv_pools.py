@@ -97,19 +97,23 @@ def _codes(spec: PairSpec, side: str, start: int, heads: int, block_token) -> to
     return torch.where(prompt, value + 1, -(value % limit) - 1)  # other blocks' codes need only be negative
 
 
-def _views(spec: PairSpec, side: str, tp_rank: int, tp_size: int, fill: bool) -> tuple[list[torch.Tensor],
-                                                                                          list[torch.Tensor]]:
-    """(the storage, the pool views): per layer one cache as vLLM lays it out (its flat storage: a ``shm`` file lives
-    as long as that tensor), its K and V halves as views."""
+def _views(spec: PairSpec, side: str, tp_rank: int, tp_size: int,
+           fill: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """(the storage, the pool views, the halves): per layer one cache as vLLM lays it out (its flat storage: a
+    ``shm`` file lives as long as that tensor); its K and V halves as views (the CPU backend's ``HKND`` cache: the
+    whole cache, one view); the halves, per layer K then V as logical ``[num_blocks, block_size, heads, dim]`` (MLA:
+    the cache), what the codes are written into and checked in."""
     start, stop = spec.sharding(tp_size).heads(tp_rank)
     size, heads = spec.block_size(side), stop - start
     order = spec.producer_order if side == "producer" else spec.consumer_order
     storage = torch.int16 if spec.dtype == "bfloat16" else torch.float32
     device = "cuda" if spec.cuda else "cpu"
-    storages, views = [], []
+    storages, views, halves = [], [], []
     for _ in range(LAYERS):
         if spec.mla:
             physical = (spec.num_blocks, size, spec.dim)
+        elif order == "HKND":
+            physical = (spec.num_blocks, heads, 2, size, spec.dim)
         else:
             inner = (heads, size, spec.dim) if order == "HND" else (size, heads, spec.dim)
             physical = (2, spec.num_blocks, *inner) if spec.kv_first else (spec.num_blocks, 2, *inner)
@@ -125,18 +129,24 @@ def _views(spec: PairSpec, side: str, tp_rank: int, tp_size: int, fill: bool) ->
             cache = cache.view(torch.bfloat16)
         if spec.mla:
             views.append(cache)
+            halves.append(cache)
+        elif order == "HKND":
+            views.append(cache)
+            halves.extend((cache[:, :, 0].transpose(1, 2), cache[:, :, 1].transpose(1, 2)))
         else:
-            views.extend((cache[0], cache[1]) if spec.kv_first else (cache[:, 0], cache[:, 1]))
+            layer_views = (cache[0], cache[1]) if spec.kv_first else (cache[:, 0], cache[:, 1])
+            views.extend(layer_views)
+            halves.extend(layer_views)
     if fill:
         ids = spec.remote_ids
         codes = _codes(spec, side, start, 1 if spec.mla else heads,
                        lambda b: ids.index(b) * size if b in ids else None)
         for layer in range(LAYERS):
             for half in range(1 if spec.mla else 2):
-                view = views[layer if spec.mla else 2 * layer + half]
+                target = halves[layer if spec.mla else 2 * layer + half]
                 value = codes[layer, half, :, :, 0] if spec.mla else codes[layer, half]
-                _bits(view).copy_(value.to(_bits(view).dtype).to(view.device))
-    return storages, views
+                _bits(target).copy_(value.to(_bits(target).dtype).to(target.device))
+    return storages, views, halves
 
 
 def _bits(view: torch.Tensor) -> torch.Tensor:
@@ -144,7 +154,7 @@ def _bits(view: torch.Tensor) -> torch.Tensor:
     return view.view(torch.int16) if view.dtype == torch.bfloat16 else view
 
 
-def _problems(spec: PairSpec, views: list[torch.Tensor], tp_rank: int, loaded: bool) -> list[str]:
+def _problems(spec: PairSpec, halves: list[torch.Tensor], tp_rank: int, loaded: bool) -> list[str]:
     """What differs from the producer's codes in the loaded blocks' rows of the prompt (a consumer block's rows past
     the prompt: zero or the producer's code of that token, never another block's), or from zero elsewhere."""
     start, stop = spec.sharding(spec.consumer_tp).heads(tp_rank)
@@ -154,7 +164,7 @@ def _problems(spec: PairSpec, views: list[torch.Tensor], tp_rank: int, loaded: b
                    lambda b: ids.index(b) * size if b in ids else None)
     tokens = torch.arange(spec.num_blocks).view(-1, 1) * 0 + torch.arange(size).view(1, -1)
     problems = []
-    for index, view in enumerate(views):
+    for index, view in enumerate(halves):
         layer, half = (index, 0) if spec.mla else divmod(index, 2)
         got = _bits(view).cpu().to(torch.int64)
         want = codes[layer, half, :, :, 0] if spec.mla else codes[layer, half]
@@ -176,14 +186,14 @@ def _problems(spec: PairSpec, views: list[torch.Tensor], tp_rank: int, loaded: b
 
 def _member(spec: PairSpec, side: str, address: str, token: str, instance: str, tp_rank: int, tp_size: int,
             fill: bool) -> tuple[kv.KVMember, list[torch.Tensor], list[torch.Tensor]]:
-    """(the member, its pool's views, their storage: keep it while the member lives)."""
+    """(the member, its cache's K and V halves, their storage: keep it while the member lives)."""
     os.environ["TENSORWIRE_JOB_TOKEN"] = token  # this spawned process's own environment
-    storages, views = _views(spec, side, tp_rank, tp_size, fill)
+    storages, views, halves = _views(spec, side, tp_rank, tp_size, fill)
     order = spec.producer_order if side == "producer" else spec.consumer_order
     member = kv.KVMember(views, instance=instance, tp_rank=tp_rank, sharding=spec.sharding(tp_size),
                          layout=spec.layout, block_size=spec.block_size(side), order=order, directory=address,
                          timeout_s=30.0)
-    return member, views, storages
+    return member, halves, storages
 
 
 def handoff_of(spec: PairSpec, issued_at: float, request: int = 0) -> kv.Handoff:

@@ -6,7 +6,8 @@ vLLM allocates one cache tensor per attention layer. Its layouts:
 - K/V first (FlashAttention): ``[2, num_blocks, block_size, kv_heads, head_dim]``; views ``cache[0]``, ``cache[1]``;
 - blocks first, K/V inside a block (FlashInfer): ``[num_blocks, 2, block_size, kv_heads, head_dim]``; views
   ``cache[:, 0]``, ``cache[:, 1]`` (the pool registers their common span once);
-- the CPU backend: ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` (heads outermost, K and V in one row);
+- the CPU backend: ``[num_blocks, kv_heads, block_size, 2 * head_dim]``, which it reads as each head's K rows then
+  its V rows (``kv.BlockShape`` order ``HKND``);
 - MLA: ``[num_blocks, block_size, latent]``, the same on every rank.
 
 On GPUs the logical shape stays ``[..., block_size, kv_heads, head_dim]`` whatever the memory order: with the ``HND``
@@ -53,7 +54,8 @@ def sharding(vllm_config: Any) -> kv.Sharding:
 
 def block_order(views: list[torch.Tensor], block_size: int, local_heads: int) -> str:
     """The order of the rows (one head of one token) in a block of every view of ``pool_views``: ``"HND"`` (heads
-    outermost) or ``"NHD"`` (tokens outermost), read from the views' strides. Raises ``tw.InvalidArgumentError`` for
+    outermost), ``"NHD"`` (tokens outermost), read from the views' strides, or ``"HKND"`` (the CPU backend's cache:
+    per head its K rows then its V rows). Raises ``tw.InvalidArgumentError`` for
     a view of no known shape, or views of different orders."""
     orders = {_order(view, block_size, local_heads) for view in views}
     if None in orders or len(orders) != 1:
@@ -71,7 +73,7 @@ def _order(view: torch.Tensor, block_size: int, local_heads: int) -> str | None:
     if len(shape) != 3:
         return None
     if view.device.type == "cpu" and shape[:2] == (local_heads, block_size):  # the CPU backend's [heads, block, 2d]
-        return "HND"
+        return "HKND"  # read as [heads, 2 * block, d]: K's rows, then V's
     if shape[:2] != (block_size, local_heads):
         return None
     if block_size == 1 or local_heads == 1:
