@@ -54,9 +54,10 @@ def test_a_consumer_of_any_tp_reads_exactly_its_heads_once(case, memory, fleet):
     _check(report, spec, memory)
 
 
-# As vLLM lays caches out on GPUs (and its CPU backend: HKND), and block sizes that differ: id -> (PairSpec fields, transport). The arithmetic of
-# every order x block-size x TP combination is in tests/unit/test_kv_shapes.py; these run each kind of plan between
-# real processes (one descriptor per block, rows per token, a row per head and token, several parts per request).
+# As vLLM lays caches out on GPUs (and its CPU backend: HKND), and block sizes that differ: id -> (PairSpec fields,
+# transport). The arithmetic of every order x block-size x TP combination is in tests/unit/test_kv_shapes.py; these
+# run each kind of plan between real processes (one descriptor per block, rows per token, a row per head and token,
+# several parts per request).
 _IDS_16 = (3, 9, 1, 14, 6)  # five blocks of 16 tokens: 70 tokens
 LAYOUTS = {
     "nhd-tp2-to-1": (dict(producer_tp=2, consumer_tp=1, total_heads=8, producer_order="NHD", consumer_order="NHD"),
