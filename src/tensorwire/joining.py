@@ -1,22 +1,25 @@
 """``init()``: joining a launcher's world or a fleet, and the ``Communicator`` that comes of it.
 
 The keywords and the environment (``environment.py``) say where to meet: the launcher's store (torchrun,
-mpirun, SLURM, or one lent with ``store=``) or a fleet's directory; ``config.py`` supplies the defaults.
+mpirun, SLURM, or one lent with ``store=``) or a fleet's directory; ``config.py`` supplies the defaults. Both are
+checked before torch and the communicator are imported (seconds on a busy machine), so a wrong argument is refused
+at once.
 """
 
 from __future__ import annotations
 
 import math
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from . import config as config_module
-from .communicator import Communicator
 from .environment import resolve_environment
 from .errors import InvalidArgumentError
-from .meeting import meet
-from .shared_memory import remove_orphans
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+    from .communicator import Communicator
 
 __all__ = ["init", "fleet_from_environment"]
 
@@ -59,6 +62,12 @@ def init(
         name = cfg.name if name is None else name
     env = resolve_environment(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
                               directory=directory, name=name)
+    import torch  # only now: every argument above was checked without it
+
+    from .communicator import Communicator
+    from .meeting import meet
+    from .shared_memory import remove_orphans
+
     if device is None:
         if torch.cuda.is_available():
             device = torch.device("cuda", env.local_rank % torch.cuda.device_count())

@@ -17,7 +17,7 @@ from .layout import REQUIRED_ORDER, fingerprint, sharding
 from .plan import Plan
 from .scheduler import SchedulerSide
 from .settings import Settings
-from .stats import TensorwireKVConnectorStats
+from .stats import TensorwireKVConnectorStats, TensorwirePromMetrics
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -142,6 +142,12 @@ class TensorwireConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TensorwireKVConnectorStats:
         return TensorwireKVConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> TensorwirePromMetrics:
+        """The connector's Prometheus metrics on vLLM's ``/metrics`` (``stats.py`` lists them)."""
+        return TensorwirePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -23,8 +23,9 @@ log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: printed with
 class StatsLog:
     """Observations since the last ``take``, one entry per load (lists, like NixlConnector's stats). Thread-safe."""
 
-    FIELDS = ("transfer_duration", "contact_duration", "claim_duration", "bytes_transferred", "num_blocks",
-              "num_requests", "num_failed_transfers", "num_kv_expired_reqs", "failure_reasons", "refused_handoffs")
+    FIELDS = ("transfer_duration", "contact_duration", "claim_duration", "load_duration", "bytes_transferred",
+              "num_blocks", "num_requests", "num_failed_transfers", "num_kv_expired_reqs", "failure_reasons",
+              "refused_handoffs")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -37,7 +38,8 @@ class StatsLog:
                 self._data["failure_reasons"].append(result.reason or "unknown")
                 return
             for key, value in (("transfer_duration", result.transfer_s), ("contact_duration", result.contact_s),
-                               ("claim_duration", result.claim_s), ("bytes_transferred", result.num_bytes),
+                               ("claim_duration", result.claim_s), ("load_duration", result.load_s),
+                               ("bytes_transferred", result.num_bytes),
                                ("num_blocks", result.num_blocks), ("num_requests", len(result.loads))):
                 self._data[key].append(value)
 
