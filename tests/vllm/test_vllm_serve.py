@@ -47,12 +47,14 @@ def servers(vllm_job):
     make_model(vllm_job.python, model, seed=0)
     started = {}
     try:
-        for name, role, policy in (("prefill-0", "producer", "recompute"), ("decode-0", "consumer", "recompute"),
-                                   ("decode-1", "consumer", "fail")):
+        for name, role, policy, block in (("prefill-0", "producer", "recompute", 96),
+                                          ("decode-0", "consumer", "recompute", 96),
+                                          ("decode-1", "consumer", "fail", 96),
+                                          ("decode-32", "consumer", "recompute", 32)):  # other blocks than prefill's
             port = free_port()
             started[name] = (start_server(vllm_job.python, name, model, role, port=port, directory=vllm_job.directory,
                                           token=vllm_job.token, policy=policy,
-                                          flags=("--block-size", "96", "--no-enable-prefix-caching")), port)
+                                          flags=("--block-size", str(block), "--no-enable-prefix-caching")), port)
         for party, port in started.values():
             _wait_serving(party, port)
         yield {name: (party, port, model) for name, (party, port) in started.items()}
@@ -84,6 +86,48 @@ def test_the_decode_server_continues_from_the_prefill_servers_kv(servers, length
     computed = _complete(consumer, prompt, max_tokens=MAX_TOKENS, return_token_ids=True)
     assert loaded["choices"][0]["token_ids"] == computed["choices"][0]["token_ids"], (loaded, computed)
     assert len(loaded["choices"][0]["token_ids"]) == MAX_TOKENS
+
+
+def test_a_cpu_decode_server_of_other_blocks_refuses_the_handoff_and_computes(servers):
+    """vLLM's CPU kernels pack a head's rows per block (for AMX, AVX-512...): prefill's blocks of 96 tokens cannot
+    feed decode's of 32 there, so the handoff is refused as another layout at once (the fingerprint names the CPU
+    block size) and the request computed, never loaded wrong. (GPU caches pair across block sizes: kv.BlockPlan,
+    tests/multiproc/test_kv_handoff.py and tests/gpu/test_kv_gpu.py.)"""
+    rng = random.Random(32)
+    prompt = [rng.randrange(3, 1000) for _ in range(500)]
+    producer, consumer = servers["prefill-0"], servers["decode-32"]
+    params = _complete(producer, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})[
+        "kv_transfer_params"]
+    take_stats(consumer[0].stats_path)
+    loaded = _complete(consumer, prompt, max_tokens=MAX_TOKENS, return_token_ids=True, kv_transfer_params=params)
+    stats = take_stats(consumer[0].stats_path)
+    assert stats.get("refused_handoffs") == ["layout"] and not stats.get("bytes_transferred"), (
+        stats, consumer[0].tail())
+    computed = _complete(consumer, prompt, max_tokens=MAX_TOKENS, return_token_ids=True)
+    assert loaded["choices"][0]["token_ids"] == computed["choices"][0]["token_ids"], (loaded, computed)
+
+
+def test_the_decode_servers_prometheus_metrics_count_its_loads(servers):
+    """vLLM's /metrics carries the connector's metrics (``integrations/vllm/stats.py``) once a load happened."""
+    import urllib.request
+
+    rng = random.Random(7)
+    prompt = [rng.randrange(3, 1000) for _ in range(200)]
+    params = _complete(servers["prefill-0"], prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})[
+        "kv_transfer_params"]
+    _complete(servers["decode-0"], prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    _, port, _ = servers["decode-0"]
+    deadline, counts = time.monotonic() + 60, {}
+    while time.monotonic() < deadline:  # vLLM's logger hands the step's stats to Prometheus a moment later
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as answer:
+            text = answer.read().decode()
+        counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("vllm:tensorwire_") and line.split("{")[0].endswith("_count")}
+        if counts.get("vllm:tensorwire_xfer_time_seconds_count", 0) >= 1:
+            break
+        time.sleep(1.0)
+    for name in ("xfer_time_seconds", "load_time_seconds", "claim_time_seconds", "bytes_transferred", "num_blocks"):
+        assert counts.get(f"vllm:tensorwire_{name}_count", 0) >= 1, (name, counts)
 
 
 # --- hostile requests: kv_transfer_params are whatever the HTTP client sends ------------------------------------

@@ -9,7 +9,9 @@ head of one token, ``head_bytes`` long (``head_dim`` elements). Three orders occ
 - ``NHD``, tokens outermost: row ``(t, h)`` is row ``t * heads + h``; a range of heads is one run per token.
   FlashAttention's and FlashInfer's default.
 - ``HKND``, vLLM's CPU backend: one view holds K and V, each head its K rows then its V rows: row ``(t, h, kv)`` is
-  row ``(h * 2 + kv) * block_size + t``. Pairs only with itself (the other orders keep K and V in views of their own).
+  row ``(h * 2 + kv) * block_size + t`` as far as a head range goes. Inside a head its kernels pack the rows for
+  the machine's vector unit (AMX, AVX-512...), so only whole heads of blocks of one size pair, and only with
+  another ``HKND`` block (the other orders keep K and V in views of their own).
 
 A ``BlockPlan`` pairs a consumer rank's blocks with a producer rank's for one ``HeadRead``. With block sizes ``Bc``
 (consumer) and ``Bp`` (producer), one of which divides the other (``ratio`` = the larger / the smaller), the request
@@ -113,6 +115,11 @@ class BlockPlan:
                 f"BlockPlan: a consumer block in {self.local.order} and a producer block in {self.remote.order}: "
                 "vLLM's CPU cache (HKND, K and V in one view) pairs only with another CPU cache; run both engines "
                 "on the same kind of device")
+        if self.local.order == "HKND" and small != large:
+            raise InvalidArgumentError(
+                f"BlockPlan: vLLM CPU caches (HKND) of {self.local.block_size}- and {self.remote.block_size}-token "
+                "blocks: the CPU kernels pack a head's rows per block, so only blocks of one size pair; start both "
+                "engines with the same --block-size")
         read = self.read
         if read.local_offset + read.num_heads > self.local.heads or read.remote_offset + read.num_heads > \
                 self.remote.heads:

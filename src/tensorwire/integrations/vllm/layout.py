@@ -33,15 +33,33 @@ REQUIRED_ORDER = "HND"  # what the connector asks vLLM for (non-MLA): a head ran
 
 def fingerprint(vllm_config: Any) -> str:
     """What must match between producer and consumer for blocks to be interchangeable, readable in an error
-    message: model architecture and KV shape (all heads, not one rank's), cache dtype, block size. Not the tensor
-    parallelism (the head map reads across TP sizes), nor the weights (two instances of one architecture with
-    different weights have the same layout)."""
+    message: model architecture and KV shape (all heads, not one rank's), cache dtype. Not the tensor parallelism
+    (the head map reads across TP sizes), the block size (a handoff names its own; ``kv.BlockPlan`` pairs sizes where
+    one divides the other; but on the CPU backend, whose kernels pack a head's rows per block for the machine's
+    vector unit, the block size is part of it), the memory order (read from the strides), nor the weights (two
+    instances of one architecture with different weights have the same layout)."""
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     architecture = ",".join(getattr(model, "architectures", None) or [type(model.hf_config).__name__])
     dtype = model.dtype if cache.cache_dtype in (None, "auto") else cache.cache_dtype
     attention = "mla" if getattr(model, "use_mla", False) else f"kv_heads={model.get_total_num_kv_heads()}"
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
+    packed = f" cpu_block_size={cache.block_size} cpu_kernels={_cpu_kernels(vllm_config)}" if device == "cpu" else ""
     return (f"{architecture} layers={model.get_num_layers(parallel)} {attention} head_dim={model.get_head_size()} "
-            f"kv_dtype={str(dtype).removeprefix('torch.')}")
+            f"kv_dtype={str(dtype).removeprefix('torch.')}{packed}")
+
+
+def _cpu_kernels(vllm_config: Any) -> str:
+    """The instruction set vLLM's CPU attention packs its cache for (``amx``, ``vec``, ``neon``...): caches packed
+    for different ones hold different bytes. vLLM's own choice where this vLLM exposes it, else the machine."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+    except Exception:  # noqa: BLE001 - another vLLM version: the machine is the next best thing to compare
+        import platform
+
+        return platform.machine() or "unknown"
 
 
 def sharding(vllm_config: Any) -> kv.Sharding:
