@@ -4,17 +4,25 @@ spent afterwards, and freed unread at its expiry. The real thing runs in tests/m
 
 from __future__ import annotations
 
+import logging
 import time
 from types import SimpleNamespace
 
+import tensorwire as tw
 from tensorwire import kv
+from tensorwire.kv import producer as producer_module
 from tensorwire.kv.messages import Claim, Done, Grant, parse
+from tensorwire.testing.suite import scaled
 
 
 class _Runtime:
     def __init__(self) -> None:
         self.inbox: list[tuple[int, bytes]] = []
         self.replies: list[tuple[int, Grant]] = []
+        self.gone: set[int] = set()  # ranks the liveness view says left
+
+    def peer_lost(self, rank: int, fresh: bool = False) -> str | None:
+        return "its process closed the connection" if rank in self.gone else None
 
     def channel(self, prefix: bytes):
         def take_all():
@@ -36,8 +44,10 @@ def _handoff(request: str = "r1", issued_at: float = 100.0, hold_s: float = 60.0
     return kv.Handoff("prefill", (1, 2), request, 192, "L", "", issued_at, now + hold_s, block_size=96)
 
 
-def _claim(runtime, sender: int, claim: str, *, request="r1", issued_at=100.0, read=True, tp=1, rank=0) -> Grant:
-    runtime.inbox.append((sender, Claim("t" + claim, ((request, issued_at, claim),), read, tp, rank).encode()))
+def _claim(runtime, sender: int, claim: str, *, request="r1", issued_at=100.0, read=True, tp=1, rank=0,
+           lease_s=60.0) -> Grant:
+    runtime.inbox.append((sender, Claim("t" + claim, ((request, issued_at, claim),), read, tp, rank,
+                                        lease_s).encode()))
     return _reply(runtime, sender)
 
 
@@ -197,4 +207,137 @@ def test_a_producer_leaving_waits_until_its_handoffs_are_read():
     started = time.monotonic()
     producer.drain(5.0)
     assert producer.pending() == 0 and time.monotonic() - started < 5.0
+    producer.close()
+
+
+# --- token holders inside the fleet -----------------------------------------------------------------------------
+def _held(producer, request: str, seconds: float) -> bool:
+    """Whether ``request`` is still held after ``seconds`` (released() asked all along)."""
+    return not _released(producer, request, timeout_s=seconds)
+
+
+def test_claiming_again_never_keeps_a_hold_past_its_expiry_plus_the_first_grants_read_bound():
+    producer, runtime = _producer()
+    issued_at = time.time()
+    producer.hold(_handoff(issued_at=issued_at, hold_s=0.3))
+    assert _claim(runtime, 5, "A", issued_at=issued_at, lease_s=0.3).verdicts == {"r1": "granted"}
+    started = time.monotonic()
+    for _ in range(6):  # the same claim again, asking for the longest lease each time
+        _claim(runtime, 5, "A", issued_at=issued_at, lease_s=600.0)
+        if "r1" in producer.released():
+            break
+        time.sleep(0.1)
+    assert _released(producer, "r1", timeout_s=2.0)
+    assert time.monotonic() - started < 2.0 and producer.expired == 1
+    producer.close()
+
+
+def test_a_grant_still_keeps_its_read_bound_when_claimed_just_before_expiry():
+    producer, runtime = _producer()
+    issued_at = time.time()
+    producer.hold(_handoff(issued_at=issued_at, hold_s=0.1))
+    assert _claim(runtime, 5, "A", issued_at=issued_at, lease_s=1.0).verdicts == {"r1": "granted"}
+    assert _held(producer, "r1", 0.5)  # past the expiry, inside the READ bound
+    assert _released(producer, "r1", timeout_s=3.0)
+    producer.close()
+
+
+def test_the_hold_of_a_claimant_gone_from_the_fleet_ends_soon(monkeypatch):
+    monkeypatch.setattr(producer_module, "_PRESENCE_SCAN_S", 0.05)
+    monkeypatch.setattr(producer_module, "_GONE_GRACE_S", 0.2)
+    producer, runtime = _producer()
+    issued_at = time.time()
+    producer.hold(_handoff(issued_at=issued_at, hold_s=0.1))
+    assert _claim(runtime, 5, "A", issued_at=issued_at, lease_s=600.0).verdicts == {"r1": "granted"}
+    assert _claim(runtime, 6, "A", issued_at=issued_at, lease_s=600.0).verdicts == {"r1": "granted"}  # its 2nd rank
+    runtime.gone.add(5)
+    assert _held(producer, "r1", 0.6)  # one claimant of the two is still there
+    runtime.gone.add(6)
+    assert _released(producer, "r1", timeout_s=2.0)
+    producer.close()
+
+
+def test_claims_before_the_engines_hold_are_bounded_per_claiming_rank(monkeypatch):
+    monkeypatch.setattr(producer_module, "_MAX_CLAIMED_FIRST", 8)
+    producer, runtime = _producer()
+    issued_at = time.time()
+    made_up = tuple((f"made-up-{i}", issued_at, "X") for i in range(20))
+    runtime.inbox.append((9, Claim("tX", made_up, True, 1, 0).encode()))
+    verdicts = _reply(runtime, 9).verdicts
+    assert sum(v == "granted" for v in verdicts.values()) == 8 and sum(v == "unknown" for v in verdicts.values()) == 12
+    assert _claim(runtime, 5, "A", request="real", issued_at=issued_at).verdicts == {"real": "granted"}
+    for i in range(8):  # the engine hands its own off: they no longer count against rank 9
+        producer.hold(_handoff(request=f"made-up-{i}", issued_at=issued_at))
+    runtime.inbox.append((9, Claim("tY", (("again", issued_at, "X"),), True, 1, 0).encode()))
+    assert _reply(runtime, 9).verdicts == {"again": "granted"}
+    producer.close()
+
+
+def test_claims_before_the_engines_hold_end_with_their_claimant(monkeypatch):
+    monkeypatch.setattr(producer_module, "_PRESENCE_SCAN_S", 0.05)
+    monkeypatch.setattr(producer_module, "_GONE_GRACE_S", 0.1)
+    producer, runtime = _producer()
+    issued_at = time.time()
+    runtime.inbox.append((9, Claim("tX", (("made-up", issued_at, "X"),), True, 1, 0, 600.0).encode()))
+    assert _reply(runtime, 9).verdicts == {"made-up": "granted"}
+    runtime.gone.add(9)
+    deadline = time.monotonic() + 2.0
+    while producer._holds and time.monotonic() < deadline:
+        producer.released()
+        time.sleep(0.01)
+    assert not producer._holds and not producer._claimed_first
+    producer.hold(_handoff(request="made-up", issued_at=issued_at))  # the engine hands it off later: freed at once
+    assert _released(producer, "made-up", timeout_s=1.0)
+    producer.close()
+
+
+def test_a_consumer_tp_without_a_head_map_is_unknown_and_any_tp_costs_the_same():
+    producer, runtime = _producer(heads=8)
+    producer.hold(_handoff())
+    assert _claim(runtime, 5, "A", tp=3).verdicts == {"r1": "unknown"}  # 8 heads do not split over 3 ranks
+    assert _claim(runtime, 5, "A", tp=12).verdicts == {"r1": "unknown"}  # nor replicate evenly over 12
+    started = time.perf_counter()
+    for tp in range(8, 4097, 8):
+        producer_module._readers(kv.Sharding(1, 8), 0, tp)
+    per_claim = (time.perf_counter() - started) / 512
+    assert per_claim < scaled(1e-3), f"{per_claim * 1e6:.0f} us per consumer TP"
+    assert _claim(runtime, 5, "A", tp=4096, rank=4095).verdicts == {"r1": "granted"}
+    producer.close()
+
+
+def _tp_sizes(heads: int) -> list[int]:
+    return [t for t in range(1, 4 * heads + 1) if heads % t == 0 or t % heads == 0]
+
+
+def test_the_readers_of_a_producer_rank_are_the_head_maps():
+    for heads in (1, 2, 3, 4, 6, 8):
+        for mla in (False, True):
+            if mla and heads != 1:
+                continue
+            sizes = range(1, 13) if mla else _tp_sizes(heads)
+            for producer_tp in sizes:
+                for consumer_tp in sizes:
+                    own, other = kv.Sharding(producer_tp, heads, mla), kv.Sharding(consumer_tp, heads, mla)
+                    try:
+                        head_map = kv.HeadMap(own, other)
+                    except tw.InvalidArgumentError:
+                        head_map = None
+                    for rank in range(producer_tp):
+                        got = producer_module._readers(own, rank, consumer_tp)
+                        case = (heads, mla, producer_tp, consumer_tp, rank)
+                        if head_map is None:
+                            assert got is None, case
+                            continue
+                        want = head_map.readers_of(rank) or [rank % consumer_tp]
+                        assert got is not None and list(got) == want, (case, got, want)
+
+
+def test_malformed_messages_are_warned_about_once_per_sender_then_counted(caplog):
+    producer, runtime = _producer()
+    with caplog.at_level(logging.WARNING, logger="tensorwire.kv.producer"):
+        for sender in (5, 6):
+            runtime.inbox += [(sender, b"twkv2p {")] * 500
+        _claim(runtime, 7, "A", request="unheld", issued_at=1.0)  # answered after them: they were all handled
+    lines = [r for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(lines) == 2, [r.getMessage() for r in lines]  # one per sender; the rest counted later
     producer.close()
