@@ -13,7 +13,7 @@ import secrets
 import pytest
 
 from tensorwire.bench.vllm_parties import start_directory
-from tensorwire.testing.kv_pools import PairSpec, run_pair
+from tensorwire.testing.kv_pools import PairSpec, check_report, run_pair
 
 pytestmark = pytest.mark.gpu
 
@@ -33,13 +33,6 @@ def _need(transport: str) -> None:
         pytest.importorskip("nixl", reason="NIXL is not installed (pip install nixl)")
 
 
-def _check(report: dict, spec: PairSpec, transport: str) -> None:
-    for rank, (reason, used, problems, *_) in sorted(report["loaded"].items()):
-        assert reason == "" and not problems, (rank, reason, problems[:4])
-        assert used == transport, (rank, used)
-    assert report["released"] == set(range(spec.producer_tp)), report
-
-
 @pytest.mark.parametrize("transport", ["cuda_ipc", "nixl"])
 @pytest.mark.parametrize("order", ["HND", "NHD"])
 @pytest.mark.parametrize("tp", [(2, 1), (1, 2)], ids=["tp2-to-1", "tp1-to-2"])
@@ -48,7 +41,7 @@ def test_a_vllm_shaped_gpu_pair_reads_every_row_once(tp, order, transport, fleet
     spec = PairSpec(tp[0], tp[1], 8, cuda=True, dtype="bfloat16", tokens=16, dim=8, producer_order=order,
                     consumer_order=order, remote_ids=_BLOCKS_16, local_ids=(5, 11, 0, 2, 8), num_tokens=70,
                     transport="nixl" if transport == "nixl" else None)
-    _check(run_pair(spec, *fleet), spec, transport)
+    check_report(run_pair(spec, *fleet), spec, transport)
 
 
 @pytest.mark.parametrize("transport", ["cuda_ipc", "nixl"])
@@ -57,4 +50,4 @@ def test_an_nhd_consumer_of_larger_blocks_reads_an_hnd_producer(transport, fleet
     spec = PairSpec(2, 1, 8, cuda=True, dtype="bfloat16", dim=8, producer_block=16, consumer_block=32,
                     consumer_order="NHD", remote_ids=_BLOCKS_16, local_ids=(5, 11, 0), num_tokens=70,
                     transport="nixl" if transport == "nixl" else None)
-    _check(run_pair(spec, *fleet), spec, transport)
+    check_report(run_pair(spec, *fleet), spec, transport)

@@ -15,7 +15,7 @@ import secrets
 import pytest
 
 from tensorwire.bench.vllm_parties import start_directory
-from tensorwire.testing.kv_pools import PairSpec, run_pair
+from tensorwire.testing.kv_pools import PairSpec, check_report, run_pair
 
 CASES = {  # id -> (producer TP, consumer TP, KV heads, MLA)
     "tp1-to-2": (1, 2, 8, False),
@@ -37,13 +37,6 @@ def fleet():
     directory.close()
 
 
-def _check(report: dict, spec: PairSpec, transport: str) -> None:
-    for rank, (reason, used, problems, *_) in sorted(report["loaded"].items()):
-        assert reason == "" and not problems, (rank, reason, problems)
-        assert used == transport, (rank, used)
-    assert report["released"] == set(range(spec.producer_tp)), report  # every producer rank heard all it expected
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("memory", ["nixl", "shm", pytest.param("cuda_ipc", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("case", list(CASES))
@@ -51,7 +44,7 @@ def test_a_consumer_of_any_tp_reads_exactly_its_heads_once(case, memory, fleet):
     producer_tp, consumer_tp, heads, mla = CASES[case]
     spec = PairSpec(producer_tp, consumer_tp, heads, mla=mla, shm=memory == "shm", cuda=memory == "cuda_ipc")
     report = run_pair(spec, *fleet)
-    _check(report, spec, memory)
+    check_report(report, spec, memory)
 
 
 # As vLLM lays caches out on GPUs (and its CPU backend: HKND), and block sizes that differ: id -> (PairSpec fields,
@@ -90,7 +83,7 @@ def test_gpu_cache_layouts_and_block_sizes_read_every_row_once(case, fleet):
     fields, transport = LAYOUTS[case]
     spec = PairSpec(**{"dim": 4, **fields, "shm": transport == "shm"})
     report = run_pair(spec, *fleet)
-    _check(report, spec, transport)
+    check_report(report, spec, transport)
 
 
 @pytest.mark.slow
@@ -99,7 +92,7 @@ def test_a_replayed_handoff_is_refused_before_any_byte_moves(case, fleet):
     producer_tp, consumer_tp, heads, mla = CASES[case]
     spec = PairSpec(producer_tp, consumer_tp, heads, mla=mla)
     report = run_pair(spec, *fleet, replay_tp=1)
-    _check(report, spec, "nixl")
+    check_report(report, spec, "nixl")
     for rank, (reason, _, problems, *_) in report["replayed"].items():
         assert reason == "replayed" and not problems, (rank, reason, problems)  # its cache still all zeros
     assert sum(r.get("spent", 0) for r in report["refused"].values()) >= 1, report["refused"]

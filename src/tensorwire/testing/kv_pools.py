@@ -25,7 +25,7 @@ import torch
 import tensorwire as tw
 from tensorwire import kv
 
-__all__ = ["PairSpec", "run_pair"]
+__all__ = ["PairSpec", "run_pair", "check_report"]
 
 LAYERS = 2
 _WAIT_S = 120.0
@@ -301,3 +301,12 @@ def _collect(out: mp.Queue, report: dict, done) -> None:
             report["loaded"][rank] = item[2:]
         elif kind == "refused":
             report["refused"][rank] = item[2]
+
+
+def check_report(report: dict, spec: PairSpec, transport: str) -> None:
+    """``AssertionError`` unless every consumer rank of ``run_pair``'s report loaded without a failure or a wrong
+    byte over ``transport``, and every producer rank heard all it expected."""
+    for rank, (reason, used, problems, *_) in sorted(report["loaded"].items()):
+        assert reason == "" and not problems, (rank, reason, problems[:4])
+        assert used == transport, (rank, used)
+    assert report["released"] == set(range(spec.producer_tp)), report
