@@ -50,7 +50,7 @@ from .command import (
 )
 from .kv_cases import LLAMA, LLAMA_BLOCKS, LLAMA_VIEWS, OPS, PATTERNS, Case, KvBenchConfig, cases
 from .kv_report import TABLE, plot_kv
-from .kv_tp import main_tp, parse_pairs
+from .kv_tp import main_tp, parse_orders, parse_pairs
 from .partial import measured_records
 from .record import Record
 
@@ -97,6 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=parse_pairs, default=None, metavar="P:D,...",
                         help="instead: KV handoffs from a producer at TP P to a consumer at TP D (tensorwire.kv), "
                              "beside D:D, e.g. 2:1,1:2,4:2")
+    parser.add_argument("--orders", type=parse_orders, default=[("HND", "HND")], metavar="P:C,...",
+                        help="with --tp: the order of a block's rows at the producer and the consumer, each pair "
+                             "measured at each, e.g. HND,NHD,HND:NHD (default HND: heads outermost on both)")
 
 
 def config_from(args: argparse.Namespace) -> KvBenchConfig:

@@ -3,9 +3,11 @@ TP D (``tensorwire.kv``), every rank a local process of one fleet, beside the ho
 the same bytes into the same consumer ranks.
 
 A request is one ``kv.Consumer.load`` of ``blocks`` random ids of a 2-layer cache of 8 KV heads (``tokens x dim``
-float32 per head per block), at every consumer rank at once: the claims' round trip, then one READ per source rank
-(head ranges of every block when P differs from D). Its time is the slowest consumer rank's claim + READ, per
-request, ``requests`` of them in a row; the claim's share is reported beside it. Every byte is checked after the
+float32 per head per block, K and V views laid out as vLLM lays them on GPUs, in the ``--orders`` asked), at every
+consumer rank at once: the claims and, beside them, one READ per source rank (head ranges of every block when P
+differs from D: one descriptor per block and view in ``HND``, one per token in ``NHD``, one per row where the orders
+differ). Its time is the slowest consumer rank's load, claims to the last READ, per request, ``requests`` of them in
+a row; the claim's round trip is reported beside it. Every byte is checked after the
 last request. Host memory over NIXL (``--memory`` is ignored: the head split runs the same code on GPU memory).
 """
 
@@ -22,7 +24,9 @@ from .command import announce, check_plot, finish, header, header_lines, progres
 from .record import Record
 from .timing import summarize
 
-__all__ = ["main_tp", "run_pairs", "parse_pairs", "KV_HEADS"]
+__all__ = ["main_tp", "run_pairs", "parse_pairs", "parse_orders", "KV_HEADS"]
+
+ORDERS = ("HND", "NHD")
 
 LAYERS, KV_HEADS, TOKENS, DIM, NUM_BLOCKS, BLOCKS, REQUESTS = 2, 8, 16, 64, 512, 256, 10
 TITLE = "tensorwire bench kv --tp: KV handoffs between engines of different tensor parallelism, local processes"
@@ -42,16 +46,30 @@ def parse_pairs(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
-def _spec(producer_tp: int, consumer_tp: int, seed: int) -> Any:
+def parse_orders(text: str) -> list[tuple[str, str]]:
+    """``"HND,NHD,HND:NHD"`` as [(HND, HND), (NHD, NHD), (HND, NHD)] (producer, consumer); ``ArgumentTypeError``."""
+    orders = []
+    for item in text.split(","):
+        sides = item.upper().split(":")
+        if len(sides) == 1:
+            sides *= 2
+        if len(sides) != 2 or any(side not in ORDERS for side in sides):
+            raise argparse.ArgumentTypeError(f"{item!r}: give HND, NHD or PRODUCER:CONSUMER of them, e.g. HND:NHD")
+        orders.append((sides[0], sides[1]))
+    return orders
+
+
+def _spec(producer_tp: int, consumer_tp: int, orders: tuple[str, str], seed: int) -> Any:
     from ..testing.kv_pools import PairSpec  # torch: not for --help
 
     rng = random.Random(seed)
     return PairSpec(producer_tp, consumer_tp, KV_HEADS, num_blocks=NUM_BLOCKS,
                     remote_ids=tuple(rng.sample(range(NUM_BLOCKS), BLOCKS)),
-                    local_ids=tuple(rng.sample(range(NUM_BLOCKS), BLOCKS)), tokens=TOKENS, dim=DIM, requests=REQUESTS)
+                    local_ids=tuple(rng.sample(range(NUM_BLOCKS), BLOCKS)), tokens=TOKENS, dim=DIM, requests=REQUESTS,
+                    producer_order=orders[0], consumer_order=orders[1])
 
 
-def _record(producer_tp: int, consumer_tp: int, report: dict) -> Record:
+def _record(producer_tp: int, consumer_tp: int, orders: tuple[str, str], report: dict) -> Record:
     loaded = report["loaded"]
     problems = [f"rank {r}: {reason or 'wrong bytes'}" for r, (reason, _, wrong, *_) in loaded.items()
                 if reason or wrong]
@@ -61,33 +79,38 @@ def _record(producer_tp: int, consumer_tp: int, report: dict) -> Record:
     transfers = [max(values) for values in zip(*(row[4] for row in loaded.values()))]
     # A load's claim and READ overlap: its cost to the request is from the claims to the last READ's end.
     requests = [max(values) for values in zip(*(row[5] for row in loaded.values()))][1:]  # the first sets up
-    nbytes = BLOCKS * LAYERS * KV_HEADS * TOKENS * DIM * 4  # every head of every block, over all consumer ranks
+    nbytes = BLOCKS * LAYERS * 2 * KV_HEADS * TOKENS * DIM * 4  # K and V of every head of every block, all ranks
     transport = next(iter(loaded.values()))[1]
-    return Record.measured("kv", "cpu", "READ", f"handoff TP {producer_tp}->{consumer_tp}", transport, nbytes,
+    path = f"handoff TP {producer_tp}->{consumer_tp}" + ("" if orders == ("HND", "HND") else " {}->{}".format(*orders))
+    return Record.measured("kv", "cpu", "READ", path, transport, nbytes,
                            summarize(requests), blocks=BLOCKS, producer_tp=producer_tp, consumer_tp=consumer_tp,
+                           producer_order=orders[0], consumer_order=orders[1],
                            claim_median_us=statistics.median(claims[1:]) * 1e6,
                            first_request_us=(claims[0] + transfers[0]) * 1e6)
 
 
-def run_pairs(pairs: list[tuple[int, int]], say: Callable[[str], None],
-              measured: Callable[[Record], None]) -> list[Record]:
-    """Measure each pair after its homogeneous reference (D:D), held against it; ``measured(record)`` as each is.
-    Blocks (minutes on 2 cores); Ctrl-C (KeyboardInterrupt) stops at once, the records so far handed over."""
+def run_pairs(pairs: list[tuple[int, int]], say: Callable[[str], None], measured: Callable[[Record], None],
+              orders: list[tuple[str, str]] = (("HND", "HND"),)) -> list[Record]:
+    """Measure each pair at each (producer, consumer) order after its homogeneous reference (D:D, same orders), held
+    against it; ``measured(record)`` as each is. Blocks (minutes on 2 cores); Ctrl-C (KeyboardInterrupt) stops at
+    once, the records so far handed over."""
     from ..testing.kv_pools import run_pair  # torch: not for --help
     from .vllm_parties import start_directory
 
     token = secrets.token_hex(16)
     directory, address = start_directory(token)
-    records: dict[tuple[int, int], Record] = {}
+    records: dict[tuple, Record] = {}
     try:
-        for producer_tp, consumer_tp in dict.fromkeys([p for pair in pairs for p in ((pair[1], pair[1]), pair)]):
-            say(f"TP {producer_tp} -> {consumer_tp}: {REQUESTS} requests of {BLOCKS} blocks")
-            report = run_pair(_spec(producer_tp, consumer_tp, seed=producer_tp * 10 + consumer_tp), address, token)
-            record = _record(producer_tp, consumer_tp, report)
-            if producer_tp != consumer_tp:
-                record = record.against(records[consumer_tp, consumer_tp])
-            records[producer_tp, consumer_tp] = record
-            measured(record)
+        for order in orders:
+            for producer_tp, consumer_tp in dict.fromkeys([p for pair in pairs for p in ((pair[1], pair[1]), pair)]):
+                say(f"TP {producer_tp} -> {consumer_tp}, {order[0]} -> {order[1]}: {REQUESTS} requests of {BLOCKS} "
+                    "blocks")
+                spec = _spec(producer_tp, consumer_tp, order, seed=producer_tp * 10 + consumer_tp)
+                record = _record(producer_tp, consumer_tp, order, run_pair(spec, address, token))
+                if producer_tp != consumer_tp:
+                    record = record.against(records[consumer_tp, consumer_tp, order])
+                records[producer_tp, consumer_tp, order] = record
+                measured(record)
     finally:
         directory.close()
     return list(records.values())
@@ -95,9 +118,10 @@ def run_pairs(pairs: list[tuple[int, int]], say: Callable[[str], None],
 
 HEADING = (f"{'pair':<20} {'via':<6} {'request median us':>18} {'p10':>9} {'p90':>9} {'claim us':>9} {'GB/s':>7} "
            f"{'vs D:D':>7}")
-LEGEND = ["", f"request = every consumer rank's claim round trip + its READs of {BLOCKS} random blocks x {LAYERS} "
-          f"layers x {KV_HEADS} heads x {TOKENS * DIM * 4 // 1024} KiB (the slowest rank's), the first request left "
-          "out; vs D:D = GB/s over the homogeneous pair at the consumer's TP"]
+LEGEND = ["", f"request = every consumer rank's load, its claims with its READs beside them, of {BLOCKS} random "
+          f"blocks x {LAYERS} layers x K/V x {KV_HEADS} heads x {TOKENS * DIM * 4 // 1024} KiB (the slowest rank's), "
+          "the first request left out; claim = the claims' round trip (overlapping the READs); vs D:D = GB/s over "
+          "the homogeneous pair at the consumer's TP and the same orders"]
 
 
 def row(r: Record) -> str:
@@ -111,8 +135,9 @@ def main_tp(args: argparse.Namespace) -> int:
     check_plot(args)
     head = header(args.argv)
     announce(header_lines(TITLE, head, [("pairs", ", ".join(f"{p}:{d} (and {d}:{d})" for p, d in args.tp)),
-                                        ("timing", "the slowest consumer rank's claim + READs per request, median, "
-                                                   f"p10, p90 of {REQUESTS - 1} requests after the first")]))
+                                        ("orders", ", ".join(f"{p}:{c}" for p, c in args.orders)),
+                                        ("timing", "the slowest consumer rank's load (claims and READs) per request, "
+                                                   f"median, p10, p90 of {REQUESTS - 1} requests after the first")]))
     print(HEADING, flush=True)
     records: list[Record] = []
 
@@ -122,7 +147,7 @@ def main_tp(args: argparse.Namespace) -> int:
 
     interrupted = False
     try:
-        run_pairs(args.tp, lambda text: progress("kv", text, args.quiet), measured)
+        run_pairs(args.tp, lambda text: progress("kv", text, args.quiet), measured, args.orders)
     except KeyboardInterrupt:
         interrupted = True
         if not records:
