@@ -285,7 +285,7 @@ def test_claims_before_the_engines_hold_end_with_their_claimant(monkeypatch):
     while producer._holds and time.monotonic() < deadline:
         producer.released()
         time.sleep(0.01)
-    assert not producer._holds and not producer._claimed_first
+    assert not producer._holds
     producer.hold(_handoff(request="made-up", issued_at=issued_at))  # the engine hands it off later: freed at once
     assert _released(producer, "made-up", timeout_s=1.0)
     producer.close()
@@ -340,4 +340,23 @@ def test_malformed_messages_are_warned_about_once_per_sender_then_counted(caplog
         _claim(runtime, 7, "A", request="unheld", issued_at=1.0)  # answered after them: they were all handled
     lines = [r for r in caplog.records if "malformed" in r.getMessage()]
     assert len(lines) == 2, [r.getMessage() for r in lines]  # one per sender; the rest counted later
+    producer.close()
+
+
+def test_made_up_claims_released_at_once_still_count_against_their_rank_until_they_expire(monkeypatch):
+    """Claiming and releasing made-up handoffs in one message would otherwise fill the spent handoffs (which are
+    never forgotten early) for everyone."""
+    monkeypatch.setattr(producer_module, "_MAX_CLAIMED_FIRST", 8)
+    producer, runtime = _producer()
+    issued_at = time.time()
+    for batch in range(3):
+        made_up = tuple((f"made-up-{batch}-{i}", issued_at, "X") for i in range(8))
+        runtime.inbox.append((9, Claim(f"t{batch}", made_up, False, 1, 0).encode()))  # claimed and released
+        verdicts = _reply(runtime, 9).verdicts
+        assert set(verdicts.values()) == ({"granted"} if batch == 0 else {"unknown"}), (batch, verdicts)
+    assert _claim(runtime, 5, "A", request="real", issued_at=issued_at).verdicts == {"real": "granted"}
+    producer.hold(_handoff(request="made-up-0-0", issued_at=issued_at))  # the engine's own: no longer rank 9's
+    assert _released(producer, "made-up-0-0")
+    runtime.inbox.append((9, Claim("tZ", (("again", issued_at, "X"),), True, 1, 0).encode()))
+    assert _reply(runtime, 9).verdicts == {"again": "granted"}
     producer.close()

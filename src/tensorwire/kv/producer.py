@@ -4,7 +4,8 @@ consumer rank that reads them said so (or the handoff expired).
 A hold starts when the engine hands a request off (``hold``) or, if a consumer's claim arrives first (the engine
 tells its workers a step later), at that claim: only for a handoff issued since this producer started and not
 expired (a producer started again, or a claim for a handoff long gone, is refused as ``unknown``), and at most
-``_MAX_CLAIMED_FIRST`` such holds per claiming rank at once (one member's made-up claims never refuse another's).
+``_MAX_CLAIMED_FIRST`` such holds per claiming rank at once, one already read or released counting until the engine
+handed it off or it expired (one member's made-up claims never refuse another's, nor fill the spent handoffs).
 The first claim of a hold is granted and every other one refused (``taken``): a second consumer, a replayed request,
 a consumer restarted with a new claim. After the hold is freed its (request id, issue time) is remembered as
 ``spent`` until the handoff expired, so a read after the blocks were reused is refused too. The consumer reads only
@@ -90,7 +91,10 @@ class Producer:
         self._outbox = runtime.channel(TO_CONSUMER)
         self._lock = threading.Lock()
         self._holds: dict[str, _Hold] = {}
-        self._claimed_first: dict[int, int] = {}  # rank -> holds it started that the engine has not handed off
+        # rank -> holds its claims started that the engine has not handed off, and their spent handoffs until the
+        # engine handed them off or they expired: a rank that claims and releases made-up handoffs fills its own quota
+        self._claimed_first: dict[int, int] = {}
+        self._spent_early: dict[Key, int] = {}  # such spent handoffs -> the rank they count against
         self._spent: dict[Key, float] = {}  # -> monotonic time after which the handoff has expired anyway
         self._freed: set[str] = set()  # freed holds the engine knows, for ``released``
         self._freed_early: dict[Key, float] = {}  # freed before the engine handed them off -> when
@@ -110,6 +114,9 @@ class Producer:
         now, left = time.monotonic(), max(handoff.expires_at - time.time(), 0.0)
         key = (handoff.request_id, handoff.issued_at)
         with self._lock:
+            starter = self._spent_early.pop(key, None)
+            if starter is not None:
+                self._uncount(starter)
             hold = self._holds.get(handoff.request_id)
             if self._freed_early.pop(key, None) is not None:
                 self._freed.add(handoff.request_id)
@@ -271,13 +278,16 @@ class Producer:
     def _handed_off(self, hold: _Hold) -> None:
         """Under the lock: ``hold`` no longer counts against the rank whose claim started it."""
         if hold.starter is not None:
-            left = self._claimed_first[hold.starter] - 1
-            if left:
-                self._claimed_first[hold.starter] = left
-            else:
-                del self._claimed_first[hold.starter]
+            self._uncount(hold.starter)
             hold.starter = None
         hold.known = True
+
+    def _uncount(self, rank: int) -> None:
+        left = self._claimed_first[rank] - 1
+        if left:
+            self._claimed_first[rank] = left
+        else:
+            del self._claimed_first[rank]
 
     def _expire(self, now: float) -> None:
         if now < self._next_scan:
@@ -288,6 +298,8 @@ class Producer:
         if now >= self._next_prune:  # a claim for a handoff that expired is refused as stale (``_fresh``)
             self._next_prune = now + _SPENT_PRUNE_S
             self._spent = {k: t for k, t in self._spent.items() if t > now}
+            for key in [k for k in self._spent_early if k not in self._spent]:
+                self._uncount(self._spent_early.pop(key))
 
     def _free(self, request_id: str, hold: _Hold, read: bool) -> None:
         """Under the lock: the hold ends; its handoff is spent until it has expired anyway."""
@@ -296,7 +308,8 @@ class Producer:
         expired_at = now + max(hold.issued_at + self._hold_s - time.time(), 0.0) + 2 * _CLOCK_SLACK_S
         self._spent[(request_id, hold.issued_at)] = expired_at
         if not hold.known:
-            self._handed_off(hold)
+            if hold.starter is not None:  # it still counts against its starter, until handed off or expired
+                self._spent_early[(request_id, hold.issued_at)] = hold.starter
             self._freed_early[(request_id, hold.issued_at)] = now
             while len(self._freed_early) > _MAX_FREED_EARLY:
                 del self._freed_early[next(iter(self._freed_early))]
