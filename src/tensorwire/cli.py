@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from types import ModuleType
 
@@ -85,7 +84,8 @@ def _parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
     directory.add_argument("--state", default=None, metavar="FILE",
                            help="file that keeps the rank counter's high-water mark, so that a directory started "
                                 "again never hands out a rank twice, however fast members joined (default: "
-                                "~/.local/state/tensorwire/directory-PORT.rank; 'none' for no file)")
+                                "~/.local/state/tensorwire/directory-HOST-PORT.rank, in a folder of this user's own; "
+                                "'none' for no file)")
     directory.set_defaults(handler=_directory, parser=directory)
 
     bench = commands.add_parser(
@@ -133,10 +133,11 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def _directory(args: argparse.Namespace) -> int:
     from .meeting.directory import serve
+    from .meeting.directory_state import default_path
 
     state = args.state
     if state is None and args.port:
-        state = os.path.expanduser(f"~/.local/state/tensorwire/directory-{args.port}.rank")
+        state = default_path(args.host, args.port)
     serve(args.host, args.port, lambda line: print(line, flush=True), grace_s=args.grace,
           state=None if state in (None, "none") else state)
     return 0

@@ -19,10 +19,13 @@ out across restarts by its state file). It does not move during a grace period a
 wait; ``tensorwire directory`` gives twice the liveness period, the members' lease), in which the members of a
 restarted directory reconnect and put their keys back.
 
-Bounds (``Limits``): connections, handshakes pending (in all and per host), the time a handshake may take, value
-and key sizes, keys and bytes held, keys per member. Each refusal answers the caller with the reason where it can
-and is logged (at most once a second per kind, with a count). Non-goals: replication (use etcd where one process
-is not enough) and keeping its contents (other than the rank counter's mark) across its own restart.
+Bounds (``Limits``): sessions (in all, and per member: a member is a name at a host, and a host's sessions that hold
+no name are bounded, its oldest dropped over the bound, so a process with the token that opens session after session
+drops its own, ``_Server._make_room``), handshakes pending (in all and per host), the time a handshake may take,
+value and key sizes, keys and bytes held, keys per member, names per host. Each refusal answers the caller with the
+reason where it can and is logged (at most once a second per kind, with a count). Non-goals: replication (use etcd
+where one process is not enough) and keeping its contents (other than the rank counter's mark) across its own
+restart.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class _Server:
         self.ranks = ranks
         self.refused = _Refusals()
         self.connections = 0
+        self.sessions: dict[_Session, asyncio.Task] = {}  # admitted, oldest first -> the task serving it
         self.pending: dict[asyncio.Task, str] = {}  # handshakes under way, oldest first -> the caller's host
         self.pending_per_host: Counter[str] = Counter()
 
@@ -86,15 +90,24 @@ class _Server:
         host = str((writer.get_extra_info("peername") or ("?",))[0])
         self.connections += 1
         try:
-            if self.connections > self.limits.connections:
-                self.refused("a connection", f"from {host}: {self.limits.connections} connections are open")
+            # Sessions and pending handshakes are each bounded by dropping their oldest (below): this bound is
+            # reached only by connections still being torn down.
+            if self.connections > self.limits.connections + self.limits.pending_handshakes:
+                self.refused("a connection", f"from {host}: {self.connections - 1} connections are open")
                 return
             session = await self._admit(reader, writer, host)
-            if session is not None:
-                try:
-                    await self._serve(reader, writer, session)
-                finally:
-                    self.keys.end(session)
+            if session is None:
+                return
+            full = self._make_room(session)
+            if full is not None:
+                await self._turn_away(reader, writer, session, full)
+                return
+            self.sessions[session] = asyncio.current_task()
+            try:
+                await self._serve(reader, writer, session)
+            finally:
+                self.sessions.pop(session, None)
+                self.keys.end(session)
         except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, asyncio.CancelledError):
             pass  # gone, silent past its lease, or the directory stops: the session ends
         except Exception as e:  # noqa: BLE001 - a request no check foresaw ends its session, never the directory
@@ -123,6 +136,46 @@ class _Server:
             return None
         finally:
             self._forget(me)
+
+    def _make_room(self, new: _Session) -> str | None:
+        """Room for ``new`` (just admitted, holding no name yet) among the sessions: None, or why it is turned away.
+
+        A member is a name at a host: a session that holds a name (``name/<name>``) is one, bounded by one per name
+        and ``Limits.names_per_host`` (``directory_keys``); sessions that hold none are their host's, at most
+        ``Limits.unnamed_per_host`` of them: over it, that host's oldest one goes, so a process with the token that
+        opens session after session drops its own, never another host's nor a member's. Over ``Limits.connections``
+        in all, the oldest session without a name of the host holding the most such goes; only a directory full
+        of named members turns a newcomer away, saying so."""
+        limits, host = self.limits, new.peer
+        unnamed = [s for s in self.sessions if s.peer == host and not s.name_claims]
+        if len(unnamed) >= limits.unnamed_per_host:
+            self._drop(unnamed[0], f"from {host}: {len(unnamed)} sessions from there hold no name, the directory's "
+                                   "limit per host; dropped the oldest of them")
+        if len(self.sessions) < limits.connections:
+            return None
+        per_host = Counter(s.peer for s in self.sessions if not s.name_claims)
+        if not per_host:
+            return (f"the directory is full: it serves {len(self.sessions)} members (sessions holding a name), its "
+                    f"limit; close members that are no longer needed, or start another directory for a new fleet")
+        busiest, count = per_host.most_common(1)[0]
+        oldest = next(s for s in self.sessions if s.peer == busiest and not s.name_claims)
+        self._drop(oldest, f"{len(self.sessions)} sessions are open, the directory's limit; dropped the oldest of "
+                           f"the {count} without a name from {busiest} (the host holding the most)")
+        return None
+
+    def _drop(self, session: _Session, why: str) -> None:
+        """End ``session`` (its keys go with it as its task ends)."""
+        self.refused("a session", why)
+        self.sessions.pop(session).cancel()
+
+    async def _turn_away(self, reader, writer, session: _Session, why: str) -> None:
+        """Answer the first request of an admitted session with ``why`` (REFUSED) and close: its member's client
+        raises ``InvalidArgumentError`` with the reason, not a lost directory."""
+        self.refused("a session", f"from {session.peer}: {why}")
+        request = await asyncio.wait_for(self._frame(reader, writer, session), self.limits.handshake_s)
+        if request is not None:
+            writer.write(wire.encode(wire.Status.REFUSED, why.encode()))
+            await writer.drain()
 
     def _forget(self, task: asyncio.Task) -> None:
         host = self.pending.pop(task, None)
@@ -321,28 +374,31 @@ class Directory:
     ``grace_s``: for how long after the start counters do not move (joins wait; members already in a fleet
     reconnect and put their ranks back meanwhile): give a restarted directory its members' heartbeat period,
     ``tensorwire directory`` does. ``state``: the file that keeps the rank counter's high-water mark, so that a
-    restarted directory never hands out a rank twice (None: none). Serves on a thread of its own; construction
-    returns once it listens."""
+    restarted directory never hands out a rank twice (None: none); held for this directory alone until ``close()``
+    (``directory_state.StateFile``: a link, a FIFO, a folder of another user's, a second directory on it or a disk
+    that refuses the first mark raise ``InvalidArgumentError`` here, naming the path and the fix). Serves on a
+    thread of its own; construction returns once it listens."""
 
     _DEFAULT = object()
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: bytes | None | object = _DEFAULT,
                  limits: Limits = _LIMITS, grace_s: float = 0.0, state: str | None = None) -> None:
-        try:
-            ranks = RankCounter(state)
-        except OSError as e:
-            raise InvalidArgumentError(f"directory: cannot keep the rank counter's mark in {state} ({e}); pass "
-                                       "--state a file this user can write") from e
         listener, why_not = listen_socket(host, port, _LISTENER_WORDS)
         if listener is None:
             raise InvalidArgumentError(f"directory: cannot listen on {host}:{port} ({why_not}); choose another "
                                        "--host (an address of this machine) or --port")
+        try:
+            ranks = RankCounter(state)  # InvalidArgumentError: what is in the way at which path, and the fix
+        except BaseException:
+            listener.close()
+            raise
         self.host, self.port = host, listener.getsockname()[1]
         self.token = config_module.load().job_token if token is Directory._DEFAULT else token
         if self.token is None:
             log.warning("tensorwire directory at %s is open: TENSORWIRE_JOB_TOKEN is not set, so any process that "
                         "reaches its port can read and change the fleet's records; start it with the fleet's token",
                         self.address)
+        self._ranks = ranks
         self._server = _Server(self.token, limits, grace_s, ranks)
         self._loop = asyncio.new_event_loop()
         self._stopped = asyncio.Event()
@@ -378,6 +434,7 @@ class Directory:
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stopped.set)
             self._thread.join(timeout=10)
+        self._ranks.close()
 
     def __enter__(self) -> Directory:
         return self

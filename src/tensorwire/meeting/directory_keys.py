@@ -2,7 +2,9 @@
 
 Every key belongs to the session (an authenticated connection, ``Session``) that wrote it and goes with it, counters
 included: nothing a member writes outlives it, and a session holds at most ``Limits.keys_per_session`` keys and one
-rank claim (``rank/<r>``), so no member fills the directory for the others, and what it filled goes with it.
+rank claim (``rank/<r>``), and the sessions of one host at most ``Limits.names_per_host`` names (``name/<name>``: a
+session holding one is a member, ``directory.py`` bounds the others), so no member fills the directory for the
+others, and what it filled goes with it.
 
 The rank counter (``RANK_COUNTER``) is the directory's own, the one key no member writes: it moves by one per join
 (``add(RANK_COUNTER, 1)``; a read is ``add(..., 0)``), never past the largest rank a member can hold
@@ -22,10 +24,12 @@ loses at most a block of numbers, never repeats one. Without a state file the co
 from __future__ import annotations
 
 import calendar
-import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
+from ..errors import InvalidArgumentError
+from .directory_state import StateFile
 from .directory_wire import MAX_VALUE
 
 __all__ = ["Limits", "Session", "Keys", "RankCounter", "RANK_COUNTER", "RANK_LIMIT"]
@@ -41,7 +45,9 @@ _RAISE_WINDOW = 1 << 20  # how far past its own start a directory without state 
 class Limits:
     """What one directory holds and serves at most."""
 
-    connections: int = 1024
+    connections: int = 1024  # sessions at once; over it a session of the host holding the most goes (directory.py)
+    unnamed_per_host: int = 256  # sessions of one host that hold no name: over it, that host's oldest such goes
+    names_per_host: int = 256  # names (``name/<name>`` claims) the sessions of one host hold at once
     pending_handshakes: int = 64
     pending_per_host: int = 16
     handshake_s: float = 5.0
@@ -61,6 +67,7 @@ class Session:
     lease_s: float
     keys: set[str] = field(default_factory=set)
     rank_claims: int = 0
+    name_claims: int = 0  # a session that holds a name is a member (name and host); one without is not yet one
 
 
 class Keys:
@@ -70,6 +77,7 @@ class Keys:
         self.values: dict[str, bytes] = {}
         self.owner: dict[str, Session] = {}
         self.bytes_held = 0
+        self.names_per_host: Counter[str] = Counter()
         self._limits = limits
 
     def refusal(self, key: str, value: bytes, session: Session | None) -> str | None:
@@ -85,6 +93,10 @@ class Keys:
                     "no longer needs")
         if session is not None and new and key.startswith("rank/") and session.rank_claims >= 1:
             return f"this member holds a rank claim already; it may not claim {key!r} too"
+        if session is not None and new and key.startswith("name/") and \
+                self.names_per_host[session.peer] >= limits.names_per_host:
+            return (f"members at {session.peer} hold {self.names_per_host[session.peer]} names, the directory's limit "
+                    "per host; close members there that are no longer needed")
         if self.bytes_held + len(value) - len(self.values.get(key, b"")) > limits.bytes_held:
             return f"the directory holds {self.bytes_held} bytes, its limit is {limits.bytes_held}"
         return None
@@ -97,12 +109,20 @@ class Keys:
             self.owner[key] = session
             session.keys.add(key)
             session.rank_claims += key.startswith("rank/")
+            if key.startswith("name/"):
+                session.name_claims += 1
+                self.names_per_host[session.peer] += 1
 
     def _disown(self, key: str) -> None:
         before = self.owner.pop(key, None)
         if before is not None:
             before.keys.discard(key)
             before.rank_claims -= key.startswith("rank/")
+            if key.startswith("name/"):
+                before.name_claims -= 1
+                self.names_per_host[before.peer] -= 1
+                if not self.names_per_host[before.peer]:
+                    del self.names_per_host[before.peer]
 
     def delete(self, key: str) -> bool:
         value = self.values.pop(key, None)
@@ -124,38 +144,35 @@ class RankCounter:
     """The fleet's rank counter: the next rank to propose, its bound, and its high-water mark on disk.
 
     ``state``: the file that keeps the mark across restarts (None: none; the counter then starts at the seconds
-    since 2026-01-01). Raises ``OSError`` from the constructor when the file cannot be read or written."""
+    since 2026-01-01). Raises ``InvalidArgumentError`` from the constructor when the file cannot be read or written
+    (``directory_state.StateFile``: the path, what is in the way, the fix); ``close()`` lets the file go."""
 
     def __init__(self, state: str | None) -> None:
         self.state = state
-        self.known = state is not None and os.path.exists(state)  # an earlier run's mark: nothing of it is above
-        self.start = max(int(time.time()) - _EPOCH, self._read_mark())
+        self._file = StateFile(state) if state is not None else None
+        self.known = self._file is not None and self._file.mark is not None  # nothing of an earlier run is above
+        earlier = self._file.mark if self._file is not None and self._file.mark is not None else 0
+        self.start = max(int(time.time()) - _EPOCH, earlier)
         self.value = self.start
         self.reserved = self.start
-        if state is not None:
-            self._reserve(self.start + _BLOCK)
-
-    def _read_mark(self) -> int:
-        if self.state is None or not os.path.exists(self.state):
-            return 0
-        with open(self.state) as f:
-            text = f.read().strip()
-        try:
-            return int(text)
-        except ValueError:
-            raise OSError(f"the state file {self.state} holds {text[:40]!r}, not a rank") from None
+        if self._file is not None:
+            try:
+                self._reserve(self.start + _BLOCK)
+            except OSError as e:
+                self.close()
+                raise InvalidArgumentError(f"directory: cannot write the rank counter's mark to {self._file.path} "
+                                           f"({e}); free space there, make its folder writable by this user, or pass "
+                                           "--state another file") from e
 
     def _reserve(self, mark: int) -> None:
-        """Write ``mark`` durably before a rank below it is handed out (flushed to disk, then renamed over)."""
-        directory = os.path.dirname(os.path.abspath(self.state))
-        os.makedirs(directory, exist_ok=True)
-        temporary = f"{self.state}.{os.getpid()}.tmp"
-        with open(temporary, "w") as f:
-            f.write(f"{mark}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, self.state)
+        """Write ``mark`` durably before a rank below it is handed out; ``OSError`` leaves ``reserved`` as it was."""
+        self._file.write(mark)
         self.reserved = mark
+
+    def close(self) -> None:
+        """Let the state file go (idempotent)."""
+        if self._file is not None:
+            self._file.close()
 
     def add(self, amount: int) -> tuple[int | None, str]:
         """The counter after a join (``amount`` 1) or a read (0): (value, "") or (None, why it is refused)."""
@@ -166,9 +183,23 @@ class RankCounter:
             return None, (f"the fleet's ranks are spent: the counter is at {self.value}, and a rank must stay below "
                           f"{RANK_LIMIT}; start the directory with a new state file")
         if amount and self.state is not None and self.value + amount > self.reserved:
-            self._reserve(self.value + amount + _BLOCK)
+            why = self._reserve_or_why(self.value + amount + _BLOCK)
+            if why:
+                return None, why
         self.value += amount
         return self.value, ""
+
+    def _reserve_or_why(self, mark: int) -> str:
+        """Nothing ("") once ``mark`` is on disk, else why no rank past the mark on disk is handed out (the disk
+        refused: full, made read-only): the join is refused, never given a rank the file does not cover; the next
+        one tries again."""
+        try:
+            self._reserve(mark)
+        except OSError as e:
+            return (f"the directory cannot write its rank counter's mark to {self._file.path} ({e}), so it hands out "
+                    f"no rank past {self.reserved}; free space there or make its folder writable (joins go on once "
+                    "it can)")
+        return ""
 
     def raise_to(self, floor: int, proves: bool) -> tuple[int | None, str]:
         """Put back a rank a member holds: the counter raised to ``floor`` (never lowered). Only where the start
@@ -187,6 +218,8 @@ class RankCounter:
             return None, (f"raising the rank counter to {floor} is refused: it started at {self.start} and no earlier "
                           f"run could have handed out ranks past {self.start + _RAISE_WINDOW}")
         if self.state is not None and floor > self.reserved:
-            self._reserve(floor + _BLOCK)
+            why = self._reserve_or_why(floor + _BLOCK)
+            if why:
+                return None, why
         self.value = floor
         return self.value, ""
