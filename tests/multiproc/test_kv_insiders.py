@@ -185,7 +185,7 @@ def fleet():
     finally:
         if parties is not None:
             parties.close()
-        directory.close(timeout_s=1.0)  # it reads no exit request (a vLLM party's): it would be waited for 60 s
+        directory.close()
 
 
 def _claim(request_id: str, issued_at: float, value: str, *, lease_s: float = 5.0, consumer_tp: int = 1):

@@ -60,8 +60,12 @@ def vllm_python() -> tuple[str | None, str]:
 class Party:
     """A child process that prints JSON lines; its stderr goes to a file (read back in errors)."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], files: tuple[str, ...] = ()) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], files: tuple[str, ...] = (),
+                 stop_signal: int | None = None) -> None:
+        """``stop_signal``: what ``close`` asks it to exit with (a command that reads no JSON, e.g. SIGINT for
+        ``tensorwire directory``); None: an exit request on its stdin."""
         self.name = name
+        self._stop_signal = stop_signal
         self._files = files  # removed with its log by ``close``
         self.stats_path = files[0] if files else None  # where its recording connector writes (``take_stats``)
         self._log = tempfile.NamedTemporaryFile("w+", prefix=f"tw-{name}-", suffix=".log", delete=False)
@@ -119,10 +123,13 @@ class Party:
         """Ask it to exit, then kill what is left of its group. Idempotent."""
         if self.process.poll() is None:
             try:
-                self.process.stdin.write(json.dumps({"op": "exit"}) + "\n")
-                self.process.stdin.flush()
+                if self._stop_signal is not None:
+                    os.killpg(self.process.pid, self._stop_signal)
+                else:
+                    self.process.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                    self.process.stdin.flush()
                 self.process.wait(timeout_s)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
+            except (BrokenPipeError, ProcessLookupError, subprocess.TimeoutExpired):
                 pass
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
@@ -148,7 +155,8 @@ def start_directory(token: str, timeout_s: float = 60.0) -> tuple[Party, str]:
     """A new ``tensorwire directory`` on a free port of 127.0.0.1, and its address (no grace period: no member has
     met there before, so none has a rank to put back)."""
     party = Party("directory", [sys.executable, "-m", "tensorwire", "directory", "--host", "127.0.0.1", "--port",
-                                "0", "--grace", "0"], _environment({"TENSORWIRE_JOB_TOKEN": token}))
+                                "0", "--grace", "0"], _environment({"TENSORWIRE_JOB_TOKEN": token}),
+                  stop_signal=signal.SIGINT)  # Ctrl-C: it reads no exit request (close would wait its timeout)
     line = party.read_line(timeout_s)
     address = next((w for w in line.split() if w.startswith("tcp://")), None)
     if address is None:
