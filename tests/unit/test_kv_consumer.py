@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import tensorwire as tw
 from tensorwire import kv
-from tensorwire.kv.messages import Claim, Done, Grant, parse
+from tensorwire.kv.messages import TO_CONSUMER, Claim, Done, Grant, parse
 
 LAYOUT = "LlamaForCausalLM layers=2 kv_heads=2 head_dim=64 kv_dtype=float32"
 
@@ -385,7 +385,7 @@ def test_the_grant_channel_keeps_nothing_no_lane_waits_for():
     stranger = Grant("f" * 16, {"p-x": "granted"}, "HND").encode()
     for _ in range(1000):  # from a rank that is no producer of ours, and garbage from a producer
         channels.grants.setdefault(9, []).append(stranger)
-        channels.grants.setdefault(3, []).append(b"twkv2c {not json")
+        channels.grants.setdefault(3, []).append(TO_CONSUMER + b" {not json")
     consumer.submit([_load("b", (2,), remote=(8,))])
     _wait_for(lambda: len(comm.transfers[0].posted) == 2, "the READ waited for the grant")
     channels.release()

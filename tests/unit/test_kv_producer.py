@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import tensorwire as tw
 from tensorwire import kv
 from tensorwire.kv import producer as producer_module
-from tensorwire.kv.messages import Claim, Done, Grant, parse
+from tensorwire.kv.messages import TO_PRODUCER, Claim, Done, Grant, parse
 from tensorwire.testing.suite import scaled
 
 
@@ -336,7 +336,7 @@ def test_malformed_messages_are_warned_about_once_per_sender_then_counted(caplog
     producer, runtime = _producer()
     with caplog.at_level(logging.WARNING, logger="tensorwire.kv.producer"):
         for sender in (5, 6):
-            runtime.inbox += [(sender, b"twkv2p {")] * 500
+            runtime.inbox += [(sender, TO_PRODUCER + b" {")] * 500
         _claim(runtime, 7, "A", request="unheld", issued_at=1.0)  # answered after them: they were all handled
     lines = [r for r in caplog.records if "malformed" in r.getMessage()]
     assert len(lines) == 2, [r.getMessage() for r in lines]  # one per sender; the rest counted later

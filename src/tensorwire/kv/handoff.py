@@ -22,9 +22,12 @@ from typing import Any
 
 import tensorwire as tw
 
-__all__ = ["Handoff", "Load", "SEAL_CONTEXT", "prompt_hash", "new_claim", "member_name"]
+__all__ = ["Handoff", "Load", "SEAL_CONTEXT", "WIRE_VERSION", "prompt_hash", "new_claim", "member_name"]
 
-SEAL_CONTEXT = "tensorwire.kv/handoff/v3"  # the KV wire tag: what a sealed handoff is, and its version
+# The one version of everything tensorwire.kv puts on a wire (the sealed handoff, the claim/grant/done channels):
+# engines of two versions refuse each other's handoffs instead of misreading them.
+WIRE_VERSION = 3
+SEAL_CONTEXT = f"tensorwire.kv/handoff/v{WIRE_VERSION}"  # what a sealed handoff is, and its version
 
 
 @dataclass(frozen=True)

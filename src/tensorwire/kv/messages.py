@@ -21,13 +21,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .handoff import WIRE_VERSION
 from .shapes import ORDERS
 
 __all__ = ["TO_PRODUCER", "TO_CONSUMER", "Claim", "Grant", "Done", "parse", "MAX_REQUESTS"]
 
 # The channels of KV handoffs (the wire version is in the names; neither is a prefix of the other).
-TO_PRODUCER = b"twkv2p"
-TO_CONSUMER = b"twkv2c"
+TO_PRODUCER = b"twkv%dp" % WIRE_VERSION
+TO_CONSUMER = b"twkv%dc" % WIRE_VERSION
 MAX_REQUESTS = 4096  # requests one message names at most (one engine step's loads from one producer)
 _MAX_BYTES = 1 << 20
 _MAX_ID_CHARS = 256
