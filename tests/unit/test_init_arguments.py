@@ -1,5 +1,5 @@
-"""``tw.init`` refuses a wrong argument before it imports torch (seconds on a busy machine): checked in a fresh
-interpreter, which must not have torch loaded when the refusal comes."""
+"""``tw.init`` and ``tensorwire directory`` refuse a wrong argument before any import of torch (seconds on a busy
+machine): checked in a fresh interpreter, which must not have torch loaded when the refusal comes."""
 
 from __future__ import annotations
 
@@ -30,3 +30,18 @@ def test_a_wrong_argument_is_refused_before_torch_is_imported(arguments, said):
                           timeout=120)
     assert "refused: init: " in done.stdout and said in done.stdout, done.stdout + done.stderr
     assert "torch loaded: False" in done.stdout, done.stdout
+
+
+def test_the_directory_refuses_a_busy_port_without_torch():
+    """``tensorwire directory`` needs no torch: a port in use is said at once (it took 7-45 s of imports)."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-X", "importtime", "-m", "tensorwire", "directory", "--port",
+                               str(port)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "in use" in done.stderr, done.stderr[-2000:]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time")]
+    assert "tensorwire.meeting.directory" in imported and "torch" not in imported, imported[-20:]

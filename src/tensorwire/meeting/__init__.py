@@ -14,22 +14,39 @@ answered by the type, never by a flag: how the store is reached, who hosts it, `
 
 from __future__ import annotations
 
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
-from ..config import Config
-from ..environment import Environment
 from ..errors import InvalidArgumentError
-from .etcd_access import etcd_access
-from .fleet import Fleet
-from .rendezvous import Rendezvous
-from .world import World
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from ..config import Config
+    from ..environment import Environment
+    from .rendezvous import Rendezvous
 
 __all__ = ["Rendezvous", "World", "Fleet", "meet"]
+
+# Imported on first use: the embedded directory (``tensorwire directory``, directory.py) needs no torch, and a
+# package that imported World and Fleet here would load it into every directory process.
+_LAZY = {"Rendezvous": ".rendezvous", "World": ".world", "Fleet": ".fleet"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def meet(env: Environment, cfg: Config, timeout_s: float, store: dist.Store | None) -> Rendezvous:
     """The meeting point of ``env``: a fleet's directory, or the launcher's store (or the one lent to ``init``).
     Blocks until it is reached (at most ``timeout_s``)."""
+    from .etcd_access import etcd_access
+    from .fleet import Fleet
+    from .world import World
+
     if not env.fleet:
         return World(env, timeout_s, store, token=cfg.job_token, liveness_s=cfg.liveness_s)
     if store is not None:
