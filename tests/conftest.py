@@ -1,4 +1,5 @@
-"""What every test folder shares: a ``gpu`` test is skipped, with the reason, where torch sees no GPU.
+"""What every test folder shares: a ``gpu`` test is skipped, with the reason, where torch sees no GPU; the
+``processes`` a test starts are killed after it; ``kv_fleet``, a directory for one module's KV pairs.
 
 The suite's helpers live in ``tensorwire.testing`` (``data``: values that encode their sender; ``suite``:
 the bounded timeouts and ``launch``; ``scenarios`` and ``moe_reference``: what CPU and GPU tests share), so
@@ -6,6 +7,9 @@ test modules import them from there and never from each other.
 """
 
 from __future__ import annotations
+
+import secrets
+import subprocess
 
 import pytest
 import torch
@@ -22,3 +26,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def processes():
+    """A list the test appends the ``subprocess.Popen`` it starts to: each is killed (if still running) after it."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def kv_fleet():
+    """``(address, token)`` of a ``tensorwire directory`` of a new job, for the KV pairs of one test module."""
+    from tensorwire.bench.vllm_parties import start_directory
+
+    token = secrets.token_hex(16)
+    directory, address = start_directory(token)
+    yield address, token
+    directory.close()

@@ -79,16 +79,6 @@ def _stop(process: subprocess.Popen) -> str:
     return err
 
 
-@pytest.fixture
-def processes():
-    started: list[subprocess.Popen] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=30)
-
-
 # --- the state file -----------------------------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -72,16 +72,6 @@ def _joined(out: str, process: subprocess.Popen, timeout: float = 60.0) -> dict:
         return json.load(f)
 
 
-@pytest.fixture
-def processes():
-    started: list[subprocess.Popen] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=30)
-
-
 def test_a_stranger_without_the_token_learns_nothing_and_changes_nothing():
     with Directory(token=TOKEN) as directory:
         member = _client(directory)

@@ -10,11 +10,8 @@ reported. A second consumer replaying the same handoff after the read is refused
 
 from __future__ import annotations
 
-import secrets
-
 import pytest
 
-from tensorwire.bench.vllm_parties import start_directory
 from tensorwire.testing.kv_pools import PairSpec, check_report, run_pair
 
 CASES = {  # id -> (producer TP, consumer TP, KV heads, MLA)
@@ -29,21 +26,13 @@ CASES = {  # id -> (producer TP, consumer TP, KV heads, MLA)
 }
 
 
-@pytest.fixture(scope="module")
-def fleet():
-    token = secrets.token_hex(16)
-    directory, address = start_directory(token)
-    yield address, token
-    directory.close()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("memory", ["nixl", "shm", pytest.param("cuda_ipc", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_consumer_of_any_tp_reads_exactly_its_heads_once(case, memory, fleet):
+def test_a_consumer_of_any_tp_reads_exactly_its_heads_once(case, memory, kv_fleet):
     producer_tp, consumer_tp, heads, mla = CASES[case]
     spec = PairSpec(producer_tp, consumer_tp, heads, mla=mla, shm=memory == "shm", cuda=memory == "cuda_ipc")
-    report = run_pair(spec, *fleet)
+    report = run_pair(spec, *kv_fleet)
     check_report(report, spec, memory)
 
 
@@ -79,19 +68,19 @@ LAYOUTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(LAYOUTS))
-def test_gpu_cache_layouts_and_block_sizes_read_every_row_once(case, fleet):
+def test_gpu_cache_layouts_and_block_sizes_read_every_row_once(case, kv_fleet):
     fields, transport = LAYOUTS[case]
     spec = PairSpec(**{"dim": 4, **fields, "shm": transport == "shm"})
-    report = run_pair(spec, *fleet)
+    report = run_pair(spec, *kv_fleet)
     check_report(report, spec, transport)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["tp2-to-1", "mla-2-to-1"])
-def test_a_replayed_handoff_is_refused_before_any_byte_moves(case, fleet):
+def test_a_replayed_handoff_is_refused_before_any_byte_moves(case, kv_fleet):
     producer_tp, consumer_tp, heads, mla = CASES[case]
     spec = PairSpec(producer_tp, consumer_tp, heads, mla=mla)
-    report = run_pair(spec, *fleet, replay_tp=1)
+    report = run_pair(spec, *kv_fleet, replay_tp=1)
     check_report(report, spec, "nixl")
     for rank, (reason, _, problems, *_) in report["replayed"].items():
         assert reason == "replayed" and not problems, (rank, reason, problems)  # its cache still all zeros
