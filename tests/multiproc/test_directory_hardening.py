@@ -309,3 +309,15 @@ def test_a_directory_full_of_named_members_turns_a_newcomer_away_saying_so():
         with pytest.raises(tw.InvalidArgumentError, match="names, the directory's limit per host"):
             for i in range(4, 8):
                 again.compare_set(f"name/again{i}", b"", b"sealed")
+
+
+def test_a_directory_with_a_new_state_file_lets_the_first_members_join_at_once(tmp_path):
+    """No rank was ever handed out where the state file is new, so nobody has one to put back: no grace period;
+    started again on the same file, the grace holds."""
+    from tensorwire.meeting.directory import Directory
+
+    state = str(tmp_path / "state" / "directory.rank")
+    with Directory("127.0.0.1", 0, token=None, grace_s=30.0, state=state) as fresh:
+        assert fresh.grace_s == 0.0
+    with Directory("127.0.0.1", 0, token=None, grace_s=30.0, state=state) as restarted:
+        assert restarted.grace_s == 30.0

@@ -373,7 +373,8 @@ class Directory:
     ``token``: the job token members must prove (default: ``TENSORWIRE_JOB_TOKEN``; None: an open directory).
     ``grace_s``: for how long after the start counters do not move (joins wait; members already in a fleet
     reconnect and put their ranks back meanwhile): give a restarted directory its members' heartbeat period,
-    ``tensorwire directory`` does. ``state``: the file that keeps the rank counter's high-water mark, so that a
+    ``tensorwire directory`` does; with a new ``state`` file (no rank ever handed out here) there is none
+    (``grace_s`` attribute: the one in force). ``state``: the file that keeps the rank counter's high-water mark, so that a
     restarted directory never hands out a rank twice (None: none); held for this directory alone until ``close()``
     (``directory_state.StateFile``: a link, a FIFO, a folder of another user's, a second directory on it or a disk
     that refuses the first mark raise ``InvalidArgumentError`` here, naming the path and the fix). Serves on a
@@ -399,6 +400,9 @@ class Directory:
                         "reaches its port can read and change the fleet's records; start it with the fleet's token",
                         self.address)
         self._ranks = ranks
+        if state is not None and not ranks.known:
+            grace_s = 0.0  # a new state file: no member ever got a rank here, none has one to put back
+        self.grace_s = grace_s
         self._server = _Server(self.token, limits, grace_s, ranks)
         self._loop = asyncio.new_event_loop()
         self._stopped = asyncio.Event()
@@ -459,7 +463,8 @@ def serve(host: str, port: int, announce=print, grace_s: float | None = None, st
         trust = "members prove the job token" if directory.token is not None else "OPEN: no job token"
         kept = f"ranks kept in {state}" if state else "no state file: ranks follow the clock"
         announce(f"tensorwire directory at {directory.address} (members join with "
-                 f"TENSORWIRE_DIRECTORY={directory.address}; {trust}; joins wait {grace_s:g}s after the start; "
+                 f"TENSORWIRE_DIRECTORY={directory.address}; {trust}; joins wait {directory.grace_s:g}s after the "
+                 "start; "
                  f"{kept})")
         while not stop.wait(3600):
             pass
