@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 MAX_LANES = 64  # producer instances this consumer reaches at once; loads naming more fail ("lanes")
 _REFUSED = {"taken": "replayed", "spent": "replayed", "unknown": "unknown"}
+_CONFIRM_S = 0.25  # how often a lane waiting for grants asks whether a silent source is gone
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,7 @@ class _Lane:
         box, runtime = consumer.grants, consumer.member.comm.runtime
         deadline = time.monotonic() + consumer.timeout_s
         waiting, grants, pause = dict(tickets), [], 2e-5
+        confirm_at = time.monotonic() + _CONFIRM_S
         box.expect({ticket: sources[p].rank for ticket, p in waiting.items()})
         try:
             while True:
@@ -243,11 +245,15 @@ class _Lane:
                     del waiting[grant.ticket]
                 if not waiting:
                     return grants
-                for p in set(waiting.values()):
-                    reason = runtime.peer_lost(sources[p].rank)
-                    if reason is not None:
-                        raise LoadFailed("lost", f"producer {sources[p].member!r} (rank {sources[p].rank}) is gone "
-                                         f"({reason}) with a claim unanswered")
+                if time.monotonic() >= confirm_at:
+                    confirm_at = time.monotonic() + _CONFIRM_S
+                    for p in set(waiting.values()):
+                        # Confirmed by the directory, which drops a dead member within the liveness bound: a
+                        # liveness false alarm under load must not fail a live producer's load (nor mark it gone).
+                        reason = runtime.peer_lost(sources[p].rank)
+                        if reason is not None and not sources[p].listed():
+                            raise LoadFailed("lost", f"producer {sources[p].member!r} (rank {sources[p].rank}) is "
+                                             f"gone ({reason}) with a claim unanswered")
                 if time.monotonic() >= deadline:
                     for p in set(waiting.values()):
                         sources[p].check_alive()

@@ -204,8 +204,10 @@ class Source:
                                    for _, rr, n in part.ranges])
         return local, remote
     def failed(self, reason: str) -> None:
-        """After a job failed: a lost producer is remembered as departed; its transfers are contacted afresh."""
-        if reason == "lost":
+        """After a job failed: a lost producer the directory no longer lists under its rank is remembered as
+        departed (a live one taken for lost under load, still listed, is contacted again at the next load); its
+        transfers are contacted afresh."""
+        if reason == "lost" and not self.listed():
             self._departed_rank, self._departed_at = self.rank, time.monotonic()
         self.drop()
         self._last = []
