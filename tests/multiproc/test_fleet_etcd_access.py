@@ -180,6 +180,23 @@ class _Etcd:
         self.process.wait(timeout=30)
 
 
+def _started_etcd(root: str, ready_tls: dict | None = None, **options) -> _Etcd:
+    """An etcd node that answers, started again on other ports (up to three times) where one of those it was given
+    was taken before it bound it (free_port only proposes a port: a fresh-clone run lost one to another process)."""
+    for attempt in range(3):
+        folder = os.path.join(root, f"etcd-{attempt}")
+        os.makedirs(folder, exist_ok=True)
+        etcd = _Etcd(folder, **options)
+        try:
+            etcd.await_ready(ready_tls)
+            return etcd
+        except RuntimeError as e:
+            etcd.close()
+            if "address already in use" not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
@@ -199,9 +216,8 @@ def _enable_auth(etcd: _Etcd) -> None:
 @pytest.fixture
 def auth_etcd(tmp_path):
     # Tokens live 2 s unused: a store idle longer than that must authenticate again.
-    etcd = _Etcd(str(tmp_path), extra=("--auth-token-ttl", "2"))
+    etcd = _started_etcd(str(tmp_path), extra=("--auth-token-ttl", "2"))
     try:
-        etcd.await_ready()
         _enable_auth(etcd)
         yield etcd
     finally:
@@ -309,10 +325,11 @@ def _certificates(root: str) -> dict[str, str]:
 @pytest.fixture
 def tls_etcd(tmp_path):
     certificates = _certificates(str(tmp_path))
-    etcd = _Etcd(str(tmp_path), tls={"cert-file": certificates["server"], "key-file": certificates["server-key"],
-                                     "trusted-ca-file": certificates["ca"], "client-cert-auth": "true"})
+    etcd = _started_etcd(str(tmp_path), {"verify": certificates["ca"], "cert": (certificates["client"],
+                                                                               certificates["client-key"])},
+                         tls={"cert-file": certificates["server"], "key-file": certificates["server-key"],
+                              "trusted-ca-file": certificates["ca"], "client-cert-auth": "true"})
     try:
-        etcd.await_ready({"verify": certificates["ca"], "cert": (certificates["client"], certificates["client-key"])})
         yield etcd, certificates
     finally:
         etcd.close()
