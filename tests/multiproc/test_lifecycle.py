@@ -277,7 +277,8 @@ def _reregister_at_an_overlapping_address():
         n = 1 << 16
         big = sentinel(2 * n)  # rank 1 re-registers the same memory, larger, after closing the first range
         src = rank_values(comm.rank, 2 * n)
-        with comm.register(src):
+        source = comm.register(src)
+        try:
             if comm.rank == 1:
                 first = comm.register(big[:n])
                 comm.publish("first", first.descs)
@@ -298,8 +299,10 @@ def _reregister_at_an_overlapping_address():
                 except tw.TransferError as e:
                     outcome = str(e)
             comm.barrier(timeout=WAIT)
-            if comm.rank == 1:
-                second.close()
+            if comm.rank == 1:  # rank 0 closes its source meanwhile: each waits for the other's answer
+                close_patiently(second)
+        finally:
+            close_patiently(source)
     return outcome
 
 
