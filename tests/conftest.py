@@ -8,7 +8,9 @@ test modules import them from there and never from each other.
 
 from __future__ import annotations
 
+import os
 import secrets
+import signal
 import subprocess
 
 import pytest
@@ -30,11 +32,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def processes():
-    """A list the test appends the ``subprocess.Popen`` it starts to: each is killed (if still running) after it."""
+    """A list the test appends the ``subprocess.Popen`` it starts to: each is killed (if still running; resumed
+    first, should the test have stopped it) after it."""
     started: list[subprocess.Popen] = []
     yield started
     for process in started:
         if process.poll() is None:
+            os.kill(process.pid, signal.SIGCONT)
             process.kill()
         process.wait(timeout=30)
 

@@ -85,17 +85,6 @@ def _named(watcher: DirectoryStore, name: str) -> list[int]:
     return sorted(ranks)
 
 
-@pytest.fixture
-def processes():
-    started: list[subprocess.Popen] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGCONT)
-            process.kill()
-        process.wait(timeout=30)
-
-
 def _start(directory: Directory, name: str, out: str, processes: list) -> tuple[subprocess.Popen, int]:
     process = subprocess.Popen([sys.executable, "-c", MEMBER, directory.address, name, out], env=_env())
     processes.append(process)
