@@ -114,6 +114,9 @@ def test_the_cpu_cache_pairs_only_with_itself():
     assert split.parts()[0].ranges == ((0, 32, 32),)  # head 1's K and V rows: one range
 
 
-def test_block_sizes_that_do_not_divide_are_refused():
+def test_block_sizes_that_do_not_divide_or_lie_far_apart_are_refused():
     with pytest.raises(tw.InvalidArgumentError, match="neither divides the other"):
         BlockPlan(BlockShape(16, 1), BlockShape(24, 1), HeadRead(0, 0, 1, 0, 0))
+    with pytest.raises(tw.InvalidArgumentError, match="too far apart"):  # 4096 parts, each a prepared READ
+        BlockPlan(BlockShape(16, 1), BlockShape(1 << 16, 1), HeadRead(0, 0, 1, 0, 0))
+    assert BlockPlan(BlockShape(16, 1), BlockShape(1024, 1), HeadRead(0, 0, 1, 0, 0)).ratio == 64

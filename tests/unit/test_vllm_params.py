@@ -79,7 +79,8 @@ HOSTILE = {  # field -> value a client may send instead of the producer's
     "remote_seal": [None, "", "AAAA", "not base64 !", 5, "x" * (2 << 20)],
     "do_remote_prefill": ["yes", 1, [True]],
     "remote_tp_size": [0, -1, "2", True, 2.0, 2**63, None],
-    "remote_block_size": [None, 0, -1, "96", True, 96.0, 2**63, 7, 100],  # 7, 100: neither divides 96
+    # 7, 100: neither divides 96; 96 * 128: 128 times it (each ratio is a prepared READ per source)
+    "remote_block_size": [None, 0, -1, "96", True, 96.0, 2**63, 7, 100, 96 * 128],
     "remote_issued_at": ["soon", True, None, float("inf")],
 }
 

@@ -23,7 +23,7 @@ from typing import Any
 import tensorwire as tw
 
 from .handoff import SEAL_CONTEXT, Handoff, prompt_hash
-from .shapes import MAX_BLOCK_SIZE
+from .shapes import MAX_BLOCK_RATIO, MAX_BLOCK_SIZE
 
 __all__ = ["HandoffRefused", "check_params", "MAX_BLOCK_ID", "EXPIRY_MARGIN_S"]
 
@@ -93,10 +93,12 @@ def _plaintext(params: dict, prompt_token_ids: list[int], block_size: int, layou
         raise HandoffRefused("prompt", "remote_num_tokens", num_tokens,
                              f"this request's prompt has {len(prompt_token_ids)} tokens; send the same prompt to both")
     their_block_size = _integer(params, "remote_block_size", 1, MAX_BLOCK_SIZE)
-    if max(their_block_size, block_size) % min(their_block_size, block_size):
+    small, large = sorted((their_block_size, block_size))
+    if large % small or large // small > MAX_BLOCK_RATIO:
         raise HandoffRefused("layout", "remote_block_size", their_block_size,
-                             f"this consumer's blocks hold {block_size} tokens and neither size divides the other; "
-                             "start the engines with block sizes where one is a multiple of the other")
+                             f"this consumer's blocks hold {block_size} tokens: neither size divides the other, or "
+                             f"one is over {MAX_BLOCK_RATIO} times the other; start the engines with block sizes "
+                             "where one is a small multiple of the other")
     blocks = _block_ids(params, math.ceil(num_tokens / their_block_size))
     producer_tp = _integer(params, "remote_tp_size", 1, MAX_TP_SIZE) if "remote_tp_size" in params else 1
     expires_at, issued_at = _time(params, "remote_expires_at"), _time(params, "remote_issued_at")

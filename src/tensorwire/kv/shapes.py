@@ -44,10 +44,11 @@ from tensorwire import InvalidArgumentError
 
 from .heads import HeadRead
 
-__all__ = ["BlockShape", "BlockPlan", "ORDERS", "MAX_BLOCK_SIZE"]
+__all__ = ["BlockShape", "BlockPlan", "ORDERS", "MAX_BLOCK_SIZE", "MAX_BLOCK_RATIO"]
 
 ORDERS = ("HND", "NHD", "HKND")
 MAX_BLOCK_SIZE = 1 << 16  # tokens per block; past it a peer's value is refused before any arithmetic
+MAX_BLOCK_RATIO = 64  # the larger block size over the smaller: as many parts, each a prepared READ per source
 
 
 @dataclass(frozen=True)
@@ -105,11 +106,12 @@ class BlockPlan:
 
     def __post_init__(self) -> None:
         small, large = sorted((self.local.block_size, self.remote.block_size))
-        if large % small:
+        if large % small or large // small > MAX_BLOCK_RATIO:
             raise InvalidArgumentError(
                 f"BlockPlan: consumer blocks of {self.local.block_size} tokens and producer blocks of "
-                f"{self.remote.block_size}: neither divides the other; run block sizes where one is a multiple of "
-                "the other (16, 32, 64, 128...)")
+                f"{self.remote.block_size}: {'neither divides the other' if large % small else 'too far apart'}; "
+                f"run block sizes where one is a multiple of the other, at most {MAX_BLOCK_RATIO} times it (16, "
+                "32, 64, 128...)")
         if self.local.halves != self.remote.halves:
             raise InvalidArgumentError(
                 f"BlockPlan: a consumer block in {self.local.order} and a producer block in {self.remote.order}: "

@@ -52,7 +52,7 @@ class Source:
         self.desc: tw.BlockPoolDesc | None = None
         self.order: str | None = None  # its blocks' order of rows, as its last grant said (None: no grant yet)
         self.transport = ""
-        self._plans: dict[tuple, list[Part]] = {}
+        self._plans: dict[tuple, tuple[BlockPlan, list[Part]]] = {}  # (read, block size, order) -> plan, parts
         self._transfers: dict[tuple, tuple[tw.BlockTransfer, tw.BlockPool | None]] = {}
         self._warned = False  # logged once that its blocks take several descriptors each
         self._departed_rank: int | None = None  # the rank it had when it left (-1: never found)
@@ -117,9 +117,9 @@ class Source:
         if any(ld.handoff.block_size != block_size for ld in loads):
             raise LoadFailed("layout", f"{self.member!r}'s handoffs name different block sizes "
                              f"{sorted({ld.handoff.block_size for ld in loads})}; one engine has one block size")
-        plan = self._plan(read, block_size)
+        plan, parts = self._plan(read, block_size)
         moved = 0
-        for part in self._parts(plan):
+        for part in parts:
             pairs = [plan.pairs(part.index, np.asarray(ld.local_block_ids, dtype=np.int64),
                                 np.asarray(ld.handoff.block_ids, dtype=np.int64), ld.handoff.num_tokens)
                      for ld in loads]
@@ -152,19 +152,18 @@ class Source:
                 self._transfer(plan, part).wait(timeout=self.timeout_s)
         self._fresh = False
 
-    def _plan(self, read: HeadRead, block_size: int) -> BlockPlan:
-        """Our blocks and its, as ``read`` pairs them (its shape: the handoff's block size, its grant's order)."""
-        own = self.own.sharding
-        start, stop = Sharding(self.producer_tp, own.total_heads, own.replicated).heads(self.producer_rank)
-        try:
-            return BlockPlan(self.own.shape, BlockShape(block_size, stop - start, self.order), read)
-        except tw.InvalidArgumentError as e:
-            raise LoadFailed("layout", f"{self.member!r}: {e}") from None
-
-    def _parts(self, plan: BlockPlan) -> list[Part]:
-        key = (plan.read, plan.remote)
+    def _plan(self, read: HeadRead, block_size: int) -> tuple[BlockPlan, list[Part]]:
+        """Our blocks and its, as ``read`` pairs them (its shape: the handoff's block size, its grant's order), and
+        the plan's parts; made once per (read, block size, order)."""
+        key = (read, block_size, self.order)
         if key not in self._plans:
-            self._plans[key] = plan.parts()
+            own = self.own.sharding
+            start, stop = Sharding(self.producer_tp, own.total_heads, own.replicated).heads(self.producer_rank)
+            try:
+                plan = BlockPlan(self.own.shape, BlockShape(block_size, stop - start, self.order), read)
+            except tw.InvalidArgumentError as e:
+                raise LoadFailed("layout", f"{self.member!r}: {e}") from None
+            self._plans[key] = (plan, plan.parts())
         return self._plans[key]
 
     def _transfer(self, plan: BlockPlan, part: Part) -> tw.BlockTransfer:
