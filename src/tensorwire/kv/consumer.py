@@ -97,36 +97,58 @@ class _Lane:
 
     def _load(self, loads: list[Load]) -> list[LoadResult]:
         """The job's results: one for the loads granted (and read), one per reason for those refused."""
-        consumer = self.consumer
-        started = time.perf_counter()
         head_map = self._head_map(loads)
-        rank = consumer.member.tp_rank
+        rank = self.consumer.member.tp_rank
         reads = head_map.reads(rank)
         contacts = sorted({r.producer_rank for r in reads} | set(head_map.releases(rank)))
-        first = any((loads[0].handoff.producer_tp, p) not in self.sources for p in contacts)
-        sources = {p: self._source(loads[0].handoff.producer_tp, p) for p in contacts}
+        sources, contact_s = self._contact(loads, contacts)
+        claimed = time.perf_counter()
+        granted, refused, moved, claim_s, transfer_s = self._claim_and_read(loads, reads, sources)
+        read = [ld for ld in granted if ld.local_block_ids]
+        if read:
+            self._done(read, reads, sources)
+        results = [self._refused(group, reason) for reason, group in refused.items()]
+        if granted:
+            blocks = sum(len(ld.local_block_ids) for ld in granted)
+            transport = next((s.transport for s in sources.values() if s.transport), "")
+            results.append(LoadResult(granted, None, blocks, moved, transfer_s, contact_s, claim_s, transport,
+                                      load_s=time.perf_counter() - claimed))
+        return results
+
+    def _contact(self, loads: list[Load], ranks: list[int]) -> tuple[dict[int, Source], float]:
+        """The producer ranks ``ranks`` of the job's instance, each found and its pool looked up (bounded, once);
+        and how long that took where one was new (else 0)."""
+        started = time.perf_counter()
+        producer_tp = loads[0].handoff.producer_tp
+        first = any((producer_tp, p) not in self.sources for p in ranks)
+        sources = {p: self._source(producer_tp, p) for p in ranks}
         for source in sources.values():
             source.contact(loads[0].handoff.layout)
-        contact_s = time.perf_counter() - started if first else 0.0
+        return sources, time.perf_counter() - started if first else 0.0
+
+    def _claim_and_read(self, loads: list[Load], reads: list, sources: dict[int, Source]) -> tuple:
+        """Claim ``loads`` at every source and READ their blocks: (granted, refused by reason, bytes, claim s,
+        READ s). Raises ``LoadFailed`` (or the READ's error) once every READ posted has ended.
+
+        Single use at no round trip: the READs go out with the claims, and their bytes count only once every source
+        granted. A refused load's blocks are reported failed (the engine recomputes or fails them; nothing of what
+        landed there is used), and every READ is waited for before anything is reported, so that no byte lands in
+        blocks the engine has taken back. A source's first load learns its order of rows from its grant: that one
+        READ waits for the grants."""
         claimed = time.perf_counter()
         tickets = self._send_claims(loads, sources, {r.producer_rank for r in reads})
-        # Single use at no round trip: the READs go out with the claims, and their bytes count only once every source
-        # granted. A refused load's blocks are reported failed (the engine recomputes or fails them; nothing of what
-        # landed there is used), and every READ is waited for before anything is reported, so that no byte lands in
-        # blocks the engine has taken back.
-        # A source's first load learns its order of rows from its grant: that one READ waits for the grants.
         early = all(sources[read.producer_rank].order is not None for read in reads)
         reading = [ld for ld in loads if ld.local_block_ids]
-        moved, posted_at, read_error = 0, time.perf_counter(), None
+        moved, posted_at = 0, time.perf_counter()
         try:
             if early and reading:
                 moved = sum(sources[read.producer_rank].post(read, reading) for read in reads)
             granted, refused, changed = self._grants_of(loads, tickets, sources, early)
             claim_s = time.perf_counter() - claimed
-            reading = [ld for ld in granted if ld.local_block_ids] if not early else reading
-            if not early and reading:
+            if not early:
+                reading = [ld for ld in granted if ld.local_block_ids]
                 posted_at = time.perf_counter()
-                moved = sum(sources[read.producer_rank].post(read, reading) for read in reads)
+                moved = sum(sources[read.producer_rank].post(read, reading) for read in reads) if reading else 0
         finally:
             read_error = self._wait_reads(reads, sources) if reading else None
         transfer_s = time.perf_counter() - posted_at
@@ -138,17 +160,7 @@ class _Lane:
                              "its engine restarted with another KV cache layout; the next loads use the new one")
         if read_error is not None:
             raise read_error
-        read = [ld for ld in granted if ld.local_block_ids]
-        if read:
-            self._done(read, reads, sources)
-        results = [self._refused(group, reason) for reason, group in refused.items()]
-        if granted:
-            blocks = sum(len(ld.local_block_ids) for ld in granted)
-            transport = next((s.transport for s in sources.values() if s.transport), "")
-            load_s = time.perf_counter() - claimed
-            results.append(LoadResult(granted, None, blocks, moved, transfer_s, contact_s, claim_s, transport,
-                                      load_s=load_s))
-        return results
+        return granted, refused, moved, claim_s, transfer_s
 
     def _release(self, loads: list[Load], sources: dict[int, Source]) -> None:
         """Loads refused somewhere are read nowhere: the sources that granted them may free their blocks now
