@@ -434,3 +434,33 @@ def test_a_producer_gone_with_a_claim_unanswered_fails_within_the_liveness_bound
     assert time.monotonic() - started < consumer.timeout_s / 2  # not the whole timeout_s
     assert not consumer.grants._expected  # the unanswered claim is forgotten
     consumer.close(5)
+
+
+def test_a_producer_missed_once_is_looked_for_in_full_again_after_the_window(monkeypatch):
+    """On a loaded box one contact can miss its bound: loads naming the producer then fail fast for
+    ``_DEPARTED_S``, and after it the full contact is tried again (not a short look for good)."""
+    from tensorwire.kv import sources
+
+    class Comm(_Comm):  # answers only with a bound longer than the short look (a slow directory)
+        def rank_of(self, name, timeout):
+            if timeout < 1.0:
+                time.sleep(timeout)
+                raise tw.WaitTimeoutError(f"no {name} within {timeout}")
+            return 3
+
+    monkeypatch.setattr(sources, "_DEPARTED_S", 0.5)
+    comm = Comm()
+    consumer = kv.Consumer(_member(comm), timeout_s=30, contact_s=0.5)  # the first contact misses too
+    consumer.submit([_load("a")])
+    assert [r.reason for r in _results(consumer, 1)] == ["unreachable"]
+    consumer.submit([_load("b")])
+    assert [r.reason for r in _results(consumer, 1)] == ["unreachable"]  # within the window: the short look
+    time.sleep(0.6)
+    consumer.contact_s = 2.0
+    for lane in consumer._lanes.values():
+        for source in lane.sources.values():
+            source.contact_s = 2.0  # the directory answers within the full bound now
+    consumer.submit([_load("c")])
+    (result,) = _results(consumer, 1)
+    assert result.error is None, result.error
+    consumer.close(5)

@@ -62,15 +62,19 @@ class Source:
 
     # --- finding it ---------------------------------------------------------------------------------------------
     def contact(self, layout: str) -> None:
-        """Find its rank and pool (once; bounded by ``contact_s``, at once for one that left)."""
+        """Find its rank and pool (once; bounded by ``contact_s``; by a short look within ``_DEPARTED_S`` of its
+        loss or of a contact that missed, so that loads naming it fail fast meanwhile, and by ``contact_s`` again
+        after that: on a loaded box one missed contact must not make a live producer unreachable for good)."""
         if self.desc is not None:
             return
-        bound = self.contact_s if self._departed_rank is None else _PRESENCE_S
+        recent = self._departed_rank is not None and time.monotonic() - self._departed_at < _DEPARTED_S
+        bound = _PRESENCE_S if recent else self.contact_s
         try:
             rank = self.own.comm.rank_of(self.member, timeout=bound)
         except tw.WaitTimeoutError:
-            self._departed_rank = -1 if self._departed_rank is None else self._departed_rank
-            self._departed_at = time.monotonic()
+            if not recent:  # a window starts at a miss; misses inside it do not stretch it
+                self._departed_rank = -1 if self._departed_rank is None else self._departed_rank
+                self._departed_at = time.monotonic()
             raise LoadFailed("unreachable", f"no member {self.member!r} in the fleet within {bound:g}s; is the "
                              "producer running, under that name, in this directory?") from None
         if rank == self._departed_rank and time.monotonic() - self._departed_at < _DEPARTED_S:
